@@ -1,0 +1,9 @@
+"""attn-ops: attention ops for LLM inference, registered as `torch.ops.attn.*` on import.
+
+Importing registers the schemas, fakes and implementations and changes no global config.
+"""
+
+from . import ops, backends  # noqa: F401  (registration)
+from .backends import backend_for, register_backend, use_backend
+
+__all__ = ["backend_for", "register_backend", "use_backend"]

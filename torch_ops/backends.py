@@ -1,0 +1,160 @@
+"""Backends that implement the `attn::` ops, the choice among them, and their registration.
+
+A backend says for each call either nothing (it can run it) or the reasons it cannot. The
+default choice is the first backend, in priority order, with no reasons; `vanilla` (the
+reference) serves everything and comes last. An explicit request (`use_backend("triton")` or
+`ATTN_BACKEND=triton`) never falls back: if that backend cannot serve a call, the call raises
+a `ValueError` listing why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Callable, Protocol
+
+from . import checks, ops, reference
+
+
+class Backend(Protocol):
+    name: str
+
+    def reasons(self, op: str, args: tuple, kwargs: dict) -> list[str]:
+        """Why this backend cannot run `attn::op(*args, **kwargs)`; empty if it can."""
+
+    def run(self, op: str, args: tuple, kwargs: dict):
+        """Run the op. Attention ops get `out`/`lse` buffers in `kwargs` and fill them."""
+
+
+class VanillaBackend:
+    """The pure-PyTorch reference: any device, any input the fronts accept; not graph-safe."""
+
+    name = "vanilla"
+
+    def reasons(self, op, args, kwargs):
+        return []
+
+    def run(self, op, args, kwargs):
+        fn = getattr(reference, op)
+        if op not in ops.ATTENTION_OPS:
+            return fn(*args, **kwargs)
+        out, lse = kwargs.pop("out"), kwargs.pop("lse")
+        o, l = fn(*args, **kwargs)
+        out.copy_(o)
+        lse.copy_(l)
+
+
+_BACKENDS: list[Backend] = [VanillaBackend()]
+_requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_backend", default=None)
+
+
+def register_backend(backend: Backend) -> None:
+    """Add a backend ahead of the ones registered before it (vanilla stays last)."""
+    _BACKENDS.insert(0, backend)
+
+
+def backend_names() -> list[str]:
+    return [b.name for b in _BACKENDS]
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Run ops in this block on backend `name` only (None restores the automatic choice)."""
+    if name is not None and name not in backend_names():
+        raise ValueError(f"unknown backend {name!r}; available: {backend_names()}")
+    token = _requested.set(name)
+    try:
+        yield
+    finally:
+        _requested.reset(token)
+
+
+def select(op: str, args: tuple, kwargs: dict) -> Backend:
+    requested = _requested.get() or os.environ.get("ATTN_BACKEND") or None
+    if requested is None:
+        return next(b for b in _BACKENDS if not b.reasons(op, args, kwargs))
+    backend = next((b for b in _BACKENDS if b.name == requested), None)
+    if backend is None:
+        raise ValueError(f"unknown backend {requested!r} (ATTN_BACKEND or use_backend); available: {backend_names()}")
+    why = backend.reasons(op, args, kwargs)
+    if why:
+        raise ValueError(f"backend {requested!r} cannot run attn::{op}: " + "; ".join(why))
+    return backend
+
+
+# --- the real implementations registered for the ops -------------------------------------------
+
+_CHECKS: dict[str, Callable] = {
+    "paged_decode": checks.check_paged_decode,
+    "paged_prefill": checks.check_paged_prefill,
+    "context_attention": checks.check_context_attention,
+    "merge_states": checks.check_merge_states,
+    "kv_cache_write": checks.check_kv_cache_write,
+    "cache_attention": checks.check_cache_attention,
+}
+
+
+def _debug_checks(op: str, args: tuple, kwargs: dict) -> None:
+    if op == "paged_decode":
+        checks.check_paged_data(args[1], args[3], args[4])
+    elif op == "paged_prefill":
+        cu = args[4].cpu()
+        checks.check_paged_data(args[1], args[3], args[5], cu[1:] - cu[:-1])
+    elif op == "kv_cache_write":
+        slots, cache = args[4].cpu(), args[2]
+        capacity = cache.shape[0] * cache.shape[1]
+        checks.expect(bool((slots < capacity).all()),
+                      f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
+
+
+def _run(op: str, args: tuple, kwargs: dict):
+    _CHECKS[op](*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
+    if checks.debug_checks_enabled():
+        _debug_checks(op, args, kwargs)
+    return select(op, args, kwargs).run(op, args, dict(kwargs))
+
+
+def _functional_attention(op: str, output_spec: Callable):
+    def impl(*args, **kwargs):
+        out, lse = ops.empty_attention_outputs(*output_spec(*args, **kwargs))
+        _run(op, args, {**kwargs, "out": out, "lse": lse})
+        return out, lse
+
+    return impl
+
+
+def _out_attention(op: str, output_spec: Callable):
+    def impl(*args, out, lse, **kwargs):
+        q, d, dtype = output_spec(*args, **kwargs)
+        checks.check_out_buffers(out, lse, (q.shape[0], q.shape[1], d), dtype, (q.shape[0], q.shape[1]), q.device)
+        _run(op, args, {**kwargs, "out": out, "lse": lse})
+
+    return impl
+
+
+_OUTPUT_SPECS = {
+    "paged_decode": ops._paged_output_spec,
+    "paged_prefill": ops._paged_output_spec,
+    "context_attention": ops._context_output_spec,
+    "merge_states": ops._merge_output_spec,
+}
+
+def _plain(op: str):
+    return lambda *args, **kwargs: _run(op, args, kwargs)
+
+
+_IMPLS = {"kv_cache_write": _plain("kv_cache_write"), "cache_attention": _plain("cache_attention")}
+for _op, _spec in _OUTPUT_SPECS.items():
+    _IMPLS[_op] = _functional_attention(_op, _spec)
+    _IMPLS[f"{_op}.out"] = _out_attention(_op, _spec)
+for _qualname, _impl in _IMPLS.items():
+    for _device in ("CPU", "CUDA"):
+        ops.LIB.impl(_qualname, ops.with_schema_defaults(_qualname, _impl), _device)
+
+
+def backend_for(op: str, *args, **kwargs) -> str:
+    """The name of the backend that would run this call (for tests, benchmarks and docs)."""
+    return select(op, args, kwargs).name
+
+

@@ -1,0 +1,377 @@
+"""Input validation for every op: shapes, dtypes, devices, head counts, layouts, scale shapes.
+
+Metadata-only checks run in both the fake and the real implementation, so bad input fails at
+trace time too. Checks that read data run only with `ATTN_DEBUG=1` (`check_paged_data`): the
+fast path never synchronizes with the device. Errors name the argument and the expectation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .quant import FP8_DTYPES, FLOAT_DTYPES, KVFormat, kv_format
+
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+SCALE_DTYPES = (torch.float16, torch.float32)
+MAX_QUERIES_PER_DECODE_SEQ = 8
+
+
+def debug_checks_enabled() -> bool:
+    return os.environ.get("ATTN_DEBUG", "0") not in ("", "0")
+
+
+def expect(cond, message: str, error: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise error(message)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_dtype(t: torch.Tensor, name: str, allowed) -> None:
+    expect(
+        t.dtype in allowed,
+        f"{name} must have dtype in ({_names(allowed)}), got {str(t.dtype).replace('torch.', '')}",
+        TypeError,
+    )
+
+
+def check_tensor(
+    t, name: str, ndim: int, desc: str, device: torch.device, dtypes=None
+) -> None:
+    """`t` is a tensor of rank `ndim` (described as `desc`, e.g. "[T, Hq, D]") on `device`."""
+    expect(isinstance(t, torch.Tensor), f"{name} must be a tensor {desc}", TypeError)
+    expect(t.dim() == ndim, f"{name} must be {ndim}-D {desc}, got shape {tuple(t.shape)}")
+    expect(t.device == device, f"{name} must be on {device} (like query), got {t.device}")
+    if dtypes is not None:
+        check_dtype(t, name, dtypes)
+
+
+def check_vector(t, name: str, length, device, dtypes, desc: str) -> None:
+    check_tensor(t, name, 1, desc, device, dtypes)
+    expect(t.shape[0] == length, f"{name} must have shape {desc} = ({length},), got {tuple(t.shape)}")
+
+
+def check_options(
+    query: torch.Tensor, *, scale, q_scaling, alibi_slopes, window_left, sink_tokens, sinks,
+    softcap, out_scale,
+) -> None:
+    """The options shared by the attention ops (see docs/ops.md, "Common keyword options")."""
+    hq, dev = query.shape[1], query.device
+    expect(scale is None or scale > 0, f"scale must be > 0 or None, got {scale}")
+    expect(q_scaling > 0, f"q_scaling must be > 0, got {q_scaling}")
+    expect(window_left >= -1, f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    expect(sink_tokens >= 0, f"sink_tokens must be >= 0, got {sink_tokens}")
+    expect(softcap >= 0, f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if alibi_slopes is not None:
+        check_vector(alibi_slopes, "alibi_slopes", hq, dev, (torch.float32,), "[Hq]")
+    if sinks is not None:
+        check_vector(sinks, "sinks", hq, dev, (torch.float32,), "[Hq]")
+    if out_scale is not None:
+        expect(isinstance(out_scale, torch.Tensor), "out_scale must be a 0-d float32 tensor", TypeError)
+        check_dtype(out_scale, "out_scale", (torch.float32,))
+        expect(out_scale.numel() == 1 and out_scale.dim() <= 1,
+               f"out_scale must be a 0-d float32 tensor, got shape {tuple(out_scale.shape)}")
+        expect(out_scale.device == dev, f"out_scale must be on {dev} (like query), got {out_scale.device}")
+
+
+def check_per_head_scale(t, name: str, num_heads: int, device) -> None:
+    """A dequantization scale: 0-d or `[num_heads]` float32."""
+    expect(isinstance(t, torch.Tensor), f"{name} must be a float32 tensor, 0-d or [{num_heads}]", TypeError)
+    check_dtype(t, name, (torch.float32,))
+    expect(t.device == device, f"{name} must be on {device} (like query), got {t.device}")
+    expect(
+        t.dim() == 0 or (t.dim() == 1 and t.shape[0] == num_heads),
+        f"{name} must be 0-d or [{num_heads}] (per head), got shape {tuple(t.shape)}",
+    )
+
+
+def check_paged_cache(
+    query: torch.Tensor, k_cache, v_cache, k_scale, v_scale, *, mutable_scales: bool = False,
+    head_dim: int | None = None,
+) -> KVFormat:
+    """`k_cache`/`v_cache [num_blocks, block_size, Hkv, D]` (D/2 bytes for INT4) and their scales.
+
+    Returns the cache format. `head_dim` defaults to the query's last dim.
+    """
+    dev = query.device
+    d = query.shape[-1] if head_dim is None else head_dim
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(c, name, 4, "[num_blocks, block_size, Hkv, D]", dev)
+        expect(c.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {c.stride()}")
+    expect(v_cache.shape == k_cache.shape,
+           f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    expect(v_cache.dtype == k_cache.dtype,
+           f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}", TypeError)
+    fmt = kv_format(k_cache.dtype)
+    num_blocks, block_size, hkv, dc = k_cache.shape
+    expect(1 <= block_size <= 256, f"k_cache block_size (dim 1) must be in 1..256, got {block_size}")
+    expected_dc = d // 2 if fmt is KVFormat.INT4 else d
+    expect(
+        dc == expected_dc,
+        f"k_cache last dim must be {expected_dc} for head dim {d} "
+        f"({'packed INT4' if fmt is KVFormat.INT4 else fmt.value}), got {dc}",
+    )
+    if fmt is KVFormat.PLAIN:
+        expect(k_cache.dtype == query.dtype,
+               f"k_cache dtype {k_cache.dtype} must equal query dtype {query.dtype} (or be FP8/INT8/INT4)",
+               TypeError)
+        expect(k_scale is None and v_scale is None,
+               f"k_scale/v_scale are only for FP8/INT8/INT4 caches, not {k_cache.dtype}")
+        return fmt
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        expect(s is not None, f"{name} is required for a {fmt.value} KV cache")
+        if fmt is KVFormat.FP8:
+            check_per_head_scale(s, name, hkv, dev)
+            continue
+        check_tensor(s, name, 4, "[num_blocks, block_size, Hkv, D // quant_group]", dev, SCALE_DTYPES)
+        groups = s.shape[-1]
+        expect(
+            tuple(s.shape[:3]) == (num_blocks, block_size, hkv) and groups > 0 and d % groups == 0,
+            f"{name} must have shape [num_blocks, block_size, Hkv, D // quant_group] = "
+            f"[{num_blocks}, {block_size}, {hkv}, G] with G dividing {d}, got {tuple(s.shape)}",
+        )
+        expect(fmt is not KVFormat.INT4 or (d // groups) % 2 == 0,
+               f"{name}: INT4 quant_group must be even, got {d // groups}")
+    expect(v_scale.shape == k_scale.shape,
+           f"v_scale shape {tuple(v_scale.shape)} must equal k_scale shape {tuple(k_scale.shape)}")
+    return fmt
+
+
+def _check_heads(query: torch.Tensor, hkv: int, kv_name: str) -> None:
+    hq = query.shape[1]
+    expect(hkv > 0 and hq % hkv == 0,
+           f"query heads ({hq}) must be a multiple of the KV heads of {kv_name} ({hkv})")
+
+
+def _check_query(query) -> None:
+    expect(isinstance(query, torch.Tensor), "query must be a tensor [T, Hq, D]", TypeError)
+    check_tensor(query, "query", 3, "[T, Hq, D]", query.device, QUERY_DTYPES)
+    expect(query.shape[-1] > 0 and query.shape[1] > 0, f"query must have Hq, D > 0, got {tuple(query.shape)}")
+
+
+def _check_block_tables(block_tables, seq_lens, dev) -> None:
+    check_tensor(seq_lens, "seq_lens", 1, "[B]", dev, INDEX_DTYPES)
+    check_tensor(block_tables, "block_tables", 2, "[B, max_blocks_per_seq]", dev, INDEX_DTYPES)
+    expect(block_tables.shape[0] == seq_lens.shape[0],
+           f"block_tables must have one row per sequence (B = {seq_lens.shape[0]}), "
+           f"got shape {tuple(block_tables.shape)}")
+
+
+def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale, v_scale, **options):
+    _check_query(query)
+    dev = query.device
+    check_dtype(query, "query", (torch.float16, torch.bfloat16))
+    _check_block_tables(block_tables, seq_lens, dev)
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale)
+    _check_heads(query, k_cache.shape[2], "k_cache")
+    b, t = seq_lens.shape[0], query.shape[0]
+    if b == 0:
+        expect(t == 0, f"query has {t} tokens but seq_lens is empty")
+    else:
+        expect(t % b == 0 and 1 <= t // b <= MAX_QUERIES_PER_DECODE_SEQ,
+               f"query tokens ({t}) must be B * q_per_seq with B = {b} sequences and q_per_seq in "
+               f"1..{MAX_QUERIES_PER_DECODE_SEQ}")
+    check_options(query, **options)
+    return fmt
+
+
+def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal,
+                        k_scale, v_scale, **options):
+    _check_query(query)
+    dev = query.device
+    _check_block_tables(block_tables, seq_lens, dev)
+    check_vector(cu_seqlens_q, "cu_seqlens_q", seq_lens.shape[0] + 1, dev, INDEX_DTYPES, "[B + 1]")
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale)
+    _check_heads(query, k_cache.shape[2], "k_cache")
+    check_options(query, **options)
+    return fmt
+
+
+def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal, q_scale,
+                            k_scale, v_scale, out_dtype, **options):
+    expect(isinstance(query, torch.Tensor), "query must be a tensor [Tq, Hq, D]", TypeError)
+    dev = query.device
+    inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D]"))
+    for name, t, desc in inputs:
+        check_tensor(t, name, 3, desc, dev, QUERY_DTYPES + (torch.float8_e4m3fn,))
+        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    expect(key.dtype == query.dtype and value.dtype == query.dtype,
+           f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}",
+           TypeError)
+    expect(key.shape == value.shape,
+           f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    expect(key.shape[2] == query.shape[2],
+           f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
+    _check_heads(query, key.shape[1], "key")
+    b1 = cu_seqlens_q.shape[0] if isinstance(cu_seqlens_q, torch.Tensor) else None
+    check_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]", dev, INDEX_DTYPES)
+    expect(b1 >= 1, "cu_seqlens_q must have B + 1 >= 1 entries")
+    check_vector(cu_seqlens_k, "cu_seqlens_k", b1, dev, INDEX_DTYPES, "[B + 1]")
+    fp8 = query.dtype == torch.float8_e4m3fn
+    scales = (("q_scale", q_scale, query.shape[1]), ("k_scale", k_scale, key.shape[1]),
+              ("v_scale", v_scale, key.shape[1]))
+    for name, s, heads in scales:
+        if fp8:
+            expect(s is not None, f"{name} is required for float8_e4m3fn inputs")
+            check_per_head_scale(s, name, heads, dev)
+        else:
+            expect(s is None, f"{name} is only for float8_e4m3fn inputs, not {query.dtype}")
+    if out_dtype is not None:
+        expect(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of ({_names(FLOAT_DTYPES)}), got {out_dtype}",
+               TypeError)
+        expect(options.get("out_scale") is None, "give out_dtype or out_scale (FP8 output), not both")
+    check_options(query, **options)
+
+
+def check_kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale, query,
+                         positions, cos_sin_cache, rope_neox):
+    expect(isinstance(key, torch.Tensor), "key must be a tensor [T, Hkv, D]", TypeError)
+    dev = key.device
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(t, name, 3, "[T, Hkv, D]", dev, QUERY_DTYPES)
+        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    expect(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    expect(value.dtype == key.dtype, f"value dtype {value.dtype} must equal key dtype {key.dtype}", TypeError)
+    t, hkv, d = key.shape
+    fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale)
+    expect(k_cache.shape[2] == hkv, f"k_cache has {k_cache.shape[2]} KV heads, key has {hkv}")
+    check_vector(slot_mapping, "slot_mapping", t, dev, INDEX_DTYPES, "[T]")
+    expect((positions is None) == (cos_sin_cache is None),
+           "RoPE needs both positions and cos_sin_cache (or neither)")
+    if query is not None:
+        check_tensor(query, "query", 3, "[T, Hq, D]", dev, QUERY_DTYPES)
+        expect(query.shape[0] == t and query.shape[2] == d,
+               f"query must be [T, Hq, D] = [{t}, Hq, {d}], got {tuple(query.shape)}")
+        expect(positions is not None, "query is only rotated by RoPE: pass positions and cos_sin_cache too")
+    if positions is not None:
+        check_vector(positions, "positions", t, dev, INDEX_DTYPES, "[T]")
+        check_tensor(cos_sin_cache, "cos_sin_cache", 2, "[max_position, rotary_dim]", dev, QUERY_DTYPES)
+        rot = cos_sin_cache.shape[1]
+        expect(rot % 2 == 0 and 0 < rot <= d,
+               f"cos_sin_cache rotary_dim (dim 1) must be even and in 2..{d}, got {rot}")
+    return fmt
+
+
+def check_merge_states(out_a, lse_a, out_b, lse_b):
+    expect(isinstance(out_a, torch.Tensor), "out_a must be a tensor [T, H, D]", TypeError)
+    dev = out_a.device
+    for name, o in (("out_a", out_a), ("out_b", out_b)):
+        check_tensor(o, name, 3, "[T, H, D]", dev, QUERY_DTYPES)
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(lse, name, 2, "[T, H]", dev, (torch.float32,))
+        expect(tuple(lse.shape) == tuple(out_a.shape[:2]),
+               f"{name} must have shape [T, H] = {tuple(out_a.shape[:2])}, got {tuple(lse.shape)}")
+    expect(out_b.shape == out_a.shape and out_b.dtype == out_a.dtype,
+           f"out_b ({tuple(out_b.shape)}, {out_b.dtype}) must match out_a ({tuple(out_a.shape)}, {out_a.dtype})")
+
+
+CACHE_LAYOUT_SHAPES = {
+    0: "(MaxT, L, 2, Hkv, Dh)", 1: "(L, MaxT, 2, Hkv, Dh)", 2: "(L, 2, MaxT, Hkv, Dh)", 3: "(L, 2, Hkv, MaxT, Dh)",
+}
+
+
+def cache_layout_dims(cache_layout: int) -> tuple[int, int, int, int, int]:
+    """Positions of (MaxT, L, 2, H, Dh) in a PPL cache of `cache_layout`."""
+    return {0: (0, 1, 2, 3, 4), 1: (1, 0, 2, 3, 4), 2: (2, 0, 1, 3, 4), 3: (3, 0, 1, 2, 4)}[cache_layout]
+
+
+def check_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                          decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask, *, num_heads,
+                          head_dim, is_causal, is_alibi, num_kv_heads, num_layer, layer_idx, quant_bit,
+                          quant_group, cache_mode, cache_layout, page_size):
+    _check_query(query)
+    dev = query.device
+    hkv = num_kv_heads or num_heads
+    t = query.shape[0]
+    expect(tuple(query.shape[1:]) == (num_heads, head_dim),
+           f"query must be [seqstarts[B], num_heads, head_dim] = [T, {num_heads}, {head_dim}], got {tuple(query.shape)}")
+    expect(num_heads % hkv == 0, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({hkv})")
+    for name, x in (("current_key", current_key), ("current_value", current_value)):
+        check_tensor(x, name, 3, "[seqstarts[B], num_kv_heads, head_dim]", dev)
+        expect(tuple(x.shape) == (t, hkv, head_dim),
+               f"{name} must be [{t}, {hkv}, {head_dim}], got {tuple(x.shape)}")
+        expect(x.dtype == query.dtype, f"{name} dtype {x.dtype} must equal query dtype {query.dtype}", TypeError)
+    check_tensor(seqstarts, "seqstarts", 1, "[B + 1]", dev, INDEX_DTYPES)
+    b = seqstarts.shape[0] - 1
+    expect(b >= 0, "seqstarts must have B + 1 >= 1 entries")
+    check_vector(kvstarts, "kvstarts", b + 1, dev, INDEX_DTYPES, "[B + 1]")
+    check_vector(start_pos, "start_pos", b, dev, INDEX_DTYPES, "[B]")
+    expect(isinstance(decoding_batches, torch.Tensor) and decoding_batches.numel() == 1
+           and decoding_batches.dtype in INDEX_DTYPES,
+           "decoding_batches must be a one-element int32/int64 tensor", TypeError)
+    expect(max_seqlen >= 0 and max_kvlen >= 0, f"max_seqlen/max_kvlen must be >= 0, got {max_seqlen}, {max_kvlen}")
+    expect(cache_mode in (0, 1), f"cache_mode must be 0 (offset) or 1 (page table), got {cache_mode}")
+    if cache_mode == 0:
+        check_vector(cachestarts, "cachestarts", b, dev, INDEX_DTYPES, "[B] (offset mode)")
+    else:
+        check_tensor(cachestarts, "cachestarts", 2, "[B, MaxP] (page-table mode)", dev, INDEX_DTYPES)
+        expect(cachestarts.shape[0] == b, f"cachestarts must be [B, MaxP] with B = {b}, got {tuple(cachestarts.shape)}")
+        expect(page_size > 0, f"page_size must be > 0, got {page_size}")
+    expect(cache_layout in CACHE_LAYOUT_SHAPES,
+           f"cache_layout must be one of {sorted(CACHE_LAYOUT_SHAPES)}, got {cache_layout}")
+    expect(num_layer > 0 and 0 <= layer_idx < num_layer,
+           f"layer_idx must be in 0..num_layer-1 = 0..{num_layer - 1}, got {layer_idx}")
+    expect(quant_bit in (0, 4, 8), f"quant_bit must be 0, 4 or 8, got {quant_bit}")
+    if quant_bit:
+        expect(quant_group > 0 and head_dim % quant_group == 0,
+               f"quant_group ({quant_group}) must divide head_dim ({head_dim})")
+        expect(quant_bit == 8 or quant_group % 2 == 0, f"INT4 needs an even quant_group, got {quant_group}")
+    check_tensor(cache, "cache", 5, CACHE_LAYOUT_SHAPES[cache_layout], dev)
+    dims = cache_layout_dims(cache_layout)
+    stored_dh = head_dim // 2 if quant_bit == 4 else head_dim
+    want = {dims[1]: num_layer, dims[2]: 2, dims[3]: hkv, dims[4]: stored_dh}
+    expect(all(cache.shape[i] == n for i, n in want.items()),
+           f"cache must be {CACHE_LAYOUT_SHAPES[cache_layout]} with L = {num_layer}, Hkv = {hkv}, "
+           f"Dh = {stored_dh}{' (packed INT4)' if quant_bit == 4 else ''}, got {tuple(cache.shape)}")
+    if quant_bit == 0:
+        expect(cache.dtype == query.dtype, f"cache dtype {cache.dtype} must equal query dtype {query.dtype} "
+               "when quant_bit is 0", TypeError)
+        expect(scale is None, "scale is only for quantized caches (quant_bit 4 or 8)")
+    else:
+        allowed = (torch.int8,) if quant_bit == 8 else (torch.int8, torch.uint8)
+        check_dtype(cache, "cache", allowed)
+        expect(scale is not None, f"scale is required when quant_bit is {quant_bit}")
+        check_tensor(scale, "scale", 5, CACHE_LAYOUT_SHAPES[cache_layout], dev, SCALE_DTYPES)
+        scale_shape = list(cache.shape)
+        scale_shape[dims[4]] = head_dim // quant_group
+        expect(list(scale.shape) == scale_shape,
+               f"scale must have the cache's layout with Dh / quant_group = {head_dim // quant_group} last, "
+               f"i.e. {tuple(scale_shape)}, got {tuple(scale.shape)}")
+    if attn_mask is not None:
+        expect(attn_mask.dim() in (2, 3), f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
+        expect(attn_mask.device == dev, f"attn_mask must be on {dev} (like query), got {attn_mask.device}")
+        check_dtype(attn_mask, "attn_mask", QUERY_DTYPES)
+        expect(attn_mask.shape[-2] == t and (attn_mask.dim() == 2 or attn_mask.shape[0] == num_heads),
+               f"attn_mask must be (num_heads, seqstarts[B], >= kvstarts[B]) or (seqstarts[B], >= kvstarts[B]) "
+               f"with seqstarts[B] = {t}, num_heads = {num_heads}, got {tuple(attn_mask.shape)}")
+
+
+def check_out_buffers(out, lse, out_shape, out_dtype, lse_shape, device) -> None:
+    """Caller-provided buffers of the `.out` overloads."""
+    check_tensor(out, "out", len(out_shape), str(list(out_shape)), device)
+    expect(tuple(out.shape) == tuple(out_shape), f"out must have shape {tuple(out_shape)}, got {tuple(out.shape)}")
+    expect(out.dtype == out_dtype, f"out must have dtype {out_dtype}, got {out.dtype}", TypeError)
+    check_tensor(lse, "lse", len(lse_shape), str(list(lse_shape)), device, (torch.float32,))
+    expect(tuple(lse.shape) == tuple(lse_shape), f"lse must have shape {tuple(lse_shape)}, got {tuple(lse.shape)}")
+
+
+def check_paged_data(k_cache, block_tables, seq_lens, q_lens: torch.Tensor | None = None) -> None:
+    """Data-dependent checks of paged metadata (ATTN_DEBUG=1 only: these synchronize)."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.cpu()
+    expect(bool((lens >= 0).all()) and bool((lens <= capacity).all()),
+           f"seq_lens must be in 0..max_blocks_per_seq * block_size = 0..{capacity}, got {lens.tolist()}")
+    if q_lens is not None:
+        ql = q_lens.cpu()
+        expect(bool((ql <= lens).all()) and bool((ql >= 0).all()),
+               f"query lengths {ql.tolist()} must be in 0..seq_lens {lens.tolist()}")
+    used = (torch.arange(block_tables.shape[1]) * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    ids = block_tables.cpu()[used]
+    expect(bool(((ids >= 0) & (ids < num_blocks)).all()),
+           f"block_tables entries used by seq_lens must be in 0..{num_blocks - 1}, got {ids.unique().tolist()}")

@@ -1,0 +1,410 @@
+"""Paged KV caches: physical layouts seen as logical views, allocation and random filling, and the
+host-side block allocator and per-sequence block tables.
+
+Every cache tensor is seen through the logical shape `[num_blocks, block_size, Hkv, D]` (last dim
+`D / 2` for packed INT4) with arbitrary block/token/head strides; see `docs/ops.md` ("KV cache").
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+
+from torch_ops import quant
+
+LAYOUTS = ("NHD", "HND", "combined_NHD", "combined_HND", "vllm")
+SCALE_CACHE_DTYPES = (torch.float16, torch.float32)
+MAX_BLOCK_SIZE = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Views of users' tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_ndim(name: str, x: torch.Tensor, ndim: int, expected: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {expected}, got shape {tuple(x.shape)}")
+
+
+def from_hnd(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HND tensors `[num_blocks, Hkv, block_size, D]` -> logical views `[num_blocks, block_size, Hkv, D]`."""
+    _check_ndim("k", k, 4, "[num_blocks, Hkv, block_size, D]")
+    _check_ndim("v", v, 4, "[num_blocks, Hkv, block_size, D]")
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def from_combined(kv: torch.Tensor, layout: str = "NHD") -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V tensor `[num_blocks, 2, block_size, Hkv, D]` (layout "NHD", FlashInfer) or
+    `[num_blocks, 2, Hkv, block_size, D]` ("HND", TRT-LLM) -> logical `(k, v)` views."""
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+    inner = "block_size, Hkv" if layout == "NHD" else "Hkv, block_size"
+    _check_ndim("kv", kv, 5, f"[num_blocks, 2, {inner}, D]")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must be [num_blocks, 2, {inner}, D], got shape {tuple(kv.shape)}")
+    k, v = kv[:, 0], kv[:, 1]
+    return (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))
+
+
+def from_vllm(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's `[2, num_blocks, block_size, Hkv, D]` -> logical `(k, v)` views."""
+    _check_ndim("kv", kv, 5, "[2, num_blocks, block_size, Hkv, D]")
+    if kv.shape[0] != 2:
+        raise ValueError(f"kv must be [2, num_blocks, block_size, Hkv, D], got shape {tuple(kv.shape)}")
+    return kv[0], kv[1]
+
+
+def _empty_pair(layout: str, nb: int, bs: int, h: int, last: int, dtype, device):
+    """Storage in the physical `layout`, returned as logical `(k, v)` views `[nb, bs, h, last]`."""
+    if layout == "NHD":
+        return (torch.empty(nb, bs, h, last, dtype=dtype, device=device),
+                torch.empty(nb, bs, h, last, dtype=dtype, device=device))
+    if layout == "HND":
+        return from_hnd(torch.empty(nb, h, bs, last, dtype=dtype, device=device),
+                        torch.empty(nb, h, bs, last, dtype=dtype, device=device))
+    if layout == "combined_NHD":
+        return from_combined(torch.empty(nb, 2, bs, h, last, dtype=dtype, device=device), "NHD")
+    if layout == "combined_HND":
+        return from_combined(torch.empty(nb, 2, h, bs, last, dtype=dtype, device=device), "HND")
+    return from_vllm(torch.empty(2, nb, bs, h, last, dtype=dtype, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PagedKVCache:
+    """K and V caches of one layer with their scales.
+
+    `k`, `v`: logical `[num_blocks, block_size, Hkv, D]` (uint8 `[..., D / 2]` for packed INT4),
+    any strides, last dim contiguous. `k_scale`, `v_scale`: None (plain), fp32 0-d or `[Hkv]`
+    (FP8), or scale caches `[num_blocks, block_size, Hkv, D // quant_group]` fp16/fp32 (INT8/INT4).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        _check_ndim("k", self.k, 4, "[num_blocks, block_size, Hkv, D]")
+        _check_ndim("v", self.v, 4, "[num_blocks, block_size, Hkv, D]")
+        if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype:
+            raise ValueError(
+                f"v must match k: k is {tuple(self.k.shape)} {self.k.dtype}, "
+                f"v is {tuple(self.v.shape)} {self.v.dtype}"
+            )
+        if self.v.device != self.k.device:
+            raise ValueError(f"v must be on k's device {self.k.device}, got {self.v.device}")
+        for name, x in (("k", self.k), ("v", self.v)):
+            if x.stride(-1) != 1 and x.shape[-1] > 1:
+                raise ValueError(f"{name} must have a contiguous last dim, got strides {x.stride()}")
+        fmt = self.format  # raises TypeError on an unsupported dtype
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            if fmt is quant.KVFormat.PLAIN:
+                if scale is not None:
+                    raise ValueError(f"{name} must be None for a {self.k.dtype} cache")
+            elif scale is None:
+                raise ValueError(f"a {fmt.value} cache ({self.k.dtype}) needs {name}")
+            elif scale.device != self.k.device:
+                raise ValueError(f"{name} must be on the cache's device {self.k.device}, got {scale.device}")
+            elif fmt is quant.KVFormat.FP8:
+                self._check_fp8_scale(name, scale)
+            else:
+                self._check_scale_cache(name, scale)
+        if fmt.group_scaled and self.k_scale.shape != self.v_scale.shape:
+            raise ValueError(
+                f"k_scale and v_scale must have the same shape, got {tuple(self.k_scale.shape)} "
+                f"and {tuple(self.v_scale.shape)}"
+            )
+
+    def _check_fp8_scale(self, name: str, scale: torch.Tensor) -> None:
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 for an FP8 cache, got {scale.dtype}")
+        if scale.dim() != 0 and tuple(scale.shape) != (self.num_kv_heads,):
+            raise ValueError(
+                f"{name} must be 0-d or [Hkv={self.num_kv_heads}] for an FP8 cache, "
+                f"got shape {tuple(scale.shape)}"
+            )
+
+    def _check_scale_cache(self, name: str, scale: torch.Tensor) -> None:
+        if scale.dtype not in SCALE_CACHE_DTYPES:
+            raise TypeError(f"{name} must be float16 or float32, got {scale.dtype}")
+        expected = f"[{self.num_blocks}, {self.block_size}, {self.num_kv_heads}, D // quant_group]"
+        if scale.dim() != 4 or scale.shape[:3] != self.k.shape[:3]:
+            raise ValueError(f"{name} must be {expected}, got shape {tuple(scale.shape)}")
+        if scale.shape[-1] == 0 or self.head_dim % scale.shape[-1]:
+            raise ValueError(
+                f"{name} must be {expected} with a last dim dividing head_dim {self.head_dim}, "
+                f"got shape {tuple(scale.shape)}"
+            )
+        if scale.stride(-1) != 1 and scale.shape[-1] > 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {scale.stride()}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        """Logical D (twice the stored last dim for packed INT4)."""
+        return self.k.shape[3] * (2 if self.format is quant.KVFormat.INT4 else 1)
+
+    @property
+    def format(self) -> quant.KVFormat:
+        return quant.kv_format(self.k.dtype)
+
+    @property
+    def quant_group(self) -> int:
+        """Elements per scale for INT8/INT4, else 0."""
+        return self.head_dim // self.k_scale.shape[-1] if self.format.group_scaled else 0
+
+    def scale_kwargs(self) -> dict[str, torch.Tensor | None]:
+        """`{"k_scale": ..., "v_scale": ...}`, to splat into the ops."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 `(k, v)`, each `[num_blocks, block_size, Hkv, D]` (new tensors)."""
+        return (quant.dequantize(self.k, self.k_scale, self.format),
+                quant.dequantize(self.v, self.v_scale, self.format))
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        layout: str = "NHD",
+        quant_group: int | None = None,
+        scale_dtype: torch.dtype = torch.float32,
+        fp8_scale: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> PagedKVCache:
+        """An uninitialized cache (`torch.empty`; fill it, e.g. with `random_`).
+
+        `dtype` is the storage dtype: fp16/bf16/fp32, float8_e4m3fn/e5m2, int8 (INT8) or uint8
+        (packed INT4). INT8/INT4 need `quant_group` (dividing `head_dim`) and get scale caches of
+        `scale_dtype` in the same layout. FP8 scales are copies of `fp8_scale` (0-d or `[Hkv]`
+        fp32; default 1.0), one tensor for k and one for v. `layout` is the physical layout of
+        one storage: "NHD" `[nb, bs, H, D]` (k and v separate), "HND" `[nb, H, bs, D]`,
+        "combined_NHD" `[nb, 2, bs, H, D]`, "combined_HND" `[nb, 2, H, bs, D]`, "vllm"
+        `[2, nb, bs, H, D]`.
+        """
+        for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be an int in 1..{MAX_BLOCK_SIZE}, got {block_size!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        fmt = quant.kv_format(dtype)
+        if fmt.group_scaled != (quant_group is not None):
+            need = "needs" if fmt.group_scaled else "takes no"
+            raise ValueError(f"a {dtype} cache {need} quant_group, got {quant_group!r}")
+        if fmt is quant.KVFormat.INT4 and head_dim % 2:
+            raise ValueError(f"head_dim must be even for a packed INT4 cache, got {head_dim}")
+        if fp8_scale is not None and fmt is not quant.KVFormat.FP8:
+            raise ValueError(f"fp8_scale is only for FP8 caches, got a {dtype} cache")
+
+        last = head_dim // 2 if fmt is quant.KVFormat.INT4 else head_dim
+        k, v = _empty_pair(layout, num_blocks, block_size, num_kv_heads, last, dtype, device)
+        k_scale = v_scale = None
+        if fmt is quant.KVFormat.FP8:
+            if fp8_scale is None:
+                fp8_scale = torch.ones((), dtype=torch.float32)
+            k_scale = fp8_scale.to(k.device, copy=True)
+            v_scale = fp8_scale.to(k.device, copy=True)
+        elif fmt.group_scaled:
+            if not isinstance(quant_group, int) or quant_group <= 0 or head_dim % quant_group:
+                raise ValueError(f"quant_group must divide head_dim {head_dim}, got {quant_group!r}")
+            if scale_dtype not in SCALE_CACHE_DTYPES:
+                raise TypeError(f"scale_dtype must be float16 or float32, got {scale_dtype}")
+            k_scale, v_scale = _empty_pair(layout, num_blocks, block_size, num_kv_heads,
+                                           head_dim // quant_group, scale_dtype, device)
+        return cls(k, v, k_scale, v_scale)
+
+
+@torch.no_grad()
+def random_(cache: PagedKVCache, generator: torch.Generator | None = None) -> PagedKVCache:
+    """Fill `cache` in place with random normal values, quantized to its format; returns it.
+
+    Each KV head gets its own standard deviation in [0.5, 2), so per-head scale bugs show.
+    INT8/INT4 scale caches get the group scales; FP8 scales are overwritten in place with
+    calibrated ones (absmax / fp8 max, per head when `[Hkv]`), so the full FP8 range is used.
+    Values are drawn on the generator's device (the cache's device without one).
+    """
+    fmt = cache.format
+    shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
+    gen_device = generator.device if generator is not None else cache.k.device
+    for x, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        head_std = torch.empty(cache.num_kv_heads, device=gen_device).uniform_(0.5, 2.0, generator=generator)
+        values = torch.randn(shape, generator=generator, device=gen_device) * head_std[:, None]
+        values = values.to(x.device)
+        if fmt is quant.KVFormat.FP8:
+            absmax = values.abs().amax(dim=(0, 1, 3)) if scale.dim() else values.abs().amax()
+            scale.copy_(absmax / quant.fp8_max(x.dtype))
+        scale_dtype = scale.dtype if fmt.group_scaled else torch.float32
+        stored, group_scales = quant.quantize(values, scale, x.dtype, cache.quant_group, scale_dtype)
+        x.copy_(stored)
+        if group_scales is not None:
+            scale.copy_(group_scales)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side block management
+# ---------------------------------------------------------------------------------------------
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free blocks in a `BlockAllocator`."""
+
+
+class BlockAllocator:
+    """Block ids `0..num_blocks-1`: a free list and reference counts (host only)."""
+
+    def __init__(self, num_blocks: int):
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refcount = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free blocks with refcount 1; all or nothing (`OutOfBlocksError`)."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if n > len(self._free):
+            raise OutOfBlocksError(
+                f"cannot allocate {n} blocks: {len(self._free)} of {self.num_blocks} are free"
+            )
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Decrement each block's refcount; blocks reaching 0 return to the pool. Freeing a block
+        more times than it is referenced raises `ValueError` and changes nothing."""
+        counts = collections.Counter(blocks)
+        for b, n in counts.items():
+            if self.refcount(b) < n:
+                raise ValueError(f"block {b} freed {n} time(s) but has refcount {self._refcount[b]} (double free?)")
+        for b in blocks:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._free.append(b)
+
+    def share(self, blocks: list[int]) -> None:
+        """Increment the refcount of allocated blocks (another sequence now uses them)."""
+        for b in blocks:
+            if self.refcount(b) == 0:
+                raise ValueError(f"block {b} is not allocated, cannot share it")
+        for b in blocks:
+            self._refcount[b] += 1
+
+    def refcount(self, block: int) -> int:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}")
+        return self._refcount[block]
+
+
+class BlockTables:
+    """Per-sequence block lists over a `BlockAllocator`. Token `p` of a sequence sits in slot
+    `table[p // block_size] * block_size + p % block_size`."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+
+    def _table(self, seq_id: int) -> list[int]:
+        if seq_id not in self._tables:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return self._tables[seq_id]
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def add(self, seq_id: int, num_tokens: int) -> list[int]:
+        """A new sequence of `num_tokens` tokens; returns their slots."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self._tables[seq_id] = self.allocator.allocate(self._blocks_for(num_tokens))
+        self._lens[seq_id] = num_tokens
+        return self.slots(seq_id, 0, num_tokens)
+
+    def append(self, seq_id: int, num_tokens: int = 1) -> list[int]:
+        """Grow a sequence by `num_tokens`, allocating blocks only past its last block's end;
+        returns the new tokens' slots. On `OutOfBlocksError` the sequence is unchanged."""
+        table = self._table(seq_id)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        start = self._lens[seq_id]
+        table += self.allocator.allocate(self._blocks_for(start + num_tokens) - len(table))
+        self._lens[seq_id] = start + num_tokens
+        return self.slots(seq_id, start, num_tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """`child_id` starts as a copy of `parent_id`, sharing its blocks (refcount + 1).
+
+        No copy-on-write yet (a later issue): a partially filled last block stays shared, so
+        appending to both sequences would write the same slots. Until then, append to only one.
+        """
+        table = self._table(parent_id)
+        if child_id in self._tables:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        self.allocator.share(table)
+        self._tables[child_id] = list(table)
+        self._lens[child_id] = self._lens[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Drop a sequence, releasing its references to its blocks."""
+        self.allocator.free(self._table(seq_id))
+        del self._tables[seq_id], self._lens[seq_id]
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._table(seq_id))
+
+    def seq_len(self, seq_id: int) -> int:
+        self._table(seq_id)
+        return self._lens[seq_id]
+
+    def slots(self, seq_id: int, start: int, n: int) -> list[int]:
+        """Slots of tokens `start .. start + n - 1` of a sequence."""
+        table = self._table(seq_id)
+        if start < 0 or n < 0 or start + n > self._lens[seq_id]:
+            raise ValueError(
+                f"tokens {start}..{start + n - 1} are outside sequence {seq_id!r} of length {self._lens[seq_id]}"
+            )
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]

@@ -1,0 +1,143 @@
+"""KV-cache number formats: FP8 with per-tensor/per-head scales, group-wise symmetric INT8/INT4.
+
+Pure PyTorch, device-agnostic. `docs/ops.md` ("KV cache") is the contract these functions
+implement; kernels must agree with them bit for bit on the quantized side.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GROUP_SCALE_EPS = 1e-5
+_QMAX = {8: 127, 4: 7}
+
+
+class KVFormat(enum.Enum):
+    """How a cache tensor stores its values; decided by its dtype (see `kv_format`)."""
+
+    PLAIN = "plain"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bits(self) -> int:
+        return {KVFormat.INT8: 8, KVFormat.INT4: 4}.get(self, 0)
+
+    @property
+    def group_scaled(self) -> bool:
+        return self in (KVFormat.INT8, KVFormat.INT4)
+
+
+def kv_format(cache_dtype: torch.dtype) -> KVFormat:
+    """The storage format of a paged cache tensor of this dtype (uint8 means packed INT4)."""
+    if cache_dtype in FLOAT_DTYPES:
+        return KVFormat.PLAIN
+    if cache_dtype in FP8_DTYPES:
+        return KVFormat.FP8
+    if cache_dtype == torch.int8:
+        return KVFormat.INT8
+    if cache_dtype == torch.uint8:
+        return KVFormat.INT4
+    raise TypeError(
+        f"KV cache dtype {cache_dtype} is not supported; expected one of fp16/bf16/fp32, "
+        "float8_e4m3fn/float8_e5m2, int8 (INT8) or uint8 (packed INT4)"
+    )
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x [..., H, D]` -> FP8 of `dtype`, `x / scale` saturated. `scale` is 0-d or `[H]`."""
+    s = scale.float().reshape(-1, 1) if scale.dim() == 1 else scale.float()
+    m = fp8_max(dtype)
+    return (x.float() / s).clamp(-m, m).to(dtype)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 `x [..., H, D]` -> fp32 `x * scale`, `scale` 0-d or `[H]`."""
+    s = scale.float().reshape(-1, 1) if scale.dim() == 1 else scale.float()
+    return x.float() * s
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Signed values in [-8, 7], last dim even -> uint8 with last dim halved (offset-8 nibbles,
+    element 2i in the low nibble, 2i+1 in the high one)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: uint8 `[..., D/2]` -> int8 `[..., D]` in [-8, 7]."""
+    p = packed.view(torch.uint8).to(torch.int16)
+    lo, hi = (p & 0xF) - 8, (p >> 4) - 8
+    return torch.stack((lo, hi), dim=-1).flatten(-2).to(torch.int8)
+
+
+def quantize_groupwise(
+    x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise quantization of `x [..., D]` (`D % group == 0`).
+
+    Returns `(q, scale)`: `q` int8 `[..., D]` for 8 bits or packed uint8 `[..., D/2]` for 4 bits,
+    `scale [..., D // group]` in `scale_dtype`. The scale is rounded to `scale_dtype` before
+    dividing, so that dequantizing with the stored scale is what the kernels see.
+    """
+    if bits not in _QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    d = x.shape[-1]
+    if group <= 0 or d % group:
+        raise ValueError(f"quant group {group} must divide the head dim {d}")
+    qmax = _QMAX[bits]
+    g = x.float().reshape(*x.shape[:-1], d // group, group)
+    scale = (g.abs().amax(-1) / qmax).clamp_min(GROUP_SCALE_EPS).to(scale_dtype)
+    q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-qmax, qmax).reshape(x.shape)
+    q = q.to(torch.int8)
+    return (pack_int4(q) if bits == 4 else q), scale
+
+
+def dequantize_groupwise(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `quantize_groupwise`, to fp32 `[..., D]`."""
+    values = unpack_int4(q) if bits == 4 else q
+    d = values.shape[-1]
+    groups = scale.shape[-1]
+    g = values.float().reshape(*values.shape[:-1], groups, d // groups)
+    return (g * scale.float().unsqueeze(-1)).reshape(*values.shape[:-1], d)
+
+
+def dequantize(
+    x: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat
+) -> torch.Tensor:
+    """Any cache slice `[..., H, D or D/2]` with its scales -> fp32 `[..., H, D]`."""
+    if fmt is KVFormat.PLAIN:
+        return x.float()
+    if scale is None:
+        raise ValueError(f"a {fmt.value} KV cache needs its scale tensor")
+    if fmt is KVFormat.FP8:
+        return dequantize_fp8(x, scale)
+    return dequantize_groupwise(x, scale, fmt.bits)
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype, group: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x [..., H, D]` -> `(stored, new_group_scales)` for a cache of `cache_dtype`.
+
+    FP8 uses the given `scale` (0-d or `[H]`) and returns no new scales; INT8/INT4 compute one
+    scale per `group` elements; plain formats cast.
+    """
+    fmt = kv_format(cache_dtype)
+    if fmt is KVFormat.PLAIN:
+        return x.to(cache_dtype), None
+    if fmt is KVFormat.FP8:
+        if scale is None:
+            raise ValueError("an FP8 KV cache needs k_scale/v_scale")
+        return quantize_fp8(x, scale, cache_dtype), None
+    return quantize_groupwise(x, fmt.bits, group, scale_dtype)

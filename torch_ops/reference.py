@@ -1,0 +1,287 @@
+"""Pure-PyTorch reference of every op: the test oracle and the `vanilla` backend.
+
+Readable over fast: one Python loop over sequences, dense scores per sequence. It runs on any
+device, reads metadata on the host (so it is not CUDA-graph safe), and computes in
+`compute_dtype` (fp32 by default; fp64 for ground truth in tests, the input dtype for the
+same-precision baseline of the error-ratio tolerance). Optimized code never imports this file.
+Semantics: docs/ops.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import quant
+from .checks import cache_layout_dims
+from .ops import attention_output_dtype
+from .quant import KVFormat, kv_format
+
+
+def finish_output(out: torch.Tensor, dtype: torch.dtype, out_scale) -> torch.Tensor:
+    """Cast the float result to the op's output dtype; FP8 output divides by `out_scale`."""
+    if out_scale is None:
+        return out.to(dtype)
+    m = torch.finfo(torch.float8_e4m3fn).max
+    return (out.float() / out_scale.float()).clamp(-m, m).to(torch.float8_e4m3fn)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.), fp32 `[num_heads]`."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    q_scaling: float = 1.0,
+    alibi_slopes: torch.Tensor | None = None,
+    window_left: int = -1,
+    sink_tokens: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence.
+
+    q `[Lq, Hq, D]`, k/v `[Lk, Hkv, D]` (already dequantized), `q_positions [Lq]` absolute
+    positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`.
+    Returns fp32 `out [Lq, Hq, D]` and `lse [Lq, Hq]`.
+    """
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    softmax_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    qc = q.to(compute_dtype).transpose(0, 1)                                   # [Hq, Lq, D]
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, Lk, D]
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
+
+    s = (qc @ kc.transpose(1, 2)).to(softmax_dtype) * scale_eff               # [Hq, Lq, Lk]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    p = q_positions.to(q.device, torch.int64).view(1, lq, 1)
+    j = torch.arange(lk, device=q.device).view(1, 1, lk)
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(softmax_dtype).view(hq, 1, 1) * (p - j).abs()
+    if bias is not None:
+        s = s + bias.to(softmax_dtype)
+    visible = torch.ones(1, lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= j <= p
+    if window_left >= 0:
+        visible &= (j >= p - window_left) | (j < sink_tokens)
+    s = s.masked_fill(~visible, float("-inf"))
+
+    terms = s
+    if sinks is not None:
+        sink = sinks.to(softmax_dtype).view(hq, 1, 1).expand(hq, lq, 1)
+        terms = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(terms, dim=-1)                                       # [Hq, Lq]
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(s - safe_lse.unsqueeze(-1))                              # 0 where masked
+    out = probs.to(compute_dtype) @ vc                                         # [Hq, Lq, D]
+    return out.float().transpose(0, 1), lse.float().transpose(0, 1)
+
+
+def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence, dequantized to fp32 `[length, Hkv, D]`."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-length // block_size)].long()
+    x = cache[blocks].flatten(0, 1)[:length]
+    s = scale
+    if fmt.group_scaled:
+        s = scale[blocks].flatten(0, 1)[:length]
+    return quant.dequantize(x, s, fmt)
+
+
+def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, *, causal, k_scale,
+                     v_scale, out_scale, compute_dtype, **options):
+    fmt = kv_format(k_cache.dtype)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    starts, lens = q_starts.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len)
+        v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len)
+        positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
+        o, l = attend(query[q0:q1], k, v, positions, causal=causal, compute_dtype=compute_dtype, **options)
+        out[q0:q1], lse[q0:q1] = o, l
+    return finish_output(out, attention_output_dtype(query, out_scale), out_scale), lse
+
+
+def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None,
+                 out_scale=None, compute_dtype=torch.float32, **options):
+    """`query [B * q_per_seq, Hq, D]` over a paged cache; returns `(out, lse)`."""
+    num_seqs = seq_lens.shape[0]
+    q_per_seq = query.shape[0] // num_seqs if num_seqs else 0
+    q_starts = torch.arange(num_seqs + 1) * q_per_seq
+    return _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, causal=True,
+                            k_scale=k_scale, v_scale=v_scale, out_scale=out_scale,
+                            compute_dtype=compute_dtype, **options)
+
+
+def paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
+                  k_scale=None, v_scale=None, out_scale=None, compute_dtype=torch.float32, **options):
+    """Varlen `query [T, Hq, D]` (`cu_seqlens_q [B + 1]`) over a paged cache; returns `(out, lse)`."""
+    return _paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q.cpu(), seq_lens, causal=causal,
+                            k_scale=k_scale, v_scale=v_scale, out_scale=out_scale,
+                            compute_dtype=compute_dtype, **options)
+
+
+def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, q_scale=None,
+                      k_scale=None, v_scale=None, out_scale=None, out_dtype=None,
+                      compute_dtype=torch.float32, **options):
+    """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`."""
+    dtype = attention_output_dtype(query, out_scale, out_dtype)
+    if query.dtype == torch.float8_e4m3fn:
+        query, key, value = (quant.dequantize_fp8(x, s) for x, s in ((query, q_scale), (key, k_scale), (value, v_scale)))
+    t, hq, _ = query.shape
+    out = torch.zeros(t, hq, value.shape[-1], dtype=torch.float32, device=query.device)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=query.device)
+    qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(qs) - 1):
+        q0, q1, k0, k1 = qs[b], qs[b + 1], ks[b], ks[b + 1]
+        if q1 == q0:
+            continue
+        positions = torch.arange((k1 - k0) - (q1 - q0), k1 - k0, device=query.device)
+        o, l = attend(query[q0:q1], key[k0:k1], value[k0:k1], positions, causal=causal,
+                      compute_dtype=compute_dtype, **options)
+        out[q0:q1], lse[q0:q1] = o, l
+    return finish_output(out, dtype, out_scale), lse
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Merge two partial states over disjoint keys; returns `(out, lse)`."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - safe).unsqueeze(-1)
+    wb = torch.exp(lse_b - safe).unsqueeze(-1)
+    out = wa * out_a.float() + wb * out_b.float()
+    return out.to(out_a.dtype), lse
+
+
+def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """`[max_position, rotary_dim]` fp32: cosines then sines of the standard RoPE frequencies."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(max_position, dtype=torch.float64).unsqueeze(1) * inv_freq
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool) -> torch.Tensor:
+    """Rotary embedding of `x [T, H, D]` at `positions [T]`; returns fp32 `[T, H, D]`.
+
+    NeoX style rotates the pairs `(x[i], x[i + R/2])`, GPT-J style `(x[2i], x[2i+1])`, for
+    `i < R/2` with `R = cos_sin_cache.shape[1]`; dims past `R` are unchanged.
+    """
+    rot = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)    # [T, R/2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x = x.float()
+    xr, rest = x[..., :rot], x[..., rot:]
+    if neox:
+        a, b = xr.chunk(2, dim=-1)
+        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    else:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1)
+
+
+def _store(cache, scale, rows, x: torch.Tensor) -> None:
+    """Quantize `x [N, H, D]` for `cache` and store it (and its group scales) at `cache[rows]`."""
+    group = 0
+    if kv_format(cache.dtype).group_scaled:
+        group = x.shape[-1] // scale.shape[-1]
+    stored, group_scales = quant.quantize(x, scale, cache.dtype, group, scale.dtype if group else torch.float32)
+    cache[rows] = stored
+    if group_scales is not None:
+        scale[rows] = group_scales
+
+
+def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
+                   positions=None, cos_sin_cache=None, rope_neox=True):
+    """Write `key/value [T, Hkv, D]` at `slot_mapping [T]` (RoPE on key and query first, if given).
+
+    Mutates the caches (and INT8/INT4 scale caches); returns the rotated query or an empty tensor.
+    """
+    rotated_query = key.new_empty(0)
+    k = key.float()
+    if positions is not None:
+        k = apply_rope(key, positions, cos_sin_cache, rope_neox)
+        if query is not None:
+            rotated_query = apply_rope(query, positions, cos_sin_cache, rope_neox).to(query.dtype)
+    if k_cache.dtype in quant.FLOAT_DTYPES:
+        k = k.to(key.dtype)  # a plain cache holds exactly what a separate RoPE op would produce
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    rows = (slots // block_size, slots % block_size)
+    _store(k_cache, k_scale, rows, k[keep])
+    _store(v_cache, v_scale, rows, value[keep])
+    return rotated_query
+
+
+def ppl_cache_views(cache: torch.Tensor, layer_idx: int, cache_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views `(k, v)` of shape `[MaxT, Hkv, Dh]` of one layer of a PPL cache (or scale) tensor."""
+    t_dim, l_dim, kv_dim, h_dim, d_dim = cache_layout_dims(cache_layout)
+    views = []
+    for which in (0, 1):
+        v = cache.permute(t_dim, l_dim, kv_dim, h_dim, d_dim)   # logical (MaxT, L, 2, H, Dh)
+        views.append(v[:, layer_idx, which])
+    return views[0], views[1]
+
+
+def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                    decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
+                    num_heads, head_dim, is_causal=True, is_alibi=False, num_kv_heads=0, num_layer=1,
+                    layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
+                    compute_dtype=torch.float32):
+    """PPL `MultiHeadCacheAttention` (docs/ops.md): write current k/v into `cache`, then attend."""
+    if quant_bit == 4:
+        cache = cache.view(torch.uint8)  # packed INT4 may come as an int8 tensor
+    k_rows, v_rows = ppl_cache_views(cache, layer_idx, cache_layout)
+    k_scales, v_scales = ppl_cache_views(scale, layer_idx, cache_layout) if quant_bit else (None, None)
+    fmt = kv_format(cache.dtype)
+    seq, kvs, pos = seqstarts.tolist(), kvstarts.tolist(), start_pos.tolist()
+    num_decodes = int(decoding_batches.reshape(-1)[0])
+    slopes = alibi_slopes(num_heads).to(query.device) if is_alibi else None
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+
+    def rows_of(b: int, positions: torch.Tensor) -> torch.Tensor:
+        if cache_mode == 0:
+            return cachestarts[b].long() + positions
+        return cachestarts[b, positions // page_size].long() + positions % page_size
+
+    for b in range(len(pos)):
+        q0, q1, kvlen = seq[b], seq[b + 1], kvs[b + 1] - kvs[b]
+        new = rows_of(b, torch.arange(pos[b], pos[b] + q1 - q0, device=query.device))
+        _store(k_rows, k_scales, new, current_key[q0:q1])
+        _store(v_rows, v_scales, new, current_value[q0:q1])
+        if q1 == q0:
+            continue
+        past = rows_of(b, torch.arange(kvlen, device=query.device))
+        k = quant.dequantize(k_rows[past], None if k_scales is None else k_scales[past], fmt)
+        v = quant.dequantize(v_rows[past], None if v_scales is None else v_scales[past], fmt)
+        bias = None
+        if attn_mask is not None:
+            m = attn_mask if attn_mask.dim() == 3 else attn_mask.unsqueeze(0)
+            bias = m[:, q0:q1, kvs[b]:kvs[b] + kvlen]
+        positions = torch.arange(kvlen - (q1 - q0), kvlen, device=query.device)
+        o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal and b >= num_decodes,
+                      alibi_slopes=slopes, bias=bias, compute_dtype=compute_dtype)
+        out[q0:q1] = o
+    return out.to(query.dtype)

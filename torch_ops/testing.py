@@ -1,0 +1,54 @@
+"""Helpers for tests and benchmarks: the error-ratio tolerance and random inputs.
+
+The tolerance follows FlashAttention's rule: our error against a float64 reference may be at
+most twice the error of the same computation done by plain PyTorch in the input precision,
+plus a small floor (the rounding error of the output dtype at the reference's magnitude).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs difference, with NaN/inf mismatches counted as infinite."""
+    x, ref = x.double(), ref.double()
+    both_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
+    diff = torch.where(both_inf, torch.zeros_like(x), (x - ref).abs())
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Twice the rounding error of `dtype` at the magnitude of `ref` (FlashAttention's atol)."""
+    r = ref.double().nan_to_num(0.0, 0.0, 0.0)
+    rounded = (r.to(dtype).double() + 0.3 - 0.3) if dtype != torch.float64 else r
+    return 2 * (rounded - r).abs().max().item() if r.numel() else 0.0
+
+
+def assert_error_ratio(
+    out: torch.Tensor, truth: torch.Tensor, baseline: torch.Tensor, *, ratio: float = 2.0,
+    floor: float | None = None, name: str = "out",
+) -> None:
+    """`max|out - truth| <= ratio * max|baseline - truth| + floor`.
+
+    `truth` is the float64 reference, `baseline` the reference computed in the input precision
+    (the error a plain PyTorch implementation makes), `out` the result under test.
+    """
+    err = max_error(out, truth)
+    base = max_error(baseline, truth)
+    if floor is None:
+        floor = rounding_floor(truth, out.dtype) + 1e-6
+    bound = ratio * base + floor
+    if not err <= bound:
+        raise AssertionError(
+            f"{name}: max error {err:.3e} > {ratio} x baseline error {base:.3e} + floor {floor:.3e}"
+        )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (or the max value for integer/FP8 dtypes) so that any
+    element a kernel forgets to write shows up."""
+    if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
+        return t.fill_(float("nan"))
+    return t.view(torch.uint8).fill_(0x7F)
