@@ -5,5 +5,8 @@ Importing registers the schemas, fakes and implementations and changes no global
 
 from . import ops, backends  # noqa: F401  (registration)
 from .backends import backend_for, register_backend, use_backend
+from .kernels import TritonBackend
+
+register_backend(TritonBackend())
 
 __all__ = ["backend_for", "register_backend", "use_backend"]

@@ -19,6 +19,7 @@ from . import checks, ops, reference
 
 class Backend(Protocol):
     name: str
+    auto_devices: tuple[str, ...]  # device types on which the automatic choice considers it
 
     def reasons(self, op: str, args: tuple, kwargs: dict) -> list[str]:
         """Why this backend cannot run `attn::op(*args, **kwargs)`; empty if it can."""
@@ -31,6 +32,7 @@ class VanillaBackend:
     """The pure-PyTorch reference: any device, any input the fronts accept; not graph-safe."""
 
     name = "vanilla"
+    auto_devices = ("cpu", "cuda")
 
     def reasons(self, op, args, kwargs):
         return []
@@ -73,7 +75,8 @@ def use_backend(name: str | None):
 def select(op: str, args: tuple, kwargs: dict) -> Backend:
     requested = _requested.get() or os.environ.get("ATTN_BACKEND") or None
     if requested is None:
-        return next(b for b in _BACKENDS if not b.reasons(op, args, kwargs))
+        device = args[0].device.type
+        return next(b for b in _BACKENDS if device in b.auto_devices and not b.reasons(op, args, kwargs))
     backend = next((b for b in _BACKENDS if b.name == requested), None)
     if backend is None:
         raise ValueError(f"unknown backend {requested!r} (ATTN_BACKEND or use_backend); available: {backend_names()}")

@@ -32,7 +32,8 @@ def _check_ndim(name: str, x: torch.Tensor, ndim: int, expected: str) -> None:
 
 
 def from_hnd(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HND tensors `[num_blocks, Hkv, block_size, D]` -> logical views `[num_blocks, block_size, Hkv, D]`."""
+    """HND tensors `[num_blocks, Hkv, block_size, D]` -> logical views
+    `[num_blocks, block_size, Hkv, D]`."""
     _check_ndim("k", k, 4, "[num_blocks, Hkv, block_size, D]")
     _check_ndim("v", v, 4, "[num_blocks, Hkv, block_size, D]")
     return k.transpose(1, 2), v.transpose(1, 2)
@@ -53,10 +54,22 @@ def from_combined(kv: torch.Tensor, layout: str = "NHD") -> tuple[torch.Tensor, 
 
 def from_vllm(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's `[2, num_blocks, block_size, Hkv, D]` -> logical `(k, v)` views."""
-    _check_ndim("kv", kv, 5, "[2, num_blocks, block_size, Hkv, D]")
+    expected = "[2, num_blocks, block_size, Hkv, D]"
+    _check_ndim("kv", kv, 5, expected)
     if kv.shape[0] != 2:
-        raise ValueError(f"kv must be [2, num_blocks, block_size, Hkv, D], got shape {tuple(kv.shape)}")
+        raise ValueError(f"kv must be {expected}, got shape {tuple(kv.shape)}")
     return kv[0], kv[1]
+
+
+def _check_fp8_scale(name: str, scale: torch.Tensor, num_kv_heads: int) -> None:
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{name} must be a float32 tensor for an FP8 cache, got {got}")
+    if scale.dim() != 0 and tuple(scale.shape) != (num_kv_heads,):
+        raise ValueError(
+            f"{name} must be 0-d or [Hkv={num_kv_heads}] for an FP8 cache, "
+            f"got shape {tuple(scale.shape)}"
+        )
 
 
 def _empty_pair(layout: str, nb: int, bs: int, h: int, last: int, dtype, device):
@@ -115,24 +128,20 @@ class PagedKVCache:
             elif scale is None:
                 raise ValueError(f"a {fmt.value} cache ({self.k.dtype}) needs {name}")
             elif scale.device != self.k.device:
-                raise ValueError(f"{name} must be on the cache's device {self.k.device}, got {scale.device}")
+                raise ValueError(
+                    f"{name} must be on the cache's device {self.k.device}, got {scale.device}"
+                )
             elif fmt is quant.KVFormat.FP8:
-                self._check_fp8_scale(name, scale)
+                _check_fp8_scale(name, scale, self.num_kv_heads)
             else:
                 self._check_scale_cache(name, scale)
-        if fmt.group_scaled and self.k_scale.shape != self.v_scale.shape:
+        if fmt.group_scaled and (self.k_scale.shape, self.k_scale.dtype) != (
+            self.v_scale.shape, self.v_scale.dtype
+        ):
             raise ValueError(
-                f"k_scale and v_scale must have the same shape, got {tuple(self.k_scale.shape)} "
-                f"and {tuple(self.v_scale.shape)}"
-            )
-
-    def _check_fp8_scale(self, name: str, scale: torch.Tensor) -> None:
-        if scale.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32 for an FP8 cache, got {scale.dtype}")
-        if scale.dim() != 0 and tuple(scale.shape) != (self.num_kv_heads,):
-            raise ValueError(
-                f"{name} must be 0-d or [Hkv={self.num_kv_heads}] for an FP8 cache, "
-                f"got shape {tuple(scale.shape)}"
+                "k_scale and v_scale must have the same shape and dtype, got "
+                f"{tuple(self.k_scale.shape)} {self.k_scale.dtype} and "
+                f"{tuple(self.v_scale.shape)} {self.v_scale.dtype}"
             )
 
     def _check_scale_cache(self, name: str, scale: torch.Tensor) -> None:
@@ -232,6 +241,7 @@ class PagedKVCache:
         if fmt is quant.KVFormat.FP8:
             if fp8_scale is None:
                 fp8_scale = torch.ones((), dtype=torch.float32)
+            _check_fp8_scale("fp8_scale", fp8_scale, num_kv_heads)
             k_scale = fp8_scale.to(k.device, copy=True)
             v_scale = fp8_scale.to(k.device, copy=True)
         elif fmt.group_scaled:
@@ -257,7 +267,8 @@ def random_(cache: PagedKVCache, generator: torch.Generator | None = None) -> Pa
     shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
     gen_device = generator.device if generator is not None else cache.k.device
     for x, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
-        head_std = torch.empty(cache.num_kv_heads, device=gen_device).uniform_(0.5, 2.0, generator=generator)
+        head_std = torch.empty(cache.num_kv_heads, device=gen_device)
+        head_std.uniform_(0.5, 2.0, generator=generator)
         values = torch.randn(shape, generator=generator, device=gen_device) * head_std[:, None]
         values = values.to(x.device)
         if fmt is quant.KVFormat.FP8:
@@ -313,7 +324,10 @@ class BlockAllocator:
         counts = collections.Counter(blocks)
         for b, n in counts.items():
             if self.refcount(b) < n:
-                raise ValueError(f"block {b} freed {n} time(s) but has refcount {self._refcount[b]} (double free?)")
+                raise ValueError(
+                    f"block {b} freed {n} time(s) but its refcount is {self._refcount[b]} "
+                    "(double free?)"
+                )
         for b in blocks:
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
@@ -404,7 +418,8 @@ class BlockTables:
         table = self._table(seq_id)
         if start < 0 or n < 0 or start + n > self._lens[seq_id]:
             raise ValueError(
-                f"tokens {start}..{start + n - 1} are outside sequence {seq_id!r} of length {self._lens[seq_id]}"
+                f"tokens {start}..{start + n - 1} are outside sequence {seq_id!r} "
+                f"of length {self._lens[seq_id]}"
             )
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]

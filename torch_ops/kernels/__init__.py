@@ -1,0 +1,40 @@
+"""Triton kernels, one module per kernel family, served through the `triton` backend.
+
+Each kernel module exposes `unsupported(*args, **kwargs) -> list[str]` (reasons it cannot run
+a call; empty if it can) and `run(*args, out, lse, **kwargs)` with the op's arguments. Modules
+are imported on first use, so `import torch_ops` does not import Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+KERNEL_MODULES = {
+    "paged_decode": "torch_ops.kernels.paged_decode",
+}
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend:
+    name = "triton"
+    auto_devices = ("cuda",)
+
+    def reasons(self, op, args, kwargs):
+        if op not in KERNEL_MODULES:
+            return [f"no Triton kernel for attn::{op} yet"]
+        device = args[0].device.type
+        if device != "cuda" and not (device == "cpu" and interpreting()):
+            return [f"Triton kernels need CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"]
+        return self._module(op).unsupported(*args, **kwargs)
+
+    def run(self, op, args, kwargs):
+        return self._module(op).run(*args, **kwargs)
+
+    @staticmethod
+    def _module(op):
+        return importlib.import_module(KERNEL_MODULES[op])

@@ -1,0 +1,225 @@
+"""Per-step attention metadata (lengths, block tables, slots, positions) built on the host and
+copied to persistent device buffers with one async copy, never reading device data back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class AttentionMetadata:
+    """Metadata of one batch of `B` sequences and `T` new tokens (padding included).
+
+    Device tensors (int32, views of the builder's persistent buffer, overwritten by its next
+    `build`): `seq_lens [B]` (keys per sequence, new tokens included), `cu_seqlens_q [B + 1]`,
+    `block_tables [B, max_blocks_per_seq]` (0 past each sequence's blocks), `slot_mapping [T]`
+    (`block * block_size + offset` of each new token, -1 for padding tokens), `positions [T]`
+    (absolute position `seq_len - query_len + i` of each new token, 0 for padding tokens).
+    Host ints: `num_seqs` (B), `num_tokens` (T), `max_query_len`, `max_seq_len`, and `q_per_seq`
+    (the query length shared by all sequences, e.g. 1 for decode; 0 if they differ or are 0).
+    """
+
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    q_per_seq: int
+
+
+class MetadataBuilder:
+    """Builds `AttentionMetadata` into device buffers allocated once, so that the returned tensors
+    keep their addresses across builds (CUDA graphs).
+
+    Capacities: `max_num_seqs` sequences (padding included), `max_num_tokens` new tokens,
+    `max_blocks_per_seq` block-table columns. Each `build` fills a host staging buffer (pinned on
+    CUDA, two of them used in turn) and issues one non-blocking copy on the current stream.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device | str,
+    ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens),
+                            ("max_blocks_per_seq", max_blocks_per_seq),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+        # One int32 buffer; block tables last so that a copy of a prefix covers a batch.
+        self._offsets = {}
+        size = 0
+        for name, n in (("seq_lens", max_num_seqs), ("cu_seqlens_q", max_num_seqs + 1),
+                        ("slot_mapping", max_num_tokens), ("positions", max_num_tokens),
+                        ("block_tables", max_num_seqs * max_blocks_per_seq)):
+            self._offsets[name] = size
+            size += n
+        self._device_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
+        cuda = self.device.type == "cuda"
+        # Two staging buffers used in turn: build N waits only for the copy of build N - 2.
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._copy_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+
+    def _host(self, staging: np.ndarray, name: str, n: int) -> np.ndarray:
+        start = self._offsets[name]
+        return staging[start:start + n]
+
+    def _dev(self, name: str, n: int) -> torch.Tensor:
+        start = self._offsets[name]
+        return self._device_buf[start:start + n]
+
+    def build(
+        self,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        pad_to: int | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for `B` sequences from host data: `seq_lens[b]` keys (new tokens included),
+        `query_lens[b]` new tokens (the last ones), `block_tables[b]` the block ids of sequence
+        `b` (ragged lists; `seq_lens[b] <= len(block_tables[b]) * block_size`).
+
+        `pad_to` pads the batch to that many sequences (CUDA-graph buckets) with `seq_len 0`
+        sequences and zero block-table rows. Their query length is 0, except when the real batch
+        is uniform (`q_per_seq = k > 0`, e.g. decode): then each padding sequence keeps `k`
+        query rows (slot -1, position 0), so `T = pad_to * k` and the padded batch stays uniform
+        for `paged_decode`, which yields zeros for `seq_len 0`.
+        """
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        qlen = np.asarray(query_lens, dtype=np.int64)
+        num_real = len(seq)
+        self._validate(seq, qlen, block_tables, pad_to)
+        num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_real)
+        if num_real and (num_blocks.max() > self.max_blocks_per_seq):
+            raise ValueError(
+                f"block_tables rows must have at most max_blocks_per_seq="
+                f"{self.max_blocks_per_seq} blocks, got {int(num_blocks.max())}"
+            )
+        if np.any(seq > num_blocks * self.block_size):
+            b = int(np.argmax(seq > num_blocks * self.block_size))
+            raise ValueError(
+                f"seq_lens[{b}]={int(seq[b])} exceeds its block table's capacity "
+                f"{int(num_blocks[b])} blocks * block_size {self.block_size}"
+            )
+        flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
+                                  count=int(num_blocks.sum()))
+        if flat_blocks.size and (flat_blocks.min() < 0
+                                 or (flat_blocks.max() + 1) * self.block_size > _INT32_MAX):
+            raise ValueError(
+                "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
+                f"{int(flat_blocks.min())}..{int(flat_blocks.max())}"
+            )
+
+        # Uniform batches keep query rows in padding sequences (see the docstring).
+        uniform = num_real > 0 and qlen[0] > 0 and bool(np.all(qlen == qlen[0]))
+        q_per_seq = int(qlen[0]) if uniform else 0
+        batch = num_real if pad_to is None else pad_to
+        pad_qlen = q_per_seq
+        num_tokens = int(qlen.sum()) + (batch - num_real) * pad_qlen
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"the batch has {num_tokens} query tokens (padding included), more than "
+                f"max_num_tokens={self.max_num_tokens}"
+            )
+
+        self._wait_for_staging()
+        staging = self._staging[self._turn].numpy()
+        m = self.max_blocks_per_seq
+
+        h_seq = self._host(staging, "seq_lens", batch)
+        h_seq[:num_real] = seq
+        h_seq[num_real:] = 0
+
+        h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
+        h_cu[0] = 0
+        np.cumsum(np.concatenate([qlen, np.full(batch - num_real, pad_qlen)]), out=h_cu[1:])
+
+        h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
+        h_bt[:] = 0
+        rows = np.repeat(np.arange(num_real), num_blocks)
+        cols = np.arange(flat_blocks.size) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+        h_bt[rows, cols] = flat_blocks
+
+        # Token t of the real batch: sequence tok_seq[t], position seq - qlen + (index in seq).
+        real_tokens = int(qlen.sum())
+        tok_seq = np.repeat(np.arange(num_real), qlen)
+        pos = np.arange(real_tokens) - np.repeat(np.cumsum(qlen) - qlen, qlen)
+        pos += np.repeat(seq - qlen, qlen)
+        h_pos = self._host(staging, "positions", num_tokens)
+        h_slot = self._host(staging, "slot_mapping", num_tokens)
+        h_pos[:real_tokens] = pos
+        h_pos[real_tokens:] = 0
+        h_slot[:real_tokens] = h_bt[tok_seq, pos // self.block_size] * self.block_size
+        h_slot[:real_tokens] += pos % self.block_size
+        h_slot[real_tokens:] = -1
+
+        self._copy_to_device(self._offsets["block_tables"] + batch * m)
+        return AttentionMetadata(
+            seq_lens=self._dev("seq_lens", batch),
+            cu_seqlens_q=self._dev("cu_seqlens_q", batch + 1),
+            block_tables=self._dev("block_tables", batch * m).view(batch, m),
+            slot_mapping=self._dev("slot_mapping", num_tokens),
+            positions=self._dev("positions", num_tokens),
+            num_seqs=batch,
+            num_tokens=num_tokens,
+            max_query_len=max(int(qlen.max(initial=0)), pad_qlen if batch > num_real else 0),
+            max_seq_len=int(seq.max(initial=0)),
+            q_per_seq=q_per_seq,
+        )
+
+    def _validate(self, seq: np.ndarray, qlen: np.ndarray, block_tables, pad_to) -> None:
+        if seq.ndim != 1 or qlen.shape != seq.shape or len(block_tables) != len(seq):
+            raise ValueError(
+                "seq_lens, query_lens and block_tables must have one entry per sequence, got "
+                f"{seq.shape}, {qlen.shape} and {len(block_tables)} entries"
+            )
+        batch = len(seq) if pad_to is None else pad_to
+        if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= len(seq)):
+            raise ValueError(f"pad_to must be an int >= the batch size {len(seq)}, got {pad_to!r}")
+        if batch > self.max_num_seqs:
+            raise ValueError(
+                f"the batch has {batch} sequences (padding included), more than "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        if np.any(qlen < 0) or np.any(qlen > seq):
+            b = int(np.argmax((qlen < 0) | (qlen > seq)))
+            raise ValueError(
+                f"query_lens[{b}]={int(qlen[b])} must be in 0..seq_lens[{b}]={int(seq[b])}"
+            )
+
+    def _wait_for_staging(self) -> None:
+        """The staging buffer about to be reused may still feed an async copy: wait for it."""
+        event = self._copy_done[self._turn]
+        if event is not None:
+            event.synchronize()
+
+    def _copy_to_device(self, n: int) -> None:
+        """One host-to-device copy of the staging prefix `[:n]`, then switch staging buffers."""
+        self._device_buf[:n].copy_(self._staging[self._turn][:n], non_blocking=True)
+        event = self._copy_done[self._turn]
+        if event is not None:
+            event.record()
+        self._turn ^= 1
