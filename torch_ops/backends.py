@@ -98,23 +98,10 @@ _CHECKS: dict[str, Callable] = {
 }
 
 
-def _debug_checks(op: str, args: tuple, kwargs: dict) -> None:
-    if op == "paged_decode":
-        checks.check_paged_data(args[1], args[3], args[4])
-    elif op == "paged_prefill":
-        cu = args[4].cpu()
-        checks.check_paged_data(args[1], args[3], args[5], cu[1:] - cu[:-1])
-    elif op == "kv_cache_write":
-        slots, cache = args[4].cpu(), args[2]
-        capacity = cache.shape[0] * cache.shape[1]
-        checks.expect(bool((slots < capacity).all()),
-                      f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
-
-
 def _run(op: str, args: tuple, kwargs: dict):
     _CHECKS[op](*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
     if checks.debug_checks_enabled():
-        _debug_checks(op, args, kwargs)
+        checks.check_data(op, args, kwargs)
     return select(op, args, kwargs).run(op, args, dict(kwargs))
 
 

@@ -360,18 +360,70 @@ def check_out_buffers(out, lse, out_shape, out_dtype, lse_shape, device) -> None
     expect(tuple(lse.shape) == tuple(lse_shape), f"lse must have shape {tuple(lse_shape)}, got {tuple(lse.shape)}")
 
 
+def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int) -> torch.Tensor:
+    cu = cu.cpu().long()
+    lens = cu[1:] - cu[:-1]
+    expect(int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == total,
+           f"{name} must start at 0, never decrease and end at {total}, got {cu.tolist()}")
+    return lens
+
+
 def check_paged_data(k_cache, block_tables, seq_lens, q_lens: torch.Tensor | None = None) -> None:
-    """Data-dependent checks of paged metadata (ATTN_DEBUG=1 only: these synchronize)."""
+    """Block ids within the cache, lengths within the block table and above the query lengths."""
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
-    lens = seq_lens.cpu()
+    lens = seq_lens.cpu().long()
     expect(bool((lens >= 0).all()) and bool((lens <= capacity).all()),
            f"seq_lens must be in 0..max_blocks_per_seq * block_size = 0..{capacity}, got {lens.tolist()}")
     if q_lens is not None:
-        ql = q_lens.cpu()
-        expect(bool((ql <= lens).all()) and bool((ql >= 0).all()),
-               f"query lengths {ql.tolist()} must be in 0..seq_lens {lens.tolist()}")
+        expect(bool((q_lens <= lens).all()),
+               f"query lengths {q_lens.tolist()} must not exceed seq_lens {lens.tolist()}")
     used = (torch.arange(block_tables.shape[1]) * block_size).unsqueeze(0) < lens.unsqueeze(1)
     ids = block_tables.cpu()[used]
     expect(bool(((ids >= 0) & (ids < num_blocks)).all()),
            f"block_tables entries used by seq_lens must be in 0..{num_blocks - 1}, got {ids.unique().tolist()}")
+
+
+def check_data(op: str, args: tuple, kwargs: dict) -> None:
+    """The data-dependent checks of `op` (ATTN_DEBUG=1 only: they synchronize with the device)."""
+    if op == "paged_decode":
+        check_paged_data(args[1], args[3], args[4])
+    elif op == "paged_prefill":
+        q_lens = _check_cu_seqlens(args[4], "cu_seqlens_q", args[0].shape[0])
+        check_paged_data(args[1], args[3], args[5], q_lens)
+    elif op == "context_attention":
+        _check_cu_seqlens(args[3], "cu_seqlens_q", args[0].shape[0])
+        _check_cu_seqlens(args[4], "cu_seqlens_k", args[1].shape[0])
+    elif op == "kv_cache_write":
+        capacity = args[2].shape[0] * args[2].shape[1]
+        expect(bool((args[4].cpu() < capacity).all()),
+               f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
+    elif op == "cache_attention":
+        _check_cache_attention_data(*args, **kwargs)
+
+
+def _check_cache_attention_data(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask, *,
+                                cache_mode, cache_layout, page_size, **_):
+    seqlens = _check_cu_seqlens(seqstarts, "seqstarts", query.shape[0])
+    kvlens = _check_cu_seqlens(kvstarts, "kvstarts", int(kvstarts.cpu()[-1]))
+    pos = start_pos.cpu().long()
+    expect(torch.equal(kvlens, pos + seqlens),
+           f"kvstarts must hold start_pos + seqlen keys per sequence: kv lengths {kvlens.tolist()}, "
+           f"start_pos {pos.tolist()}, seqlens {seqlens.tolist()}")
+    longest_q, longest_kv = max(seqlens.tolist(), default=0), max(kvlens.tolist(), default=0)
+    expect(longest_q <= max_seqlen and longest_kv <= max_kvlen,
+           f"max_seqlen/max_kvlen ({max_seqlen}/{max_kvlen}) must bound the lengths ({longest_q}/{longest_kv})")
+    max_t = cache.shape[cache_layout_dims(cache_layout)[0]]
+    starts = cachestarts.cpu().long()
+    if cache_mode == 0:
+        last_row = starts + kvlens - 1
+    else:
+        expect(bool((kvlens <= starts.shape[1] * page_size).all()),
+               f"kv lengths {kvlens.tolist()} exceed MaxP * page_size = {starts.shape[1] * page_size}")
+        last_row = starts + page_size - 1
+    expect(bool((starts >= 0).all()) and bool((last_row[kvlens > 0] < max_t).all()),
+           f"cachestarts must address rows within MaxT = {max_t}")
+    if attn_mask is not None:
+        expect(attn_mask.shape[-1] >= int(kvlens.sum()),
+               f"attn_mask last dim must be >= kvstarts[B] = {int(kvlens.sum())}, got {attn_mask.shape[-1]}")

@@ -1,0 +1,139 @@
+"""Bad input gets a ValueError/TypeError naming the argument, eagerly and at trace time; the
+data-dependent checks run under ATTN_DEBUG=1."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_ops  # noqa: F401
+
+from . import samples
+
+
+def _set(index_or_name, value):
+    """An edit of a sample's (args, kwargs): replace a positional argument or a keyword."""
+
+    def edit(args, kwargs):
+        args = list(args)
+        if isinstance(index_or_name, int):
+            args[index_or_name] = value(args[index_or_name]) if callable(value) else value
+        else:
+            kwargs = {**kwargs, index_or_name: value(kwargs.get(index_or_name)) if callable(value) else value}
+        return tuple(args), kwargs
+
+    return edit
+
+
+def _both(i, j, value):
+    """The same edit applied to two positional arguments (k and v caches, key and value)."""
+    return lambda args, kwargs: _set(j, value)(*_set(i, value)(args, kwargs))
+
+
+# (op, variant, edit, error, message fragment)
+BAD = [
+    # dtypes
+    ("paged_decode", "gqa", _set(0, lambda q: q.to(torch.int32)), TypeError, "query must have dtype"),
+    ("paged_decode", "gqa", _set(0, lambda q: q.float()), TypeError, "query must have dtype"),
+    ("paged_decode", "gqa", _set(1, lambda k: k.half()), TypeError, "v_cache dtype"),
+    ("paged_decode", "gqa", _set(4, lambda s: s.float()), TypeError, "seq_lens must have dtype"),
+    ("context_attention", "causal", _set(1, lambda k: k.float()), TypeError, "share one dtype"),
+    ("kv_cache_write", "bf16", _both(2, 3, lambda c: c.to(torch.int16)), TypeError, "KV cache dtype"),
+    # devices
+    ("paged_decode", "gqa", _set(3, lambda t: t.to("meta")), ValueError, "block_tables must be on cpu"),
+    ("context_attention", "causal", _set(4, lambda t: t.to("meta")), ValueError, "cu_seqlens_k must be on cpu"),
+    # head counts and head dims
+    ("paged_decode", "gqa", _set(0, lambda q: q[:, :3].contiguous()), ValueError, "multiple of the KV heads"),
+    ("context_attention", "causal", _set(0, lambda q: q[:, :3].contiguous()), ValueError, "multiple of the KV heads"),
+    ("paged_decode", "gqa", _set(0, lambda q: q[..., :8].contiguous()), ValueError, "k_cache last dim must be 8"),
+    ("context_attention", "causal", _both(1, 2, lambda k: k[..., :8].contiguous()), ValueError, "key head dim"),
+    # block tables and metadata
+    ("paged_decode", "gqa", _set(3, lambda t: t[0]), ValueError, "block_tables must be 2-D"),
+    ("paged_decode", "gqa", _set(3, lambda t: t[:2]), ValueError, "block_tables must have one row per sequence"),
+    ("paged_decode", "gqa", _set(0, lambda q: q[:2]), ValueError, "query tokens"),
+    ("paged_prefill", "mixed", _set(4, lambda c: c[:-1]), ValueError, "cu_seqlens_q must have shape"),
+    ("context_attention", "causal", _set(4, lambda c: c[:-1]), ValueError, "cu_seqlens_k must have shape"),
+    ("kv_cache_write", "bf16", _set(4, lambda s: s[:-1]), ValueError, "slot_mapping must have shape"),
+    # layouts
+    ("paged_decode", "gqa", _set(1, lambda k: k.transpose(1, 3)), ValueError, "k_cache"),
+    ("paged_decode", "gqa", _set(1, lambda k: k.repeat(1, 1, 1, 2)[..., ::2]), ValueError, "contiguous last dim"),
+    ("paged_decode", "gqa", _both(1, 2, lambda k: k.repeat(1, 65, 1, 1)), ValueError, "block_size"),
+    ("cache_attention", "offset", _set("cache_layout", 5), ValueError, "cache_layout must be one of"),
+    ("cache_attention", "offset", _set(10, lambda c: c.transpose(0, 1)), ValueError, "cache must be"),
+    # scales
+    ("paged_decode", "fp8", _set("k_scale", torch.ones(3)), ValueError, "k_scale must be 0-d or [2]"),
+    ("paged_decode", "fp8", _set("v_scale", None), ValueError, "v_scale is required"),
+    ("paged_decode", "fp8", _set("k_scale", lambda s: s.double()), TypeError, "k_scale must have dtype"),
+    ("paged_decode", "int8", _set("k_scale", lambda s: s[..., :1].repeat(1, 1, 1, 3)), ValueError, "G dividing"),
+    ("paged_decode", "gqa", _set("k_scale", torch.ones(())), ValueError, "only for FP8/INT8/INT4"),
+    ("context_attention", "fp8", _set("q_scale", None), ValueError, "q_scale is required"),
+    ("context_attention", "causal", _set("q_scale", torch.ones(())), ValueError, "only for float8_e4m3fn"),
+    ("paged_decode", "gqa", _set("out_scale", torch.ones(2)), ValueError, "out_scale must be a 0-d"),
+    ("cache_attention", "int8", _set(11, None), ValueError, "scale is required"),
+    ("cache_attention", "int8", _set("quant_group", 6), ValueError, "quant_group (6) must divide"),
+    ("cache_attention", "int8", _set(11, lambda s: s[..., :1]), ValueError, "scale must have the cache's layout"),
+    # options
+    ("paged_decode", "gqa", _set("window_left", -2), ValueError, "window_left"),
+    ("paged_decode", "gqa", _set("softcap", -1.0), ValueError, "softcap"),
+    ("paged_decode", "gqa", _set("alibi_slopes", torch.ones(3)), ValueError, "alibi_slopes must have shape"),
+    ("paged_decode", "gqa", _set("sinks", torch.ones(4, dtype=torch.float16)), TypeError, "sinks must have dtype"),
+    ("paged_decode", "gqa", _set("scale", 0.0), ValueError, "scale must be > 0"),
+    ("context_attention", "causal", _set("out_dtype", torch.int8), TypeError, "out_dtype"),
+    ("kv_cache_write", "rope", _set("positions", None), ValueError, "RoPE needs both"),
+    ("kv_cache_write", "rope", _set("cos_sin_cache", lambda c: c[:, :3]), ValueError, "rotary_dim"),
+    ("merge_states", "plain", _set(1, lambda l: l.double()), TypeError, "lse_a must have dtype"),
+    ("merge_states", "plain", _set(2, lambda o: o[:, :2]), ValueError, "out_b"),
+    ("cache_attention", "offset", _set("num_kv_heads", 3), ValueError, "multiple of num_kv_heads"),
+    ("cache_attention", "offset", _set("layer_idx", 2), ValueError, "layer_idx must be in"),
+    ("cache_attention", "offset", _set(7, torch.tensor([0.5])), TypeError, "decoding_batches"),
+]
+
+
+@pytest.mark.parametrize("op,variant,edit,error,match", BAD, ids=[f"{b[0]}-{b[4][:30]}" for b in BAD])
+def test_bad_input_raises(op, variant, edit, error, match):
+    args, kwargs = edit(*samples.sample(op, variant))
+    with pytest.raises(error, match=match.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        getattr(torch.ops.attn, op)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("case", [BAD[0], BAD[8], BAD[23]], ids=["dtype", "heads", "scale"])
+def test_bad_input_raises_at_trace_time(case):
+    """The fakes run the same checks, so torch.compile reports bad input while tracing."""
+    op, variant, edit, error, match = case
+    args, kwargs = edit(*samples.sample(op, variant))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(error, match=match.split("[")[0]):
+            getattr(torch.ops.attn, op)(*fake_args, **kwargs)
+
+
+def test_out_buffers_are_checked():
+    args, kwargs = samples.paged_decode("gqa")
+    out, lse = torch.ops.attn.paged_decode(*args, **kwargs)
+    with pytest.raises(ValueError, match="out must have shape"):
+        torch.ops.attn.paged_decode.out(*args, **kwargs, out=out[1:], lse=lse)
+    with pytest.raises(TypeError, match="out must have dtype"):
+        torch.ops.attn.paged_decode.out(*args, **kwargs, out=out.float(), lse=lse)
+    with pytest.raises(TypeError, match="lse must have dtype"):
+        torch.ops.attn.paged_decode.out(*args, **kwargs, out=out, lse=lse.half())
+
+
+# Data-dependent checks: silent on the fast path, errors with ATTN_DEBUG=1.
+DATA_BAD = [
+    ("paged_decode", "gqa", _set(3, lambda t: t + 1000), "block_tables entries"),
+    ("paged_decode", "gqa", _set(4, lambda s: s + 100), "seq_lens must be in"),
+    ("paged_prefill", "mixed", _set(4, lambda c: c.flip(0)), "cu_seqlens_q must start at 0"),
+    ("paged_prefill", "mixed", _set(5, lambda s: s * 0), "query lengths"),
+    ("context_attention", "causal", _set(3, lambda c: c - 1), "cu_seqlens_q must start at 0"),
+    ("kv_cache_write", "bf16", _set(4, lambda s: s + 10_000), "slot_mapping entries"),
+    ("cache_attention", "offset", _set(6, lambda p: p + 1), "kvstarts must hold start_pos"),
+    ("cache_attention", "offset", _set(5, lambda c: c + 40), "cachestarts must address rows"),
+    ("cache_attention", "offset", _set(8, 0), "max_seqlen/max_kvlen"),
+]
+
+
+@pytest.mark.parametrize("op,variant,edit,match", DATA_BAD, ids=[d[3][:30] for d in DATA_BAD])
+def test_data_checks_under_attn_debug(op, variant, edit, match, monkeypatch):
+    args, kwargs = edit(*samples.sample(op, variant))
+    monkeypatch.setenv("ATTN_DEBUG", "1")
+    with pytest.raises(ValueError, match=match):
+        getattr(torch.ops.attn, op)(*args, **kwargs)
