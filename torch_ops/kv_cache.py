@@ -264,6 +264,9 @@ def random_(cache: PagedKVCache, generator: torch.Generator | None = None) -> Pa
     Values are drawn on the generator's device (the cache's device without one).
     """
     fmt = cache.format
+    if fmt is quant.KVFormat.FP8 and cache.k_scale.data_ptr() == cache.v_scale.data_ptr():
+        raise ValueError("random_ calibrates k_scale and v_scale separately: they must not "
+                         "share memory")
     shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
     gen_device = generator.device if generator is not None else cache.k.device
     for x, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):

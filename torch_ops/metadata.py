@@ -80,6 +80,7 @@ class MetadataBuilder:
         # Two staging buffers used in turn: build N waits only for the copy of build N - 2.
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._copy_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._staging_np = [buf.numpy() for buf in self._staging]
         self._turn = 0
 
     def _host(self, staging: np.ndarray, name: str, n: int) -> np.ndarray:
@@ -100,7 +101,9 @@ class MetadataBuilder:
     ) -> AttentionMetadata:
         """Metadata for `B` sequences from host data: `seq_lens[b]` keys (new tokens included),
         `query_lens[b]` new tokens (the last ones), `block_tables[b]` the block ids of sequence
-        `b` (ragged lists; `seq_lens[b] <= len(block_tables[b]) * block_size`).
+        `b` (ragged lists; `seq_lens[b] <= len(block_tables[b]) * block_size`). A 2-D host array
+        `[B, n]` (numpy or CPU tensor) of block ids is accepted too, and is much faster for long
+        tables: each row then has `n` blocks, all of them valid ids (pad rows with 0).
 
         `pad_to` pads the batch to that many sequences (CUDA-graph buckets) with `seq_len 0`
         sequences and zero block-table rows. Their query length is 0, except when the real batch
@@ -108,37 +111,14 @@ class MetadataBuilder:
         query rows (slot -1, position 0), so `T = pad_to * k` and the padded batch stays uniform
         for `paged_decode`, which yields zeros for `seq_len 0`.
         """
-        seq = np.asarray(seq_lens, dtype=np.int64)
-        qlen = np.asarray(query_lens, dtype=np.int64)
+        seq, qlen, num_blocks, flat_blocks = self._parse(seq_lens, query_lens, block_tables, pad_to)
         num_real = len(seq)
-        self._validate(seq, qlen, block_tables, pad_to)
-        num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_real)
-        if num_real and (num_blocks.max() > self.max_blocks_per_seq):
-            raise ValueError(
-                f"block_tables rows must have at most max_blocks_per_seq="
-                f"{self.max_blocks_per_seq} blocks, got {int(num_blocks.max())}"
-            )
-        if np.any(seq > num_blocks * self.block_size):
-            b = int(np.argmax(seq > num_blocks * self.block_size))
-            raise ValueError(
-                f"seq_lens[{b}]={int(seq[b])} exceeds its block table's capacity "
-                f"{int(num_blocks[b])} blocks * block_size {self.block_size}"
-            )
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
-                                  count=int(num_blocks.sum()))
-        if flat_blocks.size and (flat_blocks.min() < 0
-                                 or (flat_blocks.max() + 1) * self.block_size > _INT32_MAX):
-            raise ValueError(
-                "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
-                f"{int(flat_blocks.min())}..{int(flat_blocks.max())}"
-            )
-
         # Uniform batches keep query rows in padding sequences (see the docstring).
         uniform = num_real > 0 and qlen[0] > 0 and bool(np.all(qlen == qlen[0]))
         q_per_seq = int(qlen[0]) if uniform else 0
         batch = num_real if pad_to is None else pad_to
-        pad_qlen = q_per_seq
-        num_tokens = int(qlen.sum()) + (batch - num_real) * pad_qlen
+        real_tokens = int(qlen.sum())
+        num_tokens = real_tokens + (batch - num_real) * q_per_seq
         if num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"the batch has {num_tokens} query tokens (padding included), more than "
@@ -146,7 +126,7 @@ class MetadataBuilder:
             )
 
         self._wait_for_staging()
-        staging = self._staging[self._turn].numpy()
+        staging = self._staging_np[self._turn]
         m = self.max_blocks_per_seq
 
         h_seq = self._host(staging, "seq_lens", batch)
@@ -155,16 +135,13 @@ class MetadataBuilder:
 
         h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
         h_cu[0] = 0
-        np.cumsum(np.concatenate([qlen, np.full(batch - num_real, pad_qlen)]), out=h_cu[1:])
+        np.cumsum(np.concatenate([qlen, np.full(batch - num_real, q_per_seq)]), out=h_cu[1:])
 
         h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
         h_bt[:] = 0
-        rows = np.repeat(np.arange(num_real), num_blocks)
-        cols = np.arange(flat_blocks.size) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
-        h_bt[rows, cols] = flat_blocks
+        h_bt[:num_real][np.arange(m) < num_blocks[:, None]] = flat_blocks  # row-major order
 
         # Token t of the real batch: sequence tok_seq[t], position seq - qlen + (index in seq).
-        real_tokens = int(qlen.sum())
         tok_seq = np.repeat(np.arange(num_real), qlen)
         pos = np.arange(real_tokens) - np.repeat(np.cumsum(qlen) - qlen, qlen)
         pos += np.repeat(seq - qlen, qlen)
@@ -185,30 +162,65 @@ class MetadataBuilder:
             positions=self._dev("positions", num_tokens),
             num_seqs=batch,
             num_tokens=num_tokens,
-            max_query_len=max(int(qlen.max(initial=0)), pad_qlen if batch > num_real else 0),
+            max_query_len=int(qlen.max(initial=0)),
             max_seq_len=int(seq.max(initial=0)),
             q_per_seq=q_per_seq,
         )
 
-    def _validate(self, seq: np.ndarray, qlen: np.ndarray, block_tables, pad_to) -> None:
+    def _parse(self, seq_lens, query_lens, block_tables, pad_to):
+        """Validated host arrays: `(seq_lens, query_lens, blocks per sequence, all block ids)`."""
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        qlen = np.asarray(query_lens, dtype=np.int64)
         if seq.ndim != 1 or qlen.shape != seq.shape or len(block_tables) != len(seq):
             raise ValueError(
                 "seq_lens, query_lens and block_tables must have one entry per sequence, got "
                 f"{seq.shape}, {qlen.shape} and {len(block_tables)} entries"
             )
-        batch = len(seq) if pad_to is None else pad_to
         if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= len(seq)):
             raise ValueError(f"pad_to must be an int >= the batch size {len(seq)}, got {pad_to!r}")
+        batch = len(seq) if pad_to is None else pad_to
         if batch > self.max_num_seqs:
             raise ValueError(
                 f"the batch has {batch} sequences (padding included), more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-        if np.any(qlen < 0) or np.any(qlen > seq):
-            b = int(np.argmax((qlen < 0) | (qlen > seq)))
+        bad = (seq < 0) | (qlen < 0) | (qlen > seq)
+        if bad.any():
+            b = int(np.argmax(bad))
             raise ValueError(
-                f"query_lens[{b}]={int(qlen[b])} must be in 0..seq_lens[{b}]={int(seq[b])}"
+                f"need 0 <= query_lens[b] <= seq_lens[b], got query_lens[{b}]={int(qlen[b])}, "
+                f"seq_lens[{b}]={int(seq[b])}"
             )
+        if isinstance(block_tables, (np.ndarray, torch.Tensor)) and block_tables.ndim == 2:
+            # Fast path, same meaning as a list of equally long rows.
+            table = np.asarray(block_tables, dtype=np.int64)
+            num_blocks = np.full(len(seq), table.shape[1], dtype=np.int64)
+            flat_blocks = table.reshape(-1)
+        else:
+            num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(seq))
+            flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables),
+                                      dtype=np.int64, count=int(num_blocks.sum()))
+        too_long = num_blocks > self.max_blocks_per_seq
+        if too_long.any():
+            b = int(np.argmax(too_long))
+            raise ValueError(
+                f"block_tables[{b}] has {int(num_blocks[b])} blocks, more than "
+                f"max_blocks_per_seq={self.max_blocks_per_seq}"
+            )
+        over = seq > num_blocks * self.block_size
+        if over.any():
+            b = int(np.argmax(over))
+            raise ValueError(
+                f"seq_lens[{b}]={int(seq[b])} exceeds the capacity of block_tables[{b}]: "
+                f"{int(num_blocks[b])} blocks * block_size {self.block_size}"
+            )
+        if flat_blocks.size and (flat_blocks.min() < 0
+                                 or (flat_blocks.max() + 1) * self.block_size > _INT32_MAX):
+            raise ValueError(
+                "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
+                f"{int(flat_blocks.min())}..{int(flat_blocks.max())}"
+            )
+        return seq, qlen, num_blocks, flat_blocks
 
     def _wait_for_staging(self) -> None:
         """The staging buffer about to be reused may still feed an async copy: wait for it."""

@@ -122,7 +122,7 @@ DATA_BAD = [
     ("paged_decode", "gqa", _set(3, lambda t: t + 1000), "block_tables entries"),
     ("paged_decode", "gqa", _set(4, lambda s: s + 100), "seq_lens must be in"),
     ("paged_prefill", "mixed", _set(4, lambda c: c.flip(0)), "cu_seqlens_q must start at 0"),
-    ("paged_prefill", "mixed", _set(5, lambda s: s * 0), "query lengths"),
+    ("paged_prefill", "mixed", _set(5, lambda s: s * 0 + 1), "query lengths"),
     ("context_attention", "causal", _set(3, lambda c: c - 1), "cu_seqlens_q must start at 0"),
     ("kv_cache_write", "bf16", _set(4, lambda s: s + 10_000), "slot_mapping entries"),
     ("cache_attention", "offset", _set(6, lambda p: p + 1), "kvstarts must hold start_pos"),

@@ -1,0 +1,203 @@
+"""`torch_ops.metadata`: values against a plain Python computation, padding, fixed addresses,
+validation, and no device-to-host sync on CUDA."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from torch_ops.metadata import AttentionMetadata, MetadataBuilder
+
+BLOCK_SIZE = 4
+MAX_BLOCKS = 12
+
+
+def fresh_rng() -> random.Random:
+    """A Python RNG seeded from torch's, which tests/conftest.py seeds afresh for every test."""
+    return random.Random(int(torch.randint(0, 2**31, ())))
+
+
+def random_batch(rng: random.Random, num_seqs: int, *, decode_q: int = 0):
+    """Ragged sequences: decode (`decode_q` tokens each if given), else a mix of decode, chunked
+    prefill and full prefill. Block tables hold distinct ids and sometimes spare blocks."""
+    ids = rng.sample(range(1, 1000), num_seqs * MAX_BLOCKS)
+    seq_lens, query_lens, tables = [], [], []
+    for b in range(num_seqs):
+        seq_len = rng.randint(max(1, decode_q), MAX_BLOCKS * BLOCK_SIZE - 4)
+        q = decode_q or rng.choice([1, seq_len, rng.randint(0, seq_len)])
+        num_blocks = min(MAX_BLOCKS, -(-seq_len // BLOCK_SIZE) + rng.randint(0, 1))
+        seq_lens.append(seq_len)
+        query_lens.append(q)
+        tables.append(ids[b * MAX_BLOCKS:b * MAX_BLOCKS + num_blocks])
+    return seq_lens, query_lens, tables
+
+
+def expected_metadata(seq_lens, query_lens, tables, block_size=BLOCK_SIZE):
+    """The straightforward per-token computation (no padding)."""
+    cu, slots, positions = [0], [], []
+    for seq_len, q, table in zip(seq_lens, query_lens, tables):
+        cu.append(cu[-1] + q)
+        for i in range(q):
+            pos = seq_len - q + i
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    rows = [table + [0] * (MAX_BLOCKS - len(table)) for table in tables]
+    return cu, slots, positions, rows
+
+
+def check(md: AttentionMetadata, seq_lens, query_lens, tables):
+    cu, slots, positions, rows = expected_metadata(seq_lens, query_lens, tables)
+    for t in (md.seq_lens, md.cu_seqlens_q, md.block_tables, md.slot_mapping, md.positions):
+        assert t.dtype == torch.int32
+    assert md.seq_lens.tolist() == list(seq_lens)
+    assert md.cu_seqlens_q.tolist() == cu
+    assert md.block_tables.shape == (len(seq_lens), MAX_BLOCKS)
+    assert md.block_tables.tolist() == rows
+    assert md.slot_mapping.tolist() == slots
+    assert md.positions.tolist() == positions
+    assert (md.num_seqs, md.num_tokens) == (len(seq_lens), cu[-1])
+    assert md.max_query_len == max(query_lens, default=0)
+    assert md.max_seq_len == max(seq_lens, default=0)
+
+
+def builder(device="cpu", max_num_seqs=16, max_num_tokens=1024):
+    return MetadataBuilder(max_num_seqs, max_num_tokens, MAX_BLOCKS, BLOCK_SIZE, device)
+
+
+def test_random_ragged_batches():
+    rng = fresh_rng()
+    mb = builder()
+    for _ in range(10):  # the same builder, several steps
+        batch = random_batch(rng, rng.randint(1, 16))
+        md = mb.build(*batch)
+        check(md, *batch)
+        uniform = len(set(batch[1])) == 1 and batch[1][0] > 0
+        assert md.q_per_seq == (batch[1][0] if uniform else 0)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_batch(q):
+    rng = fresh_rng()
+    batch = random_batch(rng, 9, decode_q=q)
+    md = builder().build(*batch)
+    check(md, *batch)
+    assert md.q_per_seq == q and md.num_tokens == 9 * q
+
+
+def test_block_tables_as_2d_array():
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 7)
+    table = np.array([t + [0] * (MAX_BLOCKS - len(t)) for t in tables], dtype=np.int32)
+    from_lists = builder().build(seq_lens, query_lens, [list(r) for r in table])
+    for arg in (table, torch.from_numpy(table)):
+        md = builder().build(seq_lens, query_lens, arg)
+        for name in ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions"):
+            assert torch.equal(getattr(md, name), getattr(from_lists, name))
+    check(from_lists, seq_lens, query_lens, [list(r) for r in table])
+
+
+def test_padding_mixed_batch_adds_empty_sequences():
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 5)
+    query_lens[:2] = [1, 0]  # not uniform
+    md = builder().build(seq_lens, query_lens, tables, pad_to=8)
+    num_tokens = sum(query_lens)
+    assert md.num_seqs == 8 and md.num_tokens == num_tokens and md.q_per_seq == 0
+    assert md.seq_lens.tolist() == seq_lens + [0, 0, 0]
+    cu, slots, positions, rows = expected_metadata(seq_lens, query_lens, tables)
+    assert md.cu_seqlens_q.tolist() == cu + [num_tokens] * 3
+    assert md.block_tables.tolist() == rows + [[0] * MAX_BLOCKS] * 3
+    assert md.slot_mapping.tolist() == slots and md.positions.tolist() == positions
+
+
+def test_padding_uniform_decode_keeps_query_rows():
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 3, decode_q=2)
+    md = builder().build(seq_lens, query_lens, tables, pad_to=6)
+    assert md.num_seqs == 6 and md.num_tokens == 12 and md.q_per_seq == 2
+    assert md.seq_lens.tolist() == seq_lens + [0, 0, 0]
+    assert md.cu_seqlens_q.tolist() == list(range(0, 13, 2))
+    cu, slots, positions, rows = expected_metadata(seq_lens, query_lens, tables)
+    assert md.block_tables.tolist() == rows + [[0] * MAX_BLOCKS] * 3
+    assert md.slot_mapping.tolist() == slots + [-1] * 6
+    assert md.positions.tolist() == positions + [0] * 6
+    assert md.max_query_len == 2
+
+
+def test_buffers_keep_their_addresses():
+    rng = fresh_rng()
+    mb = builder()
+    first = mb.build(*random_batch(rng, 4, decode_q=1), pad_to=16)
+    ptrs = [t.data_ptr() for t in (first.seq_lens, first.cu_seqlens_q, first.block_tables,
+                                   first.slot_mapping, first.positions)]
+    for num_seqs in (16, 1, 9):
+        batch = random_batch(rng, num_seqs, decode_q=1)
+        md = mb.build(*batch, pad_to=16)
+        assert [t.data_ptr() for t in (md.seq_lens, md.cu_seqlens_q, md.block_tables,
+                                       md.slot_mapping, md.positions)] == ptrs
+        assert md.seq_lens.tolist() == batch[0] + [0] * (16 - num_seqs)
+        assert md.slot_mapping.tolist()[num_seqs:] == [-1] * (16 - num_seqs)
+        check(mb.build(*batch), *batch)  # unpadded builds reuse the same memory too
+
+
+def test_empty_batch():
+    md = builder().build([], [], [], pad_to=2)
+    assert md.seq_lens.tolist() == [0, 0] and md.cu_seqlens_q.tolist() == [0, 0, 0]
+    assert md.num_tokens == 0 and md.slot_mapping.numel() == 0
+    assert (md.q_per_seq, md.max_query_len, md.max_seq_len) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, query_lens, tables, kwargs, message",
+    [
+        ([5], [6], [[1, 2]], {}, r"query_lens\[0\]=6, seq_lens\[0\]=5"),
+        ([5, 3], [1, -1], [[1, 2], [3]], {}, r"query_lens\[1\]=-1"),
+        ([5, 9], [1, 1], [[1, 2], [3, 4]], {}, r"seq_lens\[1\]=9 exceeds the capacity of "
+                                                 r"block_tables\[1\]: 2 blocks \* block_size 4"),
+        ([5], [1], [[1, 2]] * 2, {}, "one entry per sequence"),
+        ([5, 5], [1], [[1, 2]] * 2, {}, "one entry per sequence"),
+        ([5], [1], [list(range(1, 14))], {}, r"block_tables\[0\] has 13 blocks, more than "
+                                             "max_blocks_per_seq=12"),
+        ([5], [1], [[1, -2]], {}, "block ids must be >= 0"),
+        ([5], [1], [[1, 2**30]], {}, "within int32"),
+        ([1] * 17, [1] * 17, [[1]] * 17, {}, "17 sequences .* max_num_seqs=16"),
+        ([1] * 3, [1] * 3, [[1]] * 3, {"pad_to": 17}, "17 sequences"),
+        ([1] * 3, [1] * 3, [[1]] * 3, {"pad_to": 2}, "pad_to must be an int >= the batch size 3"),
+        ([40] * 4, [40] * 4, [list(range(10))] * 4, {"pad_to": 8}, "320 query tokens .* "
+                                                                   "max_num_tokens=200"),
+    ],
+)
+def test_bad_input(seq_lens, query_lens, tables, kwargs, message):
+    mb = builder(max_num_tokens=200)
+    with pytest.raises(ValueError, match=message):
+        mb.build(seq_lens, query_lens, tables, **kwargs)
+
+
+def test_builder_rejects_bad_capacities():
+    with pytest.raises(ValueError, match="max_num_tokens must be a positive int, got 0"):
+        MetadataBuilder(4, 0, 4, 16, "cpu")
+
+
+@pytest.mark.gpu  # skipped without CUDA by tests/conftest.py
+def test_cuda_build_never_syncs():
+    rng = fresh_rng()
+    mb = builder("cuda")
+    batches = [random_batch(rng, n) for n in (5, 16, 2, 11)]
+    results = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:  # more builds than staging buffers
+            md = mb.build(*batch, pad_to=16)
+            results.append([t.clone() for t in (md.seq_lens, md.cu_seqlens_q, md.block_tables,
+                                                md.slot_mapping, md.positions)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert md.seq_lens.device.type == "cuda"
+    reference = builder("cpu")
+    for batch, got in zip(batches, results):
+        md = reference.build(*batch, pad_to=16)
+        want = (md.seq_lens, md.cu_seqlens_q, md.block_tables, md.slot_mapping, md.positions)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
