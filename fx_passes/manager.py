@@ -1,0 +1,61 @@
+"""The pass manager: which passes run, in which order, and the FX-graph-cache key that covers them.
+
+Order (`PASSES`):
+
+1. `sdpa_to_attn`: attention (SDPA, matmul-softmax-matmul) onto `attn::context_attention`.
+
+A pass is a module with `apply(graph: torch.fx.Graph) -> int` that rewrites Dynamo's torch-level
+graph in place and returns its number of rewrites; it logs why it declined a candidate on a child
+of the `fx_passes` logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import sdpa_to_attn
+
+
+@dataclasses.dataclass(frozen=True)
+class PassConfig:
+    """One switch per pass, named after its module."""
+
+    sdpa_to_attn: bool = True
+
+
+PASSES: dict[str, Callable[[fx.Graph], int]] = {
+    "sdpa_to_attn": sdpa_to_attn.apply,
+}
+
+_SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
+
+
+class PassManager(CustomGraphPass):
+    """Runs `user_passes` (what the hook held before; they see the graph as Dynamo made it),
+    then the passes `config` enables, counting matches in
+    `torch._dynamo.utils.counters["attn"]["<pass>_matched"]`."""
+
+    def __init__(self, config: PassConfig | None = None, user_passes: tuple[Callable, ...] = ()):
+        self.config = config or PassConfig()
+        self.user_passes = tuple(user_passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for user_pass in self.user_passes:
+            user_pass(graph)
+        for name, apply in PASSES.items():
+            if getattr(self.config, name):
+                counters["attn"][f"{name}_matched"] += apply(graph)
+
+    def uuid(self) -> Any:
+        """A hash of this package's sources, the config and the user passes' uuids; None (no
+        caching, as Inductor does for them) if a user pass has no uuid."""
+        user = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.user_passes]
+        if None in user:
+            return None
+        return get_hash_for_files(_SOURCES, extra=repr((self.config, user))).hex()

@@ -1,0 +1,346 @@
+"""Rewrite attention over `[B, H, S, D]` tensors onto `torch.ops.attn.context_attention`.
+
+Recognized spellings, in Dynamo's torch-level graph:
+
+* `F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` without
+  mask or dropout;
+* `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
+  scalings by constants (`*`, `/`; none means scale 1) and at most one causal
+  `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
+  (`~`, `logical_not`, `== 0`); float casts around the softmax (fp32 softmax) and eval-mode
+  dropout are allowed.
+
+K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
+or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
+un-repeated: GQA. The rewrite packs `[B, H, S, D]` to `[B*S, H, D]` with
+`cu_seqlens = arange(B + 1) * S` and returns a `[B, H, S, D]` view of the packed output (the
+layout flash SDPA returns on CUDA).
+
+Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
+other mask, dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
+attention that autograd records (the op has no autograd formula: compile under no_grad),
+q/k/v head dims that differ, non-constant scales (`/ math.sqrt(q.size(-1))` under
+`dynamic=True` is symbolic), attention weights used elsewhere, and causal attention unless
+Sq == Sk is guaranteed: SDPA's `is_causal` (and a `triu` mask) is aligned top-left, the op's
+causal mask bottom-right.
+
+A direct walk of the pre-grad graph rather than `register_replacement`: the pattern matcher
+matches ATen graphs, in which SDPA has already been lowered to a device-, dtype- and
+version-specific op (with torch 2.11: `_scaled_dot_product_flash_attention_for_cpu` on CPU,
+`_scaled_dot_product_cudnn_attention` for fp16 on an H200) and the matmul spelling may already
+have been rewritten by Inductor's `fuse_attention`. Here each spelling has a few forms (which
+`torch_ir.call` folds together) whose arguments are read and checked directly, and each decline
+can name its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx as fx
+
+import torch_ops  # noqa: F401  (registers torch.ops.attn)
+
+from .torch_ir import Call, call, erase_unused, is_tensor, known_equal, source_line, value
+
+log = logging.getLogger(__name__)
+
+NAME = "sdpa_to_attn"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEVICES = ("cpu", "cuda")
+_CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "contiguous"}
+
+
+def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None):
+    """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
+    `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`)."""
+    b, hq, sq, d = query.shape
+    sk = key.shape[2]
+
+    def pack(x):
+        return x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], d)
+
+    def cu_seqlens(s):
+        return torch.arange(b + 1, dtype=torch.int32, device=query.device) * s
+
+    out, _ = torch.ops.attn.context_attention(
+        pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale)
+    return out.view(b, sq, hq, d).transpose(1, 2)
+
+
+class Decline(Exception):
+    """An attention the op cannot serve exactly; the message is the reason."""
+
+
+@dataclasses.dataclass
+class Attention:
+    """A recognized attention: `node` computes it; `nodes` become dead once it is replaced."""
+
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    causal: bool
+    scale: float | None
+    nodes: list[fx.Node]
+
+
+def apply(graph: fx.Graph) -> int:
+    """Rewrite every attention in `graph` that the op can serve; returns how many."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        c = call(node)
+        match = _MATCHERS.get(c.name) if c is not None else None
+        if match is None:
+            continue
+        try:
+            attention = match(node, c)
+            if attention is None:
+                continue
+            example = _example_output(attention)
+        except Decline as reason:
+            log.debug("%s declined %s at %s: %s", NAME, node.name, source_line(node), reason)
+            continue
+        _replace(graph, attention, example)
+        rewritten += 1
+    return rewritten
+
+
+def _match_sdpa(node: fx.Node, c: Call) -> Attention:
+    """`F.scaled_dot_product_attention`. Heads: equal, or one K/V head broadcast, or GQA with
+    enable_gqa; all three mean what the op means by query head h reading KV head h // (Hq / Hkv)."""
+    if c.arg(3, "attn_mask") is not None:
+        raise Decline("attn_mask is given (only is_causal masks are served)")
+    dropout_p = c.arg(4, "dropout_p", 0.0)
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise Decline(f"dropout_p={dropout_p} (only 0 is served)")
+    causal, scale = c.arg(5, "is_causal", False), c.arg(6, "scale")
+    if not isinstance(causal, bool):
+        raise Decline("is_causal is not a constant bool")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise Decline("scale is not a constant")
+    return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
+                      scale=None if scale is None else float(scale), nodes=[node])
+
+
+def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
+    """`softmax(scores) @ v`, or None if `node` is some other matmul."""
+    x, v = c.input, c.arg(1, "other")
+    chain = []  # from the probabilities back to q @ k^T: each must have one user
+    while (cx := call(x)) is not None and (_is_float_cast(x, cx) or cx.name == "dropout"):
+        _check_eval_dropout(cx)
+        chain.append(x)
+        x = cx.input
+    if cx is None or cx.name != "softmax":
+        return None
+    chain.append(x)
+    if cx.arg(1, "dim") not in (-1, 3):
+        raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
+    scale, causal, mask_nodes = 1.0, False, []
+    x = cx.input
+    while (cx := call(x)) is not None and cx.name != "matmul":
+        chain.append(x)
+        if _is_float_cast(x, cx):
+            x = cx.input
+        elif cx.name in ("mul", "div"):
+            x, factor = _scaling(cx)
+            scale = scale * factor if cx.name == "mul" else scale / factor
+        elif cx.name == "masked_fill" and not causal:
+            x, causal = _causal_fill(cx, mask_nodes), True
+        else:
+            raise Decline(f"the scores pass through {cx.name} (understood: constant scaling, casts, "
+                          "one causal masked_fill)")
+    if cx is None:
+        raise Decline("the scores are not q @ k^T")
+    chain.append(x)
+    for n in chain:
+        if len(n.users) != 1:
+            raise Decline(f"{n.name} is used outside the attention (e.g. returned attention weights)")
+    if scale <= 0:
+        raise Decline(f"scale {scale} is not positive")
+    kt = cx.arg(1, "other")
+    return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
+                      nodes=[node, *chain, kt, *mask_nodes])
+
+
+_MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
+
+
+def _attention(node, q, k, v, *, causal, scale, nodes) -> Attention:
+    """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
+    if not all(is_tensor(x) for x in (q, k, v)):
+        raise Decline("query, key or value is not a tensor")
+    (k_base, k_reps, k_nodes), (v_base, v_reps, v_nodes) = _unrepeat(k), _unrepeat(v)
+    if known_equal(k_reps, v_reps):
+        k, v = k_base, v_base
+        nodes = nodes + k_nodes + v_nodes
+    qv, kv, vv = value(q), value(k), value(v)
+    if not qv.dim() == kv.dim() == vv.dim() == 4:
+        raise Decline(f"query/key/value are {qv.dim()}/{kv.dim()}/{vv.dim()}-D, not [B, H, S, D]")
+    if not qv.dtype == kv.dtype == vv.dtype or qv.dtype not in DTYPES:
+        raise Decline(f"dtypes {qv.dtype}/{kv.dtype}/{vv.dtype} (served: one of fp16, bf16, fp32)")
+    if qv.device.type not in DEVICES or not qv.device == kv.device == vv.device:
+        raise Decline(f"devices {qv.device}/{kv.device}/{vv.device} (served: one CPU or CUDA device)")
+    if value(node).requires_grad:
+        raise Decline("autograd records it; attn ops are inference-only (run under torch.no_grad())")
+    if not known_equal(qv.shape[3], kv.shape[3]) or not known_equal(kv.shape[3], vv.shape[3]):
+        raise Decline(f"head dims differ: query {qv.shape[3]}, key {kv.shape[3]}, value {vv.shape[3]}")
+    if not known_equal(kv.shape, vv.shape) or not known_equal(qv.shape[0], kv.shape[0]):
+        raise Decline(f"shapes query {tuple(qv.shape)}, key {tuple(kv.shape)}, value {tuple(vv.shape)}: "
+                      "need one batch size and key/value of one shape")
+    if causal and not known_equal(qv.shape[2], kv.shape[2]):
+        raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
+                      "aligns the mask top-left, context_attention bottom-right")
+    return Attention(node, q, k, v, causal, scale, nodes)
+
+
+def _example_output(attention: Attention) -> torch.Tensor:
+    """The replacement's output on the example values; the op's own checks run here."""
+    a = attention
+    args = (value(a.query), value(a.key), value(a.value))
+    try:
+        with args[0].fake_mode:
+            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale)
+    except (TypeError, ValueError) as e:
+        raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
+
+
+def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
+    a = attention
+    with graph.inserting_before(a.node):
+        new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
+                                  {"causal": a.causal, "scale": a.scale})
+    new.meta.update(a.node.meta)
+    new.meta["example_value"] = example
+    a.node.replace_all_uses_with(new)
+    erase_unused(graph, a.nodes)
+
+
+def _is_float_cast(x, c: Call) -> bool:
+    return c.name in _CASTS and is_tensor(x) and value(x).dtype.is_floating_point
+
+
+def _check_eval_dropout(c: Call) -> None:
+    if c.name != "dropout":
+        return
+    p, training = c.arg(1, "p", 0.5), c.arg(2, "training", c.kwargs.get("train", True))
+    if not isinstance(p, (int, float)) or not isinstance(training, bool) or (training and p != 0):
+        raise Decline(f"dropout (p={p}, training={training}) on the attention probabilities")
+
+
+def _scaling(c: Call) -> tuple[fx.Node, float]:
+    """(scores, factor) of `scores * factor`, `factor * scores` or `scores / factor`."""
+    a, b = c.input, c.arg(1, "other")
+    if c.name == "mul" and not is_tensor(a):
+        a, b = b, a
+    if c.kwargs.get("rounding_mode") is not None or isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise Decline(f"scores {c.name} by {getattr(b, 'name', b)}, not by a constant")
+    return a, float(b)
+
+
+def _causal_fill(c: Call, nodes: list) -> fx.Node:
+    """The scores of `scores.masked_fill(mask, -inf)` whose mask is true exactly above the
+    diagonal; collects the mask's nodes into `nodes`."""
+    scores, mask, fill = c.input, c.arg(1, "mask"), c.arg(2, "value")
+    if not isinstance(fill, (int, float)) or not fill <= torch.finfo(value(scores).dtype).min:
+        raise Decline(f"masked_fill with {getattr(fill, 'name', fill)}, not -inf")
+    if not is_tensor(mask):
+        raise Decline("the masked_fill mask is not a tensor")
+    mask_shape, scores_shape = value(mask).shape, value(scores).shape
+    if not known_equal(mask_shape[-2:], scores_shape[-2:]) or not all(known_equal(s, 1) for s in mask_shape[:-2]):
+        raise Decline(f"mask shape {tuple(mask_shape)} is not [..., Sq, Sk] with leading ones")
+    if _triangle(mask, nodes) != ("triu", 1):
+        raise Decline(f"mask {mask.name} is not recognized as causal (triu(ones, 1) or its complement)")
+    return scores
+
+
+def _triangle(x, nodes: list) -> tuple[str, int] | None:
+    """`("triu", d)` if `x` is nonzero exactly where `col - row >= d`, `("tril", d)` where
+    `col - row <= d`; None if not recognized. Collects the nodes read into `nodes`."""
+    c = call(x)
+    if c is None:
+        return None
+    nodes.append(x)
+    if c.name in ("triu", "tril"):
+        diagonal = c.arg(1, "diagonal", 0)
+        return (c.name, diagonal) if isinstance(diagonal, int) and _all_ones(c.input, nodes) else None
+    if c.name in _CASTS or c.name == "bool":
+        return _triangle(c.input, nodes)
+    negated = (c.name == "logical_not" or (c.name == "invert" and value(x).dtype == torch.bool)
+               or (c.name == "eq" and c.arg(1, "other") in (0, False)))
+    inner = _triangle(c.input, nodes) if negated else None
+    if inner is None:
+        return None
+    kind, d = inner
+    return ("tril", d - 1) if kind == "triu" else ("triu", d + 1)
+
+
+def _all_ones(x, nodes: list) -> bool:
+    c = call(x)
+    if c is None or c.name not in _CASTS | {"bool", "ones", "ones_like", "new_ones"}:
+        return False
+    nodes.append(x)
+    return c.name in ("ones", "ones_like", "new_ones") or _all_ones(c.input, nodes)
+
+
+def _untransposed(kt) -> fx.Node:
+    """`k` of `k.transpose(-2, -1)` (any spelling of the last two dims) or `k.permute(0, 1, 3, 2)`."""
+    c = call(kt)
+    if c is not None and _is_4d(c.input):
+        if c.name in ("transpose", "swapaxes", "swapdims"):
+            dims, swapped = (c.arg(1, "dim0"), c.arg(2, "dim1")), ([2, 3], [3, 2])
+        elif c.name == "permute":
+            dims = c.args[1] if len(c.args) == 2 and isinstance(c.args[1], (tuple, list)) else c.args[1:]
+            swapped = ([0, 1, 3, 2],)
+        else:
+            dims, swapped = (), ()
+        if all(isinstance(d, int) for d in dims) and [d % 4 for d in dims] in swapped:
+            return c.input
+    raise Decline("the keys in q @ k^T are not k transposed in the last two dims")
+
+
+def _unrepeat(x) -> tuple[fx.Node, int, list[fx.Node]]:
+    """`(base, n, nodes)` if `x` repeats each head of `base [B, Hkv, S, D]` n times along dim 1
+    (head h of `x` is head h // n of `base`), computed by `nodes`; else `(x, 1, [])`."""
+    c = call(x)
+    if c is None or not _is_4d(x):
+        return x, 1, []
+    out = value(x).shape
+    if c.name == "repeat_interleave" and _is_4d(c.input) and c.arg(2, "dim") in (1, -3) \
+            and isinstance(c.arg(1, "repeats"), int):
+        return c.input, c.arg(1, "repeats"), [x]
+    if c.name == "expand" and _is_4d(c.input):  # one KV head (MQA)
+        b, h, s, d = value(c.input).shape
+        if known_equal(h, 1) and known_equal(out, (b, out[1], s, d)):
+            return c.input, out[1], [x]
+    expand = call(c.input)
+    if c.name in ("reshape", "view", "flatten") and expand is not None and expand.name == "expand" \
+            and value(c.input).dim() == 5:  # Hugging Face's repeat_kv
+        base = _unsqueezed_dim2(expand.input)
+        if base is not None:
+            b, h, s, d = value(base).shape
+            n = value(c.input).shape[2]
+            if known_equal(value(c.input).shape, (b, h, n, s, d)) and known_equal(out, (b, h * n, s, d)):
+                return base, n, [x, c.input, expand.input]
+    return x, 1, []
+
+
+def _unsqueezed_dim2(x) -> fx.Node | None:
+    """`k` of `k.unsqueeze(2)` or `k[:, :, None]` for a 4-D `k`, else None."""
+    c = call(x)
+    if c is None or not _is_4d(c.input):
+        return None
+    if c.name == "unsqueeze" and c.arg(1, "dim") in (2, -3):
+        return c.input
+    index = c.args[1] if c.name == "getitem" else None
+    full = slice(None)
+    if isinstance(index, tuple) and len(index) >= 3 and index[2] is None and index[0] == index[1] == full \
+            and all(i == full or i is Ellipsis for i in index[3:]):
+        return c.input
+    return None
+
+
+def _is_4d(x) -> bool:
+    return is_tensor(x) and value(x).dim() == 4

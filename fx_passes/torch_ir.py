@@ -1,0 +1,89 @@
+"""Reading Dynamo's torch-level FX graph, the IR that Inductor's pre-grad hook hands to passes.
+
+That IR is not normalized: `x @ y`, `torch.matmul(x, y)` and `x.matmul(y)` are three kinds of
+node, and arguments are positional or keyword as the user wrote them. `call(node)` folds them
+into one form; a dunder method goes by its bare name (`x.__eq__(0)`, which torch 2.11 records
+for `x == 0`, is `eq`; `__rtruediv__` is `rtruediv`, not `div`). `value(node)` is the fake
+tensor (or SymInt) Dynamo recorded for a node, with symbolic sizes under dynamic shapes, which
+`known_equal` compares without adding guards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+_NAMESPACES = (torch, torch.nn.functional, torch.Tensor, operator)
+_ALIASES = {"truediv": "div", "bitwise_not": "invert"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A call in normalized form: `name` is the torch function or method name (`matmul` for
+    `@`, `div` for `/`); for methods the tensor is `args[0]`."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """The argument at `index` if given positionally, else keyword `name`, else `default`."""
+        return self.args[index] if len(self.args) > index else self.kwargs.get(name, default)
+
+    @property
+    def input(self) -> Any:
+        """What the call works on: `self` of a method, the first argument of a function."""
+        return self.arg(0, "input")
+
+
+def call(node: Any) -> Call | None:
+    """`node` as a `Call`, or None if it is not a call of a torch function, method or operator."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        name = node.target
+        if name.startswith("__") and name.endswith("__"):  # `x == 0` is `x.__eq__(0)` on torch 2.11
+            name = name[2:-2]
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", None)
+        if name is None or not any(getattr(ns, name, None) is node.target for ns in _NAMESPACES):
+            return None
+    else:
+        return None
+    return Call(_ALIASES.get(name, name), tuple(node.args), dict(node.kwargs))
+
+
+def value(x: Any) -> Any:
+    """The example value of a node (a fake tensor, SymInt, ...), or `x` itself if not a node."""
+    return x.meta.get("example_value") if isinstance(x, fx.Node) else x
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(value(x), torch.Tensor)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) or shapes are equal for every value of their symbols."""
+    if isinstance(a, (tuple, list, torch.Size)) or isinstance(b, (tuple, list, torch.Size)):
+        return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+    return statically_known_true(a == b)
+
+
+def source_line(node: fx.Node) -> str:
+    """Where the user's code made `node` (`File "model.py", line 12, in forward`), for logs."""
+    frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+              if line.strip().startswith("File ")]
+    return frames[-1] if frames else node.name
+
+
+def erase_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase those of `nodes` that no node uses any more, users before producers."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
