@@ -60,10 +60,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (x.float() / s).clamp(-m, m).to(dtype)
 
 
-def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 `x [..., H, D]` -> fp32 `x * scale`, `scale` 0-d or `[H]`."""
-    s = scale.float().reshape(-1, 1) if scale.dim() == 1 else scale.float()
-    return x.float() * s
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 `x [..., H, D]` -> `x * scale` in `dtype`, `scale` 0-d or `[H]`."""
+    s = scale.to(dtype).reshape(-1, 1) if scale.dim() == 1 else scale.to(dtype)
+    return x.to(dtype) * s
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -102,26 +102,28 @@ def quantize_groupwise(
     return (pack_int4(q) if bits == 4 else q), scale
 
 
-def dequantize_groupwise(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `quantize_groupwise`, to fp32 `[..., D]`."""
+def dequantize_groupwise(
+    q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_groupwise`, to `[..., D]` in `dtype`."""
     values = unpack_int4(q) if bits == 4 else q
     d = values.shape[-1]
     groups = scale.shape[-1]
-    g = values.float().reshape(*values.shape[:-1], groups, d // groups)
-    return (g * scale.float().unsqueeze(-1)).reshape(*values.shape[:-1], d)
+    g = values.to(dtype).reshape(*values.shape[:-1], groups, d // groups)
+    return (g * scale.to(dtype).unsqueeze(-1)).reshape(*values.shape[:-1], d)
 
 
 def dequantize(
-    x: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat
+    x: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Any cache slice `[..., H, D or D/2]` with its scales -> fp32 `[..., H, D]`."""
+    """Any cache slice `[..., H, D or D/2]` with its scales -> `[..., H, D]` in `dtype`."""
     if fmt is KVFormat.PLAIN:
-        return x.float()
+        return x.to(dtype)
     if scale is None:
         raise ValueError(f"a {fmt.value} KV cache needs its scale tensor")
     if fmt is KVFormat.FP8:
-        return dequantize_fp8(x, scale)
-    return dequantize_groupwise(x, scale, fmt.bits)
+        return dequantize_fp8(x, scale, dtype)
+    return dequantize_groupwise(x, scale, fmt.bits, dtype)
 
 
 def quantize(

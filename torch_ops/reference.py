@@ -2,9 +2,10 @@
 
 Readable over fast: one Python loop over sequences, dense scores per sequence. It runs on any
 device, reads metadata on the host (so it is not CUDA-graph safe), and computes in
-`compute_dtype` (fp32 by default; fp64 for ground truth in tests, the input dtype for the
-same-precision baseline of the error-ratio tolerance). Optimized code never imports this file.
-Semantics: docs/ops.md.
+`compute_dtype`: fp32 by default (the `vanilla` backend); the input dtype for the same-precision
+baseline of the error-ratio tolerance; fp64 for ground truth, which returns the unrounded fp64
+result (`out` and `lse` in fp64, no output cast and no FP8 output quantization). Optimized code
+never imports this file. Semantics: docs/ops.md.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from .ops import attention_output_dtype
 from .quant import KVFormat, kv_format
 
 
+def _acc_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
 def finish_output(out: torch.Tensor, dtype: torch.dtype, out_scale) -> torch.Tensor:
-    """Cast the float result to the op's output dtype; FP8 output divides by `out_scale`."""
+    """Cast the float result to the op's output dtype; FP8 output divides by `out_scale`.
+    A float64 result (the oracle) stays as it is."""
+    if out.dtype == torch.float64:
+        return out
     if out_scale is None:
         return out.to(dtype)
     m = torch.finfo(torch.float8_e4m3fn).max
@@ -56,12 +64,12 @@ def attend(
 
     q `[Lq, Hq, D]`, k/v `[Lk, Hkv, D]` (already dequantized), `q_positions [Lq]` absolute
     positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`.
-    Returns fp32 `out [Lq, Hq, D]` and `lse [Lq, Hq]`.
+    Returns `out [Lq, Hq, D]` and `lse [Lq, Hq]`, fp32 (fp64 when `compute_dtype` is fp64).
     """
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
-    softmax_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    softmax_dtype = _acc_dtype(compute_dtype)
     qc = q.to(compute_dtype).transpose(0, 1)                                   # [Hq, Lq, D]
     kc = k.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, Lk, D]
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
@@ -91,32 +99,33 @@ def attend(
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(s - safe_lse.unsqueeze(-1))                              # 0 where masked
     out = probs.to(compute_dtype) @ vc                                         # [Hq, Lq, D]
-    return out.float().transpose(0, 1), lse.float().transpose(0, 1)
+    return out.to(softmax_dtype).transpose(0, 1), lse.transpose(0, 1)
 
 
-def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence, dequantized to fp32 `[length, Hkv, D]`."""
+def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` tokens of one sequence, dequantized to `[length, Hkv, D]` in `dtype`."""
     block_size = cache.shape[1]
     blocks = block_table[: -(-length // block_size)].long()
     x = cache[blocks].flatten(0, 1)[:length]
     s = scale
     if fmt.group_scaled:
         s = scale[blocks].flatten(0, 1)[:length]
-    return quant.dequantize(x, s, fmt)
+    return quant.dequantize(x, s, fmt, dtype)
 
 
 def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, *, causal, k_scale,
                      v_scale, out_scale, compute_dtype, **options):
     fmt = kv_format(k_cache.dtype)
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    acc = _acc_dtype(compute_dtype)
+    out = torch.zeros(query.shape, dtype=acc, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=acc, device=query.device)
     starts, lens = q_starts.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         if q1 == q0:
             continue
-        k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len)
-        v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len)
+        k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len, acc)
+        v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len, acc)
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
         o, l = attend(query[q0:q1], k, v, positions, causal=causal, compute_dtype=compute_dtype, **options)
         out[q0:q1], lse[q0:q1] = o, l
@@ -147,11 +156,12 @@ def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=F
                       compute_dtype=torch.float32, **options):
     """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`."""
     dtype = attention_output_dtype(query, out_scale, out_dtype)
+    acc = _acc_dtype(compute_dtype)
     if query.dtype == torch.float8_e4m3fn:
-        query, key, value = (quant.dequantize_fp8(x, s) for x, s in ((query, q_scale), (key, k_scale), (value, v_scale)))
+        query, key, value = (quant.dequantize_fp8(x, s, acc) for x, s in ((query, q_scale), (key, k_scale), (value, v_scale)))
     t, hq, _ = query.shape
-    out = torch.zeros(t, hq, value.shape[-1], dtype=torch.float32, device=query.device)
-    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=query.device)
+    out = torch.zeros(t, hq, value.shape[-1], dtype=acc, device=query.device)
+    lse = torch.full((t, hq), float("-inf"), dtype=acc, device=query.device)
     qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(qs) - 1):
         q0, q1, k0, k1 = qs[b], qs[b + 1], ks[b], ks[b + 1]
@@ -256,10 +266,11 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
     k_rows, v_rows = ppl_cache_views(cache, layer_idx, cache_layout)
     k_scales, v_scales = ppl_cache_views(scale, layer_idx, cache_layout) if quant_bit else (None, None)
     fmt = kv_format(cache.dtype)
+    acc = _acc_dtype(compute_dtype)
     seq, kvs, pos = seqstarts.tolist(), kvstarts.tolist(), start_pos.tolist()
     num_decodes = int(decoding_batches.reshape(-1)[0])
     slopes = alibi_slopes(num_heads).to(query.device) if is_alibi else None
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    out = torch.zeros(query.shape, dtype=acc, device=query.device)
 
     def rows_of(b: int, positions: torch.Tensor) -> torch.Tensor:
         if cache_mode == 0:
@@ -274,8 +285,8 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
         if q1 == q0:
             continue
         past = rows_of(b, torch.arange(kvlen, device=query.device))
-        k = quant.dequantize(k_rows[past], None if k_scales is None else k_scales[past], fmt)
-        v = quant.dequantize(v_rows[past], None if v_scales is None else v_scales[past], fmt)
+        k = quant.dequantize(k_rows[past], None if k_scales is None else k_scales[past], fmt, acc)
+        v = quant.dequantize(v_rows[past], None if v_scales is None else v_scales[past], fmt, acc)
         bias = None
         if attn_mask is not None:
             m = attn_mask if attn_mask.dim() == 3 else attn_mask.unsqueeze(0)
@@ -284,4 +295,4 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
         o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal and b >= num_decodes,
                       alibi_slopes=slopes, bias=bias, compute_dtype=compute_dtype)
         out[q0:q1] = o
-    return out.to(query.dtype)
+    return finish_output(out, query.dtype, None)
