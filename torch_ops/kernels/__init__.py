@@ -1,8 +1,10 @@
-"""Triton kernels, one module per kernel family, served through the `triton` backend.
+"""Triton kernels served through the `triton` backend.
 
-Each kernel module exposes `unsupported(*args, **kwargs) -> list[str]` (reasons it cannot run
-a call; empty if it can) and `run(*args, out, lse, **kwargs)` with the op's arguments. Modules
-are imported on first use, so `import torch_ops` does not import Triton.
+Each op has a module exposing `unsupported(*args, **kwargs) -> list[str]` (reasons it cannot run
+a call; empty if it can) and `run(*args, **kwargs)` with the op's arguments (attention ops also
+get their `out`/`lse` buffers to fill). Ops that share a kernel family keep thin op modules over
+one family file (`prefill_attention.py`). Modules are imported on first use, so
+`import torch_ops` does not import Triton.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import os
 
 KERNEL_MODULES = {
     "paged_decode": "torch_ops.kernels.paged_decode",
+    "paged_prefill": "torch_ops.kernels.paged_prefill",
+    "context_attention": "torch_ops.kernels.context_attention",
+    "kv_cache_write": "torch_ops.kernels.kv_cache_write",
 }
 
 
