@@ -1,0 +1,810 @@
+"""Triton `attn::paged_decode`: 1..8 new query tokens per sequence over a paged KV cache.
+
+Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/bench_decode.py)
+
+- **One program = one (sequence, KV head, split) and all its query rows.** The `Hq / Hkv` query
+  heads of a KV head times the `q_per_seq` new tokens form the M dimension of the two `tl.dot`s
+  (row `m = i * G + g`: token `i`, head `g` of the group), padded to >= 16 and tiled by at most
+  64 rows (`M_TILES` programs share the KV head then; they run side by side, so the second read
+  comes from L2). The K/V tiles are read once per program, whatever the GQA ratio.
+- **Paged tiles.** A tile is `BLOCK_N` tokens. When the block size is a multiple of `BLOCK_N`, a
+  tile lies in one page and costs one block-table load; otherwise (block sizes 1..BLOCK_N-1, or
+  not multiples) every token row looks its page up (an L1 hit). Page and row offsets are int64.
+  Any block/token/head strides with a contiguous last dim (NHD, HND, combined, vLLM) are served.
+- **Quantized tiles as words, split into 4 lanes.** FP8/INT8 rows are read as int32 words and
+  packed INT4 rows as int16 words, 4 values each; word c of a row holds dims 4c..4c+3. Each word
+  is dequantized in registers into 4 fp16 "lanes" (lane j = dim 4c + j), exactly: FP8 by the
+  hardware `cvt.rn.f16x2.e4m3x2`/`e5m2x2`, INT8/INT4 by the fp16 magic number (`prmt`/`lop3`
+  build the bit pattern 0x6400|bits = 1024 + bits, one `sub.f16x2`/`fma.rn.f16x2` removes the
+  offset, two values per instruction), in PTX on the GPU and in plain Triton integer code under
+  the interpreter, then times the fp16 group scale. Lane j of K is dotted with lane j of q
+  (q[:, j::4]) and P @ V accumulates 4 lane accumulators, re-interleaved once in the epilogue,
+  so no shuffle ever restores the dim order inside the loop; and the tiles are read from shared
+  memory as whole words (a byte-wise layout made Triton emit one `ld.shared.b8` per value).
+  The FP8 per-tensor/per-head K scale rides on the softmax scale, the V scale on the output.
+  With bf16 queries the QK operands are fp16 too: q is scaled by a power of two so that
+  max |q| <= 2^15 (exact; undone in the softmax scale). Dequantized INT8/INT4 values must fit
+  fp16 (|x| < 65504). Group scales are loaded once per (token, group) when the group is 4 x a
+  power of 2 values, else gathered per value (slow path: groups of 2, 24, 48, ...).
+- **Pipelining.** Triton's software pipeliner stages the block-table, K, V and scale loads through
+  shared memory (cp.async); the page indirection costs it two stages, so `num_stages=5` keeps
+  two tiles of every program in flight (`config`).
+- **Softmax** online in fp32 with exp2, log2(e) folded into the scale; softcap via exp2-based
+  tanh; ALiBi per row; causal among the new tokens; sliding window + sink tokens skip whole tiles
+  (the split range starts at the window, sink tiles are visited by split 0 only).
+- **Split-K.** `num_splits` comes from shapes only (B, Hkv, M tiles, `block_tables.shape[1]`,
+  block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. Inside, each
+  sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
+  at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
+  past the span exit at once (they write nothing, and the merge kernel never reads them).
+  With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
+  partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
+- **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
+  partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
+  (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
+- Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
+
+Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
+multiple of 4 or whose strides/alignment do not allow 4-value words. Block sizes 1..256, any
+GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
+
+Module knobs (for tests and tuning): `FORCE_NUM_SPLITS`, `MIN_SPLIT_TOKENS`, `CONFIG_OVERRIDE`,
+`DEQUANT_ASM`, `PROGRAMS_PER_SM`. Under TRITON_INTERPRET=1 the kernel takes a fixed trip count
+(the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
+fp32 instead of bf16 (the interpreter multiplies bf16 bit patterns) and rounds FP8 output in
+fp32 (its fp32 -> e4m3 cast does not carry into the exponent): same math, CPU-testable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+# ---- knobs -------------------------------------------------------------------------------------
+FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
+MIN_SPLIT_TOKENS = 256                # a split covers at least this many keys (rounded to BLOCK_N)
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2                   # resident programs per SM assumed by the split heuristic
+CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
+DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
+LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
+# split heuristic costs, in "tokens of one program's work"
+SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
+MERGE_COST = 96                       # the merge kernel's launch and its tail
+
+FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
+_FMT = {
+    torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
+    torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
+}
+MAX_HEAD_DIM = 256
+MAX_BLOCK_M = 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# =================================================================================================
+# Kernels
+# =================================================================================================
+
+
+@triton.jit
+def _split_geometry(L, window_left, split, num_splits, min_split,
+                    QPS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range of split `split` of a sequence of `L` keys: (kv_lo, start, end, n_active).
+
+    The visible span [kv_lo, L) (kv_lo: the first query's window start, aligned down to BLOCK_N)
+    is cut into parts of `per` keys, a multiple of BLOCK_N and >= min_split."""
+    kv_lo = L * 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(L - QPS - window_left, 0)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    span = tl.maximum(L - kv_lo, 0)
+    per = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    per = tl.maximum(per, min_split)
+    n_active = tl.cdiv(span, per)
+    start = kv_lo + split * per
+    end = tl.minimum(start + per, L)
+    return kv_lo, start, end, n_active
+
+
+_E4M3_ASM = """
+{
+.reg .b16 a0, a1, b0, b1;
+.reg .b32 x0, x1, y0, y1;
+mov.b32 {a0, a1}, $4;
+mov.b32 {b0, b1}, $5;
+cvt.rn.f16x2.CVT_TYPE x0, a0;
+cvt.rn.f16x2.CVT_TYPE x1, a1;
+cvt.rn.f16x2.CVT_TYPE y0, b0;
+cvt.rn.f16x2.CVT_TYPE y1, b1;
+prmt.b32 $0, x0, y0, 0x5410;
+prmt.b32 $1, x0, y0, 0x7632;
+prmt.b32 $2, x1, y1, 0x5410;
+prmt.b32 $3, x1, y1, 0x7632;
+}
+"""
+_FP8_E4M3_ASM = tl.constexpr(_E4M3_ASM.replace("CVT_TYPE", "e4m3x2"))
+_FP8_E5M2_ASM = tl.constexpr(_E4M3_ASM.replace("CVT_TYPE", "e5m2x2"))
+# int8 x 4 per word: bytes of the two words regrouped by lane, each byte b made the fp16 bit
+# pattern 0x64 : (b ^ 0x80), i.e. 1152 + b, and 1152 subtracted (exact)
+_INT8_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, v0, v1, m, c;
+xor.b32 t0, $4, 0x80808080;
+xor.b32 t1, $5, 0x80808080;
+prmt.b32 v0, t0, t1, 0x5140;
+prmt.b32 v1, t0, t1, 0x7362;
+mov.b32 m, 0x64646464;
+prmt.b32 $0, v0, m, 0x4140;
+prmt.b32 $1, v0, m, 0x4342;
+prmt.b32 $2, v1, m, 0x4140;
+prmt.b32 $3, v1, m, 0x4342;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+sub.f16x2 $2, $2, c;
+sub.f16x2 $3, $3, c;
+}
+""")
+# int4 x 4 per 16-bit word (two words in $4): nibble j of each word into the mantissa of 1024
+# (lanes 0, 2) or of 1024 + 16 n (lanes 1, 3), then - 1032 or * 1/16 - 72 (exact)
+_INT4_ASM = tl.constexpr("""
+{
+.reg .b32 h, c, s, o;
+shr.b32 h, $4, 8;
+lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $2, h, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, h, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 c, 0x64086408;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $2, $2, c;
+mov.b32 s, 0x2C002C00;
+mov.b32 o, 0xD480D480;
+fma.rn.f16x2 $1, $1, s, o;
+fma.rn.f16x2 $3, $3, s, o;
+}
+""")
+
+
+@triton.jit
+def _unpack_words(w, FMT: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):
+    """Words of 4 values (int32: FP8/INT8 bytes; int16: INT4 nibbles) -> 4 fp16 tensors of w's
+    shape, lane j holding value j of every word; exact (group scales are applied by the caller)."""
+    if ASM:
+        if FMT == 1:
+            if E5M2:
+                code: tl.constexpr = _FP8_E5M2_ASM
+            else:
+                code: tl.constexpr = _FP8_E4M3_ASM
+            return tl.inline_asm_elementwise(code, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
+                                             is_pure=True, pack=2)
+        elif FMT == 2:
+            return tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
+                                             is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.float16,) * 4,
+                                             is_pure=True, pack=2)
+    else:
+        if FMT == 3:
+            u = w.to(tl.int32) & 0xFFFF
+            x0 = ((u & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            x1 = (((u >> 4) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            x2 = (((u >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            x3 = (((u >> 12) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            return x0, x1, x2, x3
+        elif FMT == 2:
+            x0 = (((w & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            x1 = ((((w >> 8) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            x2 = ((((w >> 16) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            x3 = ((((w >> 24) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            return x0, x1, x2, x3
+        else:
+            if E5M2:
+                f8: tl.constexpr = tl.float8e5
+            else:
+                f8: tl.constexpr = tl.float8e4nv
+            x0 = (w & 0xFF).to(tl.uint8).to(f8, bitcast=True).to(tl.float16)
+            x1 = ((w >> 8) & 0xFF).to(tl.uint8).to(f8, bitcast=True).to(tl.float16)
+            x2 = ((w >> 16) & 0xFF).to(tl.uint8).to(f8, bitcast=True).to(tl.float16)
+            x3 = ((w >> 24) & 0xFF).to(tl.uint8).to(f8, bitcast=True).to(tl.float16)
+            return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_plain(Base, rows, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(Base + rows[:, None] + d[None, :], mask=n_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_lanes(Base, rows, n_ok, SBase, srows,
+                FMT: tl.constexpr, E5M2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr, QGROUP: tl.constexpr,
+                SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr):
+    """One quantized K or V tile of BLOCK_N token rows as 4 dequantized fp16 lanes
+    [BLOCK_N, NGP * GW]: lane j, column c holds dim 4c + j. `rows` are the rows' offsets in words
+    (4 values each); the words are grouped [BLOCK_N, NGP, GW] by scale group (GW words per group)
+    when the group is a multiple of 4 values and GW a power of 2, else [BLOCK_N, 1, GW]."""
+    grp = tl.arange(0, NGP)
+    e = tl.arange(0, GW)
+    col = grp[None, :, None] * GW + e[None, None, :]          # word column
+    mask = n_ok[:, None, None] & (col < HEAD_DIM // 4)
+    w = tl.load(Base + rows[:, None, None] + col, mask=mask, other=0)
+    x0, x1, x2, x3 = _unpack_words(w, FMT, E5M2, ASM)
+    if FMT != 1:
+        if SCALE_PER_GRP:
+            # a 2-D load (vectorized along the groups, so the pipeliner can stage it)
+            s = tl.load(SBase + srows[:, None] + grp[None, :], mask=n_ok[:, None] & (grp < NG)[None, :], other=0.0)
+            s = tl.expand_dims(s.to(tl.float16), 2)
+            x0 = x0 * s
+            x1 = x1 * s
+            x2 = x2 * s
+            x3 = x3 * s
+        else:
+            sp = SBase + srows[:, None, None]
+            x0 = x0 * tl.load(sp + (4 * col + 0) // QGROUP, mask=mask, other=0.0).to(tl.float16)
+            x1 = x1 * tl.load(sp + (4 * col + 1) // QGROUP, mask=mask, other=0.0).to(tl.float16)
+            x2 = x2 * tl.load(sp + (4 * col + 2) // QGROUP, mask=mask, other=0.0).to(tl.float16)
+            x3 = x3 * tl.load(sp + (4 * col + 3) // QGROUP, mask=mask, other=0.0).to(tl.float16)
+    shape: tl.constexpr = (BLOCK_N, NGP * GW)
+    return tl.reshape(x0, shape), tl.reshape(x1, shape), tl.reshape(x2, shape), tl.reshape(x3, shape)
+
+
+@triton.jit
+def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
+          n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+          K, V, KS, VS, k_head, v_head, ks_head, vs_head,
+          stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+          PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+          FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
+          QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
+          HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+          DOT_F32: tl.constexpr, SVEC: tl.constexpr):
+    """Tile `it` of this program's key ranges (sink tiles first): one online-softmax step."""
+    if HAS_WINDOW:
+        in_sink = it < n_sink
+        t0 = tl.where(in_sink, it * BLOCK_N, start + (it - n_sink) * BLOCK_N)
+        hi = tl.where(in_sink, sink_hi, end)
+    else:
+        t0 = start + it * BLOCK_N
+        hi = end
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if ONE_PAGE:
+        page = tl.load(bt_row + (t0 // PAGE) * stride_btp).to(tl.int64)
+    else:
+        page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
+    within = (offs_n % PAGE).to(tl.int64)
+    k_rows = page * stride_kb + within * stride_kt + k_head
+    v_rows = page * stride_vb + within * stride_vt + v_head
+
+    if FMT == 0:
+        k = _load_plain(K, k_rows, n_ok, HEAD_DIM, BLOCK_D)
+        if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns: give it fp32
+            k = k.to(tl.float32)
+        qk = tl.dot(q0, tl.trans(k))
+    else:
+        ks_rows = page * stride_ksb + within * stride_kst + ks_head
+        vs_rows = page * stride_vsb + within * stride_vst + vs_head
+        if SVEC > 1:   # scale rows start on SVEC-element boundaries: vector (pipelinable) loads
+            ks_rows = tl.multiple_of(ks_rows, SVEC)
+            vs_rows = tl.multiple_of(vs_rows, SVEC)
+        k0, k1, k2, k3 = _load_lanes(K, k_rows, n_ok, KS, ks_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
+                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM)
+        qk = tl.dot(q0, tl.trans(k0))
+        qk = tl.dot(q1, tl.trans(k1), qk)
+        qk = tl.dot(q2, tl.trans(k2), qk)
+        qk = tl.dot(q3, tl.trans(k3), qk)
+
+    if HAS_SOFTCAP:
+        # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to log2 units
+        x = qk * (qk_scale / softcap)
+        th = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+        s = th * (softcap * 1.4426950408889634)
+    else:
+        s = qk * qk_scale
+    dist = pos[:, None] - offs_n[None, :]
+    if HAS_ALIBI:
+        s = s + alibi2[:, None] * tl.abs(dist).to(tl.float32)
+    vis = n_ok[None, :] & (dist >= 0)
+    if HAS_WINDOW:
+        vis = vis & ((dist <= window_left) | (offs_n < sink_tokens)[None, :])
+    s = tl.where(vis, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i = m_new
+
+    if FMT == 0:
+        v = _load_plain(V, v_rows, n_ok, HEAD_DIM, BLOCK_D)
+        p_op = p.to(v.dtype)
+        if DOT_F32:
+            p_op = p_op.to(tl.float32)
+            v = v.to(tl.float32)
+        acc0 = tl.dot(p_op, v, acc0 * alpha[:, None])
+    else:
+        v0, v1, v2, v3 = _load_lanes(V, v_rows, n_ok, VS, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
+                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM)
+        p_op = p.to(tl.float16)
+        acc0 = tl.dot(p_op, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p_op, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p_op, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p_op, v3, acc3 * alpha[:, None])
+    return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _to_e4m3_grid(x):
+    """Round fp32 `x` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
+    Only for the interpreter, whose fp32 -> fp8 cast does not carry a rounded-up mantissa into
+    the exponent (7.9 -> 4.0); on the GPU the hardware convert rounds correctly."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (x / ulp + 12582912.0) - 12582912.0
+    return r * ulp
+
+
+@triton.jit
+def _load_q(q_rows, row_ok, stride_qd, lane: tl.constexpr, STEP: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.arange(0, BLOCK) * STEP + lane
+    return tl.load(q_rows[:, None] + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse,
+    scale_eff, softcap, window_left, sink_tokens, num_splits, min_split,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    stride_fp8s,
+    stride_btb, stride_btp,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
+    PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
+    QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mt = pid % M_TILES
+    kh = (pid // M_TILES) % NUM_KV_HEADS
+    b = pid // (M_TILES * NUM_KV_HEADS)
+
+    L = tl.load(SeqLens + b).to(tl.int32)
+    kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
+                                                  QPS, HAS_WINDOW, BLOCK_N)
+    if SPLIT:
+        if split >= n_active:
+            return
+
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < QPS * GROUP
+    qi = m // GROUP
+    head = kh * GROUP + m % GROUP
+    tok = b * QPS + qi
+    pos = L - QPS + qi                     # absolute positions of the query rows
+
+    # ---- q: plain -> [BLOCK_M, BLOCK_D]; quantized -> 4 lanes [BLOCK_M, BLOCK_DW] (dims 4c + j)
+    q_rows = Query + tok.to(tl.int64) * stride_qt + head * stride_qh
+    qk_scale = scale_eff                    # natural-log units until the softcap is applied
+    if FMT == 0:
+        q0 = _load_q(q_rows, row_ok, stride_qd, 0, 1, HEAD_DIM, BLOCK_D)
+        if DOT_F32:
+            q0 = q0.to(tl.float32)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    else:
+        q0 = _load_q(q_rows, row_ok, stride_qd, 0, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
+        q1 = _load_q(q_rows, row_ok, stride_qd, 1, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
+        q2 = _load_q(q_rows, row_ok, stride_qd, 2, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
+        q3 = _load_q(q_rows, row_ok, stride_qd, 3, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
+        if FMT == 1:
+            qk_scale = qk_scale * tl.load(KS + kh * stride_fp8s)
+        if PRESCALE_Q:
+            # bf16 query -> fp16 operand: scale by 2^-sh so that max |q| <= 2^15 (exact)
+            amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), 1), 0), tl.max(tl.max(tl.abs(q1), 1), 0)),
+                              tl.maximum(tl.max(tl.max(tl.abs(q2), 1), 0), tl.max(tl.max(tl.abs(q3), 1), 0)))
+            sh = tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0).to(tl.int32)
+            down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
+            qk_scale = qk_scale * ((127 + sh) << 23).to(tl.float32, bitcast=True)
+            q0 = q0 * down
+            q1 = q1 * down
+            q2 = q2 * down
+            q3 = q3 * down
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
+        q2 = q2.to(tl.float16)
+        q3 = q3.to(tl.float16)
+    if not HAS_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+
+    alibi2 = qk_scale  # unused placeholder without ALiBi
+    if HAS_ALIBI:
+        alibi2 = -tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    # ---- key ranges: sink tiles (split 0 only, window mode) then this split's tiles ------------
+    sink_hi = L * 0
+    if HAS_WINDOW:
+        if split == 0:
+            sink_hi = tl.minimum(sink_tokens, kv_lo)
+    n_sink = tl.cdiv(sink_hi, BLOCK_N)
+    n_main = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    k_head = kh.to(tl.int64) * stride_kh
+    v_head = kh.to(tl.int64) * stride_vh
+    ks_head = kh.to(tl.int64) * stride_ksh
+    vs_head = kh.to(tl.int64) * stride_vsh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if FMT == 0:
+        acc0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+
+    n_iter = n_sink + n_main
+    if DYNAMIC_LOOP:
+        for it in range(0, n_iter):
+            acc0, acc1, acc2, acc3, m_i, l_i = _tile(
+                it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
+                sink_tokens, n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+                K, V, KS, VS, k_head, v_head, ks_head, vs_head,
+                stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC)
+    else:
+        # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
+        # trip count with the tail skipped; same arithmetic
+        for it in range(0, MAX_ITERS):
+            if it < n_iter:
+                acc0, acc1, acc2, acc3, m_i, l_i = _tile(
+                    it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
+                    sink_tokens, n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+                    K, V, KS, VS, k_head, v_head, ks_head, vs_head,
+                    stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC)
+
+    # ---- epilogue ------------------------------------------------------------------------------
+    if FMT == 0:
+        acc = acc0
+    else:   # interleave the lanes back: column 4c + j <- lane j, column c
+        acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), (BLOCK_M, BLOCK_D))
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if FMT == 1:
+        inv_l = inv_l * tl.load(VS + kh * stride_fp8s)
+    o = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    if SPLIT:
+        p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
+        tl.store(POut + p_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PLse + split.to(tl.int64) * stride_pls + tok.to(tl.int64) * stride_plt + head, lse, mask=row_ok)
+    else:
+        if HAS_SINKS:
+            sink = tl.load(Sinks + head, mask=row_ok, other=0.0)
+            mx = tl.maximum(lse, sink)
+            lse_f = mx + tl.log(tl.exp(lse - mx) + tl.exp(sink - mx))
+            o = o * tl.exp(lse - lse_f)[:, None]
+            lse = lse_f
+        o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
+        if OUT_FP8:
+            o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
+            if not DYNAMIC_LOOP:
+                o = _to_e4m3_grid(o)
+        tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    POut, PLse, Out, Lse, SeqLens, Sinks, OutScale,
+    window_left, num_splits, min_split,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Combine the active splits' partial (out, lse) of BLOCK_H heads of one query token; add the
+    learned sinks; write out (query dtype or FP8) and lse."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < NUM_HEADS
+    L = tl.load(SeqLens + t // QPS).to(tl.int32)
+    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, BLOCK_N)
+    s = tl.arange(0, NS_P)
+    s_ok = s < n_active
+    lse_ptr = PLse + s[:, None].to(tl.int64) * stride_pls + t.to(tl.int64) * stride_plt + h[None, :]
+    lse_s = tl.load(lse_ptr, mask=s_ok[:, None] & h_ok[None, :], other=float("-inf"))    # [NS_P, BLOCK_H]
+    mx = tl.max(lse_s, 0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse_s - mx_use[None, :])
+    den = tl.sum(w, 0)
+    d = tl.arange(0, BLOCK_D)
+    o_ptr = (POut + s[:, None, None].to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
+             + h[None, :, None] * stride_ph + d[None, None, :])
+    o_s = tl.load(o_ptr, mask=s_ok[:, None, None] & h_ok[None, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    empty = den == 0.0
+    o = tl.sum(o_s * w[:, :, None], 0) / tl.where(empty, 1.0, den)[:, None]
+    lse = tl.where(empty, float("-inf"), mx_use + tl.log(tl.where(empty, 1.0, den)))
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h, mask=h_ok, other=0.0)
+        m2 = tl.maximum(lse, sink)
+        lse_f = m2 + tl.log(tl.exp(lse - m2) + tl.exp(sink - m2))
+        o = o * tl.exp(lse - lse_f)[:, None]
+        lse = lse_f
+    if OUT_FP8:
+        o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
+        if INTERPRETED:
+            o = _to_e4m3_grid(o)
+    o_rows = t.to(tl.int64) * stride_ot + h * stride_oh
+    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(Lse + t.to(tl.int64) * stride_lt + h * stride_lh, lse, mask=h_ok)
+
+
+# =================================================================================================
+# Launcher
+# =================================================================================================
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8   # the interpreter: a small "GPU", so that the heuristic still splits
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def config(head_dim: int, fmt: int, block_m: int) -> dict:
+    """Tile and launch parameters from shapes: BLOCK_N (keys per tile), num_warps, num_stages.
+
+    A stage holds one K and one V tile (BLOCK_N x D x bytes each: 16 KB for 64 bf16 keys at
+    D=128). Triton's pipeliner spends two stages on the block-table indirection, so
+    `num_stages = 5` keeps two tiles of each program in flight (three buffers) and 3-4 keep one;
+    with 2-3 programs per SM that is 64-190 KB in flight per SM against the ~30-40 KB Little's
+    law asks of HBM3/HBM3e (bench notes). Quantized formats take 128-key tiles so that a stage
+    still carries 16-32 KB."""
+    if CONFIG_OVERRIDE:
+        return dict(CONFIG_OVERRIDE)
+    block_d = max(16, _pow2(head_dim))
+    if fmt == FMT_PLAIN:
+        block_n = 64 if block_d <= 128 else 32
+    else:
+        block_n = 128 if block_d <= 128 else 64
+    warps = 8 if block_m * block_d >= 64 * 256 else 4
+    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 5}
+
+
+def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, block_size: int,
+                block_n: int, group_rows: int, sms: int) -> int:
+    """Split-K factor from shapes only (never from data: the grid is fixed under CUDA graphs).
+
+    Models the time of the worst case (every sequence at the table's capacity) as
+    waves x (keys per split + fixed cost) + the merge (kernel, plus each split's partial state,
+    `2 * rows` key-equivalents of traffic), and picks the cheapest count."""
+    if FORCE_NUM_SPLITS is not None:
+        return max(1, int(FORCE_NUM_SPLITS))
+    cap = max_blocks * block_size
+    programs = batch * num_kv_heads * m_tiles
+    if programs == 0 or cap == 0:
+        return 1
+    min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
+    slots = max(1, sms * PROGRAMS_PER_SM)
+    best, best_cost = 1, None
+    for s in range(1, MAX_SPLITS + 1):
+        per = max(min_split, _cdiv(_cdiv(cap, s), block_n) * block_n)
+        if s > 1 and (s - 1) * per >= cap:
+            continue                       # the last split would be empty: same as fewer splits
+        waves = -(-programs * s // slots)
+        cost = waves * (per + SPLIT_FIXED_COST)
+        if s > 1:
+            cost += MERGE_COST + programs * s * 2 * group_rows / slots
+        if best_cost is None or cost < best_cost * 0.97:
+            best, best_cost = s, cost
+    return best
+
+
+def _group_layout(head_dim: int, fmt: int, k_scale) -> tuple[int, int, int, int, bool]:
+    """(NG, NGP, GW, QGROUP, per_group) of the [BLOCK_N, NGP, GW] word tiles: NG scale groups of
+    QGROUP values per row; a group is GW = QGROUP / 4 words when that is a power of 2 (one scale
+    load per group), else one padded row with a scale gathered per value."""
+    block_dw = max(16, _pow2(head_dim // 4))
+    if fmt == FMT_FP8:
+        return 1, 1, block_dw, head_dim, True
+    ng = k_scale.shape[-1]
+    qgroup = head_dim // ng
+    gw = qgroup // 4
+    if qgroup % 4 == 0 and gw & (gw - 1) == 0 and gw <= block_dw:
+        return ng, block_dw // gw, gw, qgroup, True
+    return ng, 1, block_dw, qgroup, False
+
+
+def _word_view(cache: torch.Tensor) -> torch.Tensor | None:
+    """The cache as words of 4 values: int32 for 1-byte formats, int16 for packed INT4."""
+    word, size = (torch.int16, 2) if cache.dtype == torch.uint8 else (torch.int32, 4)
+    if cache.shape[-1] * cache.element_size() % size or cache.data_ptr() % size:
+        return None
+    if any(st % size for st in cache.stride()[:-1]):
+        return None
+    return cache.view(word)
+
+
+def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> list[str]:
+    """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
+    why = []
+    d = query.shape[-1]
+    if d > MAX_HEAD_DIM:
+        why.append(f"head dim {d} > {MAX_HEAD_DIM} is not served by the Triton paged_decode kernel "
+                   "(the fp32 accumulator and q tile would spill registers)")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        why.append(f"query dtype {query.dtype} is not served (fp16/bf16 only)")
+    fmt = _FMT.get(k_cache.dtype)
+    if fmt is None:
+        why.append(f"KV cache dtype {k_cache.dtype} is not served")
+    elif fmt != FMT_PLAIN:
+        if d % 4:
+            why.append(f"a {k_cache.dtype} cache needs a head dim divisible by 4 (read as 4-value words), got {d}")
+        elif k_cache.numel() and (_word_view(k_cache) is None or _word_view(v_cache) is None):
+            why.append("a quantized cache must have 4-byte (INT4: 2-byte) aligned data and block/token/head "
+                       f"strides (it is read as 4-value words); got strides {k_cache.stride()}")
+    return why
+
+
+def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
+        alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
+        k_scale=None, v_scale=None) -> None:
+    """Fill `out [T, Hq, D]` and `lse [T, Hq]` (see the module docstring)."""
+    t, hq, d = query.shape
+    batch = seq_lens.shape[0]
+    if t == 0 or batch == 0:
+        return
+    _, page, hkv, _ = k_cache.shape
+    fmt = _FMT[k_cache.dtype]
+    e5m2 = k_cache.dtype == torch.float8_e5m2
+    qps, group = t // batch, hq // hkv
+    rows = qps * group
+    block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
+    m_tiles = -(-rows // block_m)
+    cfg = config(d, fmt, block_m)
+    if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
+        # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
+        cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    block_n = cfg["BLOCK_N"]
+    if fmt == FMT_PLAIN:
+        block_d = max(16, _pow2(d))
+        block_dw = 16
+    else:
+        block_dw = max(16, _pow2(d // 4))
+        block_d = 4 * block_dw
+    max_blocks = block_tables.shape[1]
+    num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, num_sms(query.device))
+    min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
+
+    dummy = lse
+    kc, vc = k_cache, v_cache
+    ng, ngp, gw, qgroup, per_grp = 1, 1, block_dw, d, True
+    ks = vs = dummy
+    ks_strides = vs_strides = (0, 0, 0)
+    fp8_stride = 0
+    svec = 1
+    if fmt != FMT_PLAIN:
+        kc, vc = _word_view(k_cache), _word_view(v_cache)
+        ng, ngp, gw, qgroup, per_grp = _group_layout(d, fmt, k_scale)
+        ks, vs = k_scale, v_scale
+    if fmt == FMT_FP8:
+        fp8_stride = 1 if k_scale.dim() == 1 else 0
+        if v_scale.dim() != k_scale.dim():
+            # per-head K scale with a 0-d V scale (or the reverse): one stride serves both
+            ks, vs, fp8_stride = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous(), 1
+    elif fmt in (FMT_INT8, FMT_INT4):
+        if (k_scale.shape[-1] > 1 and k_scale.stride(-1) != 1) or (v_scale.shape[-1] > 1 and v_scale.stride(-1) != 1):
+            ks, vs = k_scale.contiguous(), v_scale.contiguous()   # rare: scale caches with a strided last dim
+        ks_strides, vs_strides = ks.stride()[:3], vs.stride()[:3]
+        if per_grp:
+            # the largest power of two (<= the groups per row) dividing every scale-row offset
+            vals = [*ks_strides, *vs_strides, ks.data_ptr() // ks.element_size(), vs.data_ptr() // vs.element_size()]
+            while svec * 2 <= ng and all(v % (svec * 2) == 0 for v in vals):
+                svec *= 2
+    asm = False
+    if fmt != FMT_PLAIN:
+        asm = DEQUANT_ASM if DEQUANT_ASM is not None else (query.device.type == "cuda" and not interpreting())
+        words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
+        asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
+
+    bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
+    split = num_splits > 1
+    if split:
+        pout = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=query.device)
+        plse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=query.device)
+        p_strides = (pout.stride(0), pout.stride(1), pout.stride(2), plse.stride(0), plse.stride(1))
+    else:
+        pout, plse = dummy, dummy
+        p_strides = (0, 0, 0, 0, 0)
+
+    scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
+    has_window = window_left >= 0
+    static_loop = interpreting()
+    max_iters = 1
+    if static_loop:
+        cap = max_blocks * page
+        per = max(min_split, _cdiv(_cdiv(cap, num_splits), block_n) * block_n)
+        max_iters = max(1, _cdiv(min(per, cap), block_n) + 1
+                        + (_cdiv(min(sink_tokens, cap), block_n) if has_window else 0))
+    grid = (batch * hkv * m_tiles, num_splits)
+    global LAST_KERNEL
+    LAST_KERNEL = _paged_decode_kernel[grid](
+        query, kc, vc, ks, vs, bt, seq_lens,
+        sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+        out_scale if out_scale is not None else dummy, out, lse, pout, plse,
+        float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
+        query.stride(0), query.stride(1), query.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        *ks_strides, *vs_strides, fp8_stride,
+        bt.stride(0), bt.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        *p_strides,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles,
+        PAGE=page, ONE_PAGE=page % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
+        FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
+        PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
+        DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
+        DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        block_h = min(_pow2(hq), max(1, 4096 // (_pow2(num_splits) * block_d)))
+        _merge_kernel[(t, -(-hq // block_h))](
+            pout, plse, out, lse, seq_lens, sinks if sinks is not None else dummy,
+            out_scale if out_scale is not None else dummy,
+            int(window_left), num_splits, min_split,
+            *p_strides,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=block_d,
+            NS_P=_pow2(num_splits), BLOCK_N=block_n, HAS_WINDOW=has_window,
+            HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
+            num_warps=4,
+        )
