@@ -82,7 +82,7 @@ def device_bandwidth() -> dict:
     b = torch.empty_like(a)
     t_copy = cuda_graph_time_us([lambda: b.copy_(a)], calls=5, replays=10)
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    t_read = cuda_graph_time_us([lambda: torch.sum(a, dtype=torch.float32, out=out)], calls=5, replays=10)
+    t_read = cuda_graph_time_us([lambda: torch.sum(a, dim=0, dtype=torch.float32, out=out)], calls=5, replays=10)
     bytes_ = a.numel() * a.element_size()
     res = {"copy_GBps": 2 * bytes_ / t_copy / 1e3, "read_GBps": bytes_ / t_read / 1e3,
            "copy_bytes": 2 * bytes_}
@@ -92,6 +92,10 @@ def device_bandwidth() -> dict:
 
 
 def git_commit() -> str:
+    """The commit that ran: `ATTN_GIT_COMMIT` (set by the device command, whose copy of the tree
+    has no git history), else `git rev-parse HEAD`."""
+    if os.environ.get("ATTN_GIT_COMMIT"):
+        return os.environ["ATTN_GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,

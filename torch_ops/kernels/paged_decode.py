@@ -68,9 +68,9 @@ from . import interpreting
 
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
-MIN_SPLIT_TOKENS = 256                # a split covers at least this many keys (rounded to BLOCK_N)
+MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2                   # resident programs per SM assumed by the split heuristic
+PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: by format)
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
 LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
@@ -79,6 +79,10 @@ SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
+# Resident programs per SM of the default configs at D = 128, from their compiled resources on an
+# H200 (2026-11-22): bf16 104 regs / 38 KB smem, FP8 168 / 75 KB, INT8 141 / 79 KB, INT4 128 / 46 KB
+# (4 warps; 64K registers and 227 KB of shared memory per SM).
+_PROGRAMS_PER_SM = {0: 4, 1: 2, 2: 2, 3: 4}
 _FMT = {
     torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
     torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
@@ -609,7 +613,9 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
     if fmt == FMT_PLAIN:
-        block_n = 64 if block_d <= 128 else 32
+        # 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and 512
+        # programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
+        block_n = 32
     else:
         block_n = 128 if block_d <= 128 else 64
     warps = 8 if block_m * block_d >= 64 * 256 else 4
@@ -617,7 +623,7 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
 
 
 def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, block_size: int,
-                block_n: int, group_rows: int, sms: int) -> int:
+                block_n: int, group_rows: int, sms: int, programs_per_sm: int) -> int:
     """Split-K factor from shapes only (never from data: the grid is fixed under CUDA graphs).
 
     Models the time of the worst case (every sequence at the table's capacity) as
@@ -630,7 +636,7 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
     if programs == 0 or cap == 0:
         return 1
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
-    slots = max(1, sms * PROGRAMS_PER_SM)
+    slots = max(1, sms * programs_per_sm)
     best, best_cost = 1, None
     for s in range(1, MAX_SPLITS + 1):
         per = max(min_split, _cdiv(_cdiv(cap, s), block_n) * block_n)
@@ -718,7 +724,8 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         block_dw = max(16, _pow2(d // 4))
         block_d = 4 * block_dw
     max_blocks = block_tables.shape[1]
-    num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, num_sms(query.device))
+    per_sm = PROGRAMS_PER_SM or _PROGRAMS_PER_SM[fmt]
+    num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, num_sms(query.device), per_sm)
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
 
     dummy = lse

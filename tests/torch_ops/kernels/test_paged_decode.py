@@ -179,11 +179,14 @@ def test_unsupported_reasons(kernel_device):
 
 
 def test_split_count_depends_on_shapes_only():
-    f = pd.split_count
-    assert f(256, 8, 1, 64, 16, 64, 4, 132) == 1               # many programs: no split
-    assert f(1, 8, 1, 2048, 16, 64, 4, 132) > 8                 # one long sequence: split wide
-    assert f(1, 8, 1, 4, 16, 64, 4, 132) == 1                   # 64-key table: nothing to split
-    assert 1 <= f(16, 8, 1, 256, 16, 64, 4, 132) <= pd.MAX_SPLITS
+    def f(*args):
+        return pd.split_count(*args, 132, 4)
+
+    assert f(256, 8, 1, 64, 16, 64, 4) == 1                    # many programs: no split
+    assert f(1, 8, 1, 2048, 16, 64, 4) > 8                      # one long sequence: split wide
+    assert f(1, 8, 1, 4, 16, 64, 4) == 1                        # 64-key table: nothing to split
+    assert 1 <= f(16, 8, 1, 256, 16, 64, 4) <= pd.MAX_SPLITS
+    assert f(64, 8, 1, 256, 16, 32, 4) == 1                     # 512 programs fill 528 slots: one wave
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
