@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Callable, Protocol
+from typing import Protocol
 
 from . import checks, ops, reference
 
@@ -88,56 +88,39 @@ def select(op: str, args: tuple, kwargs: dict) -> Backend:
 
 # --- the real implementations registered for the ops -------------------------------------------
 
-_CHECKS: dict[str, Callable] = {
-    "paged_decode": checks.check_paged_decode,
-    "paged_prefill": checks.check_paged_prefill,
-    "context_attention": checks.check_context_attention,
-    "merge_states": checks.check_merge_states,
-    "kv_cache_write": checks.check_kv_cache_write,
-    "cache_attention": checks.check_cache_attention,
-}
-
 
 def _run(op: str, args: tuple, kwargs: dict):
-    _CHECKS[op](*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
+    ops.SPECS[op].check(*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
     if checks.debug_checks_enabled():
         checks.check_data(op, args, kwargs)
     return select(op, args, kwargs).run(op, args, dict(kwargs))
 
 
-def _functional_attention(op: str, output_spec: Callable):
+def _functional_attention(op: str):
     def impl(*args, **kwargs):
-        out, lse = ops.empty_attention_outputs(*output_spec(*args, **kwargs))
+        out, lse = ops.SPECS[op].new_outputs(args, kwargs)
         _run(op, args, {**kwargs, "out": out, "lse": lse})
         return out, lse
 
     return impl
 
 
-def _out_attention(op: str, output_spec: Callable):
+def _out_attention(op: str):
     def impl(*args, out, lse, **kwargs):
-        q, d, dtype = output_spec(*args, **kwargs)
-        checks.check_out_buffers(out, lse, (q.shape[0], q.shape[1], d), dtype, (q.shape[0], q.shape[1]), q.device)
+        ops.SPECS[op].check_outputs(args, kwargs, out, lse)
         _run(op, args, {**kwargs, "out": out, "lse": lse})
 
     return impl
 
-
-_OUTPUT_SPECS = {
-    "paged_decode": ops._paged_output_spec,
-    "paged_prefill": ops._paged_output_spec,
-    "context_attention": ops._context_output_spec,
-    "merge_states": ops._merge_output_spec,
-}
 
 def _plain(op: str):
     return lambda *args, **kwargs: _run(op, args, kwargs)
 
 
 _IMPLS = {"kv_cache_write": _plain("kv_cache_write"), "cache_attention": _plain("cache_attention")}
-for _op, _spec in _OUTPUT_SPECS.items():
-    _IMPLS[_op] = _functional_attention(_op, _spec)
-    _IMPLS[f"{_op}.out"] = _out_attention(_op, _spec)
+for _op in ops.ATTENTION_OPS:
+    _IMPLS[_op] = _functional_attention(_op)
+    _IMPLS[f"{_op}.out"] = _out_attention(_op)
 for _qualname, _impl in _IMPLS.items():
     for _device in ("CPU", "CUDA"):
         ops.LIB.impl(_qualname, ops.with_schema_defaults(_qualname, _impl), _device)
@@ -146,5 +129,3 @@ for _qualname, _impl in _IMPLS.items():
 def backend_for(op: str, *args, **kwargs) -> str:
     """The name of the backend that would run this call (for tests, benchmarks and docs)."""
     return select(op, args, kwargs).name
-
-

@@ -6,6 +6,9 @@ semantics; `tests/torch_ops/test_schemas.py` pins these strings.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 
 from . import checks
@@ -91,29 +94,6 @@ def attention_output_dtype(query: torch.Tensor, out_scale, out_dtype=None) -> to
     return torch.bfloat16 if query.dtype == torch.float8_e4m3fn else query.dtype
 
 
-def empty_attention_outputs(query, value_dim: int, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    t, hq = query.shape[0], query.shape[1]
-    out = query.new_empty((t, hq, value_dim), dtype=out_dtype)
-    lse = query.new_empty((t, hq), dtype=torch.float32)
-    return out, lse
-
-
-def _fake_with_out(check, output_spec):
-    """Fakes for a functional attention op and its `.out` overload, from its check function
-    and `output_spec(*args, **kwargs) -> (query_like, value_dim, out_dtype)`."""
-
-    def functional(*args, **kwargs):
-        check(*args, **kwargs)
-        return empty_attention_outputs(*output_spec(*args, **kwargs))
-
-    def with_out(*args, out, lse, **kwargs):
-        check(*args, **kwargs)
-        q, d, dtype = output_spec(*args, **kwargs)
-        checks.check_out_buffers(out, lse, (q.shape[0], q.shape[1], d), dtype, (q.shape[0], q.shape[1]), q.device)
-
-    return functional, with_out
-
-
 def _paged_output_spec(query, *args, out_scale=None, **kwargs):
     return query, query.shape[-1], attention_output_dtype(query, out_scale)
 
@@ -126,12 +106,47 @@ def _merge_output_spec(out_a, *args):
     return out_a, out_a.shape[-1], out_a.dtype
 
 
-FAKES = {
-    "paged_decode": _fake_with_out(checks.check_paged_decode, _paged_output_spec),
-    "paged_prefill": _fake_with_out(checks.check_paged_prefill, _paged_output_spec),
-    "context_attention": _fake_with_out(checks.check_context_attention, _context_output_spec),
-    "merge_states": _fake_with_out(checks.check_merge_states, _merge_output_spec),
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """How the fronts treat an op: `check(*args, **kwargs)` validates it (metadata only);
+    attention ops have `output_spec(*args, **kwargs) -> (query, value_dim, out_dtype)`, which
+    gives `out [T, Hq, value_dim]` and `lse [T, Hq]`."""
+
+    check: Callable
+    output_spec: Callable | None = None
+
+    def new_outputs(self, args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        query, value_dim, out_dtype = self.output_spec(*args, **kwargs)
+        t, hq = query.shape[0], query.shape[1]
+        return (query.new_empty((t, hq, value_dim), dtype=out_dtype),
+                query.new_empty((t, hq), dtype=torch.float32))
+
+    def check_outputs(self, args, kwargs, out, lse) -> None:
+        query, value_dim, out_dtype = self.output_spec(*args, **kwargs)
+        t, hq = query.shape[0], query.shape[1]
+        checks.check_out_buffers(out, lse, (t, hq, value_dim), out_dtype, (t, hq), query.device)
+
+
+SPECS = {
+    "paged_decode": OpSpec(checks.check_paged_decode, _paged_output_spec),
+    "paged_prefill": OpSpec(checks.check_paged_prefill, _paged_output_spec),
+    "context_attention": OpSpec(checks.check_context_attention, _context_output_spec),
+    "merge_states": OpSpec(checks.check_merge_states, _merge_output_spec),
+    "kv_cache_write": OpSpec(checks.check_kv_cache_write),
+    "cache_attention": OpSpec(checks.check_cache_attention),
 }
+
+
+def _attention_fakes(spec: OpSpec):
+    def functional(*args, **kwargs):
+        spec.check(*args, **kwargs)
+        return spec.new_outputs(args, kwargs)
+
+    def with_out(*args, out, lse, **kwargs):
+        spec.check(*args, **kwargs)
+        spec.check_outputs(args, kwargs, out, lse)
+
+    return functional, with_out
 
 
 def _kv_cache_write_fake(key, value, k_cache, v_cache, slot_mapping, **kwargs):
@@ -145,7 +160,8 @@ def _cache_attention_fake(*args, **kwargs):
     return torch.empty_like(args[0])
 
 
-for _name, (_functional, _with_out) in FAKES.items():
+for _name in ATTENTION_OPS:
+    _functional, _with_out = _attention_fakes(SPECS[_name])
     torch.library.register_fake(f"attn::{_name}", with_schema_defaults(_name, _functional), lib=LIB)
     torch.library.register_fake(f"attn::{_name}.out", with_schema_defaults(f"{_name}.out", _with_out), lib=LIB)
 torch.library.register_fake("attn::kv_cache_write", with_schema_defaults("kv_cache_write", _kv_cache_write_fake), lib=LIB)
