@@ -46,6 +46,19 @@ measured here is the ceiling used for the percentages)
   BatchDecodeWithPagedKVCacheWrapper (CUDA-core and tensor-core paths; bf16 and FP8 KV), cuDNN
   and flash SDPA on a contiguous [B, Hkv, L, D] cache (B x 1 query; no paging: a lower bound
   on their paged cost), and compiled FlexAttention (decode path). Every peer is optional.
+* Tried for issue 3 and reverted (H200, 2026-11-22, tune runs of 10-call graphs):
+  - Split-K merged inside the main launch (the last split of each (sequence, KV head) to arrive
+    on an int32 counter merges, the counter reset by that program; counters zeroed by a memset
+    node under capture): slower everywhere it applied. The one merging program walks the splits
+    one L2 round trip after another, where the merge kernel spreads them over (token, head)
+    programs: B=1/1k/32:8 (16 splits) 12.0 us vs 9.7 us with the merge kernel (30.2 us when 4
+    splits were loaded per step: 163 registers), B=4/1k/32:8 16.7 vs 14.5 us, B=1/32k/32:8
+    (64 splits) 54.3 vs 41.6 us; FP8 B=1/1k 20.3 vs 11.1 us (4 per step). The memset node
+    cost ~1 us; 3 stages for 1-2-tile splits changed nothing measurable. A merge worth keeping
+    would have to load all splits' partials at once, spread over more warps or programs.
+  - FP8 tiles loaded as fp8 and converted whole by Triton (one dot, no 4-lane split): slower
+    than the lanes at every config (B=64/4k/32:8: 213 us at 128/4/5 vs 194 us, 230-325 us
+    elsewhere; 203-222 registers).
 * Timing: CUDA graph of 20 calls, median of 15 replays, caches rotated when the KV set is under
   3x L2 (benchmarks/common.py); effective bandwidth = KV bytes read / time.
 """
@@ -278,7 +291,7 @@ def kernel_report() -> dict:
     k = getattr(pd, "LAST_KERNEL", None)
     if k is None:
         return {}
-    rep = {}
+    rep = {"num_splits": getattr(pd, "LAST_NUM_SPLITS", None)}
     try:
         rep["n_regs"] = k.n_regs
         rep["n_spills"] = k.n_spills
@@ -466,7 +479,8 @@ def tune(runner: Runner, bw) -> list[dict]:
                 setattr(pd, k, v)
         out.append(res)
         k = res.get("kernel", {})
-        print(f"tune {shape} {fmt:5} {name:14} " + (f"{res['us']:8.1f} us {res['pct_copy']:5.1f}% regs={k.get('n_regs')} "
+        print(f"tune {shape} {fmt:5} {name:14} " + (f"{res['us']:8.2f} us {res['pct_copy']:5.1f}% splits={k.get('num_splits')} "
+              f"stages={k.get('num_stages')} regs={k.get('n_regs')} "
               f"spill={k.get('n_spills')} smem={k.get('shared')} cp.async={k.get('cp_async')} "
               f"async_copy={k.get('async_copy')} ldv4={k.get('ld_global_v4')} mma={k.get('mma')}"
               if "us" in res else res.get("error", "")), flush=True)

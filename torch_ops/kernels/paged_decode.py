@@ -74,6 +74,7 @@ PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split h
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
 LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
+LAST_NUM_SPLITS = 0                   # and the split count it ran with
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
@@ -779,7 +780,8 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         max_iters = max(1, _cdiv(min(per, cap), block_n) + 1
                         + (_cdiv(min(sink_tokens, cap), block_n) if has_window else 0))
     grid = (batch * hkv * m_tiles, num_splits)
-    global LAST_KERNEL
+    global LAST_KERNEL, LAST_NUM_SPLITS
+    LAST_NUM_SPLITS = num_splits
     LAST_KERNEL = _paged_decode_kernel[grid](
         query, kc, vc, ks, vs, bt, seq_lens,
         sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
