@@ -44,7 +44,41 @@ def run_decode():
     print("paged_decode: ok")
 
 
-OPS = {"paged_decode": run_decode}
+def run_prefill():
+    for fmt in ("bf16", "e4m3"):
+        for block_size, q_lens, lens in ((16, [1, 40, 0, 7], [300, 40, 5, 7]), (5, [13, 1], [13, 29])):
+            _, cache, tables, seq_lens = paged_case(fmt, block_size, lens)
+            q = torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+            cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+            torch.ops.attn.paged_prefill(q, cache.k, cache.v, tables, cu, seq_lens, window_left=20, sink_tokens=1,
+                                         **cache.scale_kwargs())
+    q_lens, k_lens = [1, 70, 0, 33], [5, 70, 3, 20]
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+    for d in (64, 128, 256):
+        q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=True)
+    print("paged_prefill, context_attention: ok")
+
+
+def run_kv_cache_write():
+    for fmt in FORMATS:
+        for block_size, t in ((16, 37), (5, 3), (1, 9)):
+            dtype, group = FORMATS[fmt]
+            cache = random_(PagedKVCache.allocate(16, block_size, 2, 128, dtype, quant_group=group, device="cuda"))
+            key, value = (torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            slots = torch.randperm(16 * block_size, device="cuda")[:t].to(torch.int32)
+            slots[0] = -1
+            positions = torch.randint(0, 64, (t,), device="cuda", dtype=torch.int32)
+            cos_sin = torch.randn(64, 64, device="cuda")
+            query = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
+            torch.ops.attn.kv_cache_write(key, value, cache.k, cache.v, slots, **cache.scale_kwargs(), query=query,
+                                          positions=positions, cos_sin_cache=cos_sin)
+    print("kv_cache_write: ok")
+
+
+OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

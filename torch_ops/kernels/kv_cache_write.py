@@ -1,0 +1,393 @@
+"""Triton `attn::kv_cache_write`: scatter new key/value tokens into a paged KV cache at
+`slot_mapping`, quantized to the cache format, with RoPE on key (and query) fused in.
+
+Semantics: docs/ops.md ("KV cache", `kv_cache_write`); `reference.kv_cache_write` is the oracle.
+
+Design
+- **One launch, two kinds of programs**, in a 1-D grid sized from shapes only (CUDA-graph safe).
+  Programs `[0, n_kv)` each own `BT_KV` tokens x `BH_KV` KV heads of both key and value (one slot
+  lookup; both tiles are loaded before anything is stored). Programs `[n_kv, n_kv + n_q)` own
+  `BT_Q` tokens x `BH_Q` query heads and write the rotated query (only when `query` is given).
+- **Tiles are `[tokens, heads, NGP, GP]`**, head dim `d = g * QGROUP + e` (group `g < NG`,
+  element `e < QGROUP`, both padded to powers of 2 and masked). For INT8/INT4 a group is a scale
+  group, so its absmax is a reduction over the last axis; plain and FP8 rows are one group
+  (`QGROUP = D`). Head dims and groups that are not powers of 2 (80, 96; 24, 48) are masks.
+- **Addresses** are int64: `block * stride_b + offset * stride_t + head * stride_h + d`, any
+  cache strides with a contiguous last dim (NHD, HND, combined, vLLM views); the block size is
+  a compile-time constant (no 64-bit division per token). A negative or out-of-range slot skips
+  the token (its key and value are not even read); a position outside `cos_sin_cache` reads
+  cos = sin = 0: nothing is read or written out of bounds.
+- **Numbers are the reference's, bit for bit.** Plain caches without RoPE get the loaded bits.
+  FP8: `clamp(div_rn(x, scale))`, then the round-to-nearest-even convert. INT8/INT4, per group:
+  `s = max(div_rn(absmax, qmax), 1e-5)` rounded to the scale-cache dtype, then
+  `q = rint(clamp(div_rn(x, s)))` (clamping first gives the same integer; `rint(y)` is the
+  exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even element low. `div_rn`
+  because Triton's `/` is approximate on the GPU. RoPE is fp32 in the reference's operation
+  order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
+  of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
+  rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit); GPT-J
+  swaps adjacent pairs in registers (reshape + split + join). Plain caches get the rotated key
+  rounded to the key dtype, as the reference does.
+- Under TRITON_INTERPRET=1 the fp32 -> bf16/fp8 casts truncate (or round ties away without a
+  carry), so there `_cast` first rounds in fp32 to a value of the target dtype.
+
+Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fused)
+- Bytes: k/v (and q) are read once, cache rows (and the rotated q) written once: per token at
+  Hkv=8, Hq=32, D=128, bf16, 4 KB k/v in + 4 KB out and 8 + 8 KB of q. cos/sin rows
+  (`rot * 4` B per token, shared by the heads of a tile) mostly hit L2, NeoX partners L1.
+- In flight: HBM3/HBM3e need ~2.5-3.5 MB in flight (3.35-4.8 TB/s x ~0.7 us), ~20-27 KB per
+  SM. A program loads `TILE_ELEMS` (4096) elements of k and of v (16 KB in bf16) before its first
+  store; at 4 warps and 48-128 registers (sm_90 build) 4-10 programs are resident per SM.
+- Access width: the head-dim axis is contiguous (Triton specializes stride 1 and 16-byte
+  alignment), so every k/v/q load and bf16 store is 16 B (`ld/st.global.v4.b32` in the PTX);
+  scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
+  in NHD a token's group scales for all heads are adjacent (written by one program).
+- Shared memory only for small layout conversions (cos/sin rows, group scales, 1-byte codes),
+  never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
+  loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
+- Issue budget: at 85 % of ~3.0 (H100) / ~4.3 (H200) TB/s a bf16 -> 1-byte element may take
+  ~35 / ~25 instructions. The sm_90 build spends ~3 per element on plain copies, ~20 on FP8 and
+  ~27-29 on INT8/INT4, most of it in `div.rn.f32` (~12 each): quantized writes may be
+  issue-bound on an H200 (see the benchmark's % of copy). The way out, if so: one correctly
+  rounded reciprocal per scale and two FMA corrections per element (Markstein), ~5 instead.
+- Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
+  than `MIN_PROGRAMS_PER_SM` programs per SM.
+
+Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
+with an odd quant group (a rotated pair would straddle two groups).
+Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+TILE_ELEMS = 4096          # elements of one tensor (k, v or q) per program
+NUM_WARPS = 4
+MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this many programs per SM
+MAX_HEAD_DIM = 1024
+
+FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
+_FMT = {
+    torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
+    torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
+}
+_QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
+
+
+# =================================================================================================
+# Kernel
+# =================================================================================================
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: bit arithmetic."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 `x` (within the format's range) rounded to the nearest FP8 value with MANT mantissa
+    bits and minimum normal exponent EMIN (ties to even, subnormals included), still fp32."""
+    b = x.to(tl.int32, bitcast=True)
+    ulp = ((tl.maximum(((b >> 23) & 0xFF) - 127, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(b < 0, r * -1.0, r)    # keeps the sign of a zero (`-r` is `0 - r`)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`x` -> `dtype`, round to nearest even (exact pre-rounding of fp32 under the interpreter)."""
+    if INTERPRETED and x.dtype == tl.float32:
+        if dtype == tl.bfloat16:
+            x = _round_bf16(x)
+        elif dtype == tl.float8e4nv:
+            x = _round_fp8(x, 3, -6)
+        elif dtype == tl.float8e5:
+            x = _round_fp8(x, 2, -14)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rope(x, ptrs, mask, stride_d, cs_rows, cs_ok, stride_csd, g, e,
+          BT: tl.constexpr, BH: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr,
+          QGROUP: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr):
+    """Rotary embedding of the fp32 tile `x [BT, BH, NGP, GP]` (dims `d = g * QGROUP + e`, loaded
+    from `ptrs` under `mask`). `cs_rows [BT]` point at each token's cos/sin row."""
+    HALF: tl.constexpr = ROT // 2
+    if NEOX:
+        # pairs (d, d + HALF); the partner is loaded again (an L1 hit)
+        cs = cs_rows[:, None, None, None]
+        d = g * QGROUP + e
+        rot = d < ROT
+        first = d < HALF
+        i = tl.where(first, d, d - HALF)
+        cs_mask = cs_ok[:, None, None, None] & rot
+        c = tl.load(cs + i * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
+        s = tl.load(cs + (i + HALF) * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
+        p = tl.load(ptrs + tl.where(first, HALF, -HALF) * stride_d, mask=mask & rot, other=0.0).to(tl.float32)
+        xc = x * c
+        ps = p * s
+        return tl.where(rot, tl.where(first, xc - ps, xc + ps), x)
+    else:
+        # pairs (2i, 2i + 1), adjacent in the tile: the partner is the pair swapped in registers
+        # (reshape + split + join), cos/sin are loaded once per pair and duplicated the same way.
+        # Their pointers are spelled out for every head so that Triton loads them in the tile's
+        # layout (L1 hits) instead of converting the whole tile through shared memory.
+        i = g * (QGROUP // 2) + tl.arange(0, GP // 2)[None, :]
+        rot2 = i < HALF
+        heads = tl.zeros((1, BH, 1, 1), tl.int32)
+        cs = cs_rows[:, None, None, None] + heads
+        cs_mask = (cs_ok[:, None, None, None] & (heads == 0)) & rot2
+        c2 = tl.load(cs + i * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(cs + (i + HALF) * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
+        c = tl.reshape(tl.join(c2, c2), (BT, BH, NGP, GP))
+        s = tl.reshape(tl.join(s2, s2), (BT, BH, NGP, GP))
+        a, b = tl.split(tl.reshape(x, (BT, BH, NGP, GP // 2, 2)))
+        p = tl.reshape(tl.join(b, a), (BT, BH, NGP, GP))
+        rot = tl.reshape(tl.join(rot2, rot2), (NGP, GP))
+        xc = x * c
+        ps = p * s
+        return tl.where(rot, tl.where(e % 2 == 0, xc - ps, xc + ps), x)
+
+
+@triton.jit
+def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
+           FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr,
+           BT: tl.constexpr, BH: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr,
+           QGROUP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Write the tile `x [BT, BH, NGP, GP]` to the cache rows `rows [BT, BH, 1, 1]` (pointers)
+    where `row_ok`, in the cache format. `x` is fp32, or the cache dtype for plain caches.
+    `scales`: FP8: the fp32 scale of each head `[1, BH, 1, 1]`; INT8/INT4: pointers to each row's
+    first group scale `[BT, BH, 1, 1]`."""
+    ok = row_ok & (g < NG) & (e < QGROUP)
+    d = g * QGROUP + e
+    if FMT == 0:
+        tl.store(rows + d, _cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+    elif FMT == 1:
+        y = tl.math.div_rn(x, scales)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        tl.store(rows + d, _cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+    else:
+        amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
+        s = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-5).to(scales.dtype.element_ty)
+        tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG))
+        y = tl.math.div_rn(x, s.to(tl.float32))
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        q = ((y + 12582912.0) - 12582912.0).to(tl.int32)                  # rint: ties to even
+        if FMT == 2:
+            tl.store(rows + d, q.to(tl.int8), mask=ok)
+        else:
+            lo, hi = tl.split(tl.reshape(q, (BT, BH, NGP, GP // 2, 2)))
+            packed = ((lo + 8) | ((hi + 8) << 4)).to(tl.uint8)
+            j = tl.arange(0, GP // 2)[None, :]
+            byte = g * (QGROUP // 2) + j
+            tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2))
+
+
+@triton.jit
+def _kv_cache_write_kernel(
+    Key, Value, KCache, VCache, KScale, VScale, Slots, Positions, CosSin, Query, QOut,
+    num_tokens, num_slots, max_position, num_kv_programs,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_ksb, stride_kst, stride_ksh, stride_ksg, stride_vsb, stride_vst, stride_vsh, stride_vsg,
+    stride_slot, stride_pos, stride_cs, stride_csd,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    NUM_KV_HEADS: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr,
+    QGROUP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, ROT: tl.constexpr, HAS_QUERY: tl.constexpr,
+    BT_KV: tl.constexpr, BH_KV: tl.constexpr, BT_Q: tl.constexpr, BH_Q: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_kv_programs:
+        # ---- key and value of BT_KV tokens x BH_KV heads -----------------------------------
+        HB: tl.constexpr = (NUM_KV_HEADS + BH_KV - 1) // BH_KV
+        t = (pid // HB) * BT_KV + tl.arange(0, BT_KV)
+        h = (pid % HB) * BH_KV + tl.arange(0, BH_KV)
+        g = tl.arange(0, NGP)[:, None]
+        e = tl.arange(0, GP)[None, :]
+        d = g * QGROUP + e
+        t_ok = t < num_tokens
+        slot = tl.load(Slots + t.to(tl.int64) * stride_slot, mask=t_ok, other=-1).to(tl.int64)
+        w_ok = t_ok & (slot >= 0) & (slot < num_slots)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        t4 = t.to(tl.int64)[:, None, None, None]
+        h4 = h.to(tl.int64)[None, :, None, None]
+        row_ok = w_ok[:, None, None, None] & (h4 < NUM_KV_HEADS)
+        ld_ok = row_ok & (g < NG) & (e < QGROUP)
+        k_ptrs = Key + t4 * stride_kt + h4 * stride_kh + d
+        k = tl.load(k_ptrs, mask=ld_ok, other=0.0)
+        v = tl.load(Value + t4 * stride_vt + h4 * stride_vh + d, mask=ld_ok, other=0.0)
+        if ROPE:
+            pos = tl.load(Positions + t.to(tl.int64) * stride_pos, mask=t_ok, other=0).to(tl.int64)
+            pos_ok = (pos >= 0) & (pos < max_position)
+            k = _rope(k.to(tl.float32), k_ptrs, ld_ok, 1, CosSin + pos * stride_cs, pos_ok, stride_csd, g, e,
+                      BT_KV, BH_KV, NGP, GP, QGROUP, ROT, NEOX)
+        if FMT != 0:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        block4 = block[:, None, None, None]
+        offset4 = offset[:, None, None, None]
+        k_rows = KCache + block4 * stride_kcb + offset4 * stride_kct + h4 * stride_kch
+        v_rows = VCache + block4 * stride_vcb + offset4 * stride_vct + h4 * stride_vch
+        if FMT == 1:
+            # per-head (or per-tensor: stride 0) values, loaded once per head
+            hs = tl.where(h < NUM_KV_HEADS, h, 0)
+            k_scales = tl.load(KScale + hs * stride_ksh)[None, :, None, None]
+            v_scales = tl.load(VScale + hs * stride_vsh)[None, :, None, None]
+        else:
+            k_scales = KScale + block4 * stride_ksb + offset4 * stride_kst + h4 * stride_ksh
+            v_scales = VScale + block4 * stride_vsb + offset4 * stride_vst + h4 * stride_vsh
+        _store(k, KCache, k_rows, k_scales, stride_ksg, row_ok, g, e,
+               FMT, FP8_MAX, QMAX, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED)
+        _store(v, VCache, v_rows, v_scales, stride_vsg, row_ok, g, e,
+               FMT, FP8_MAX, QMAX, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED)
+    elif HAS_QUERY:
+        # ---- rotated query of BT_Q tokens x BH_Q heads (names differ from the branch above:
+        # a variable assigned in both branches of a runtime `if` must keep one type)
+        HB_Q: tl.constexpr = (NUM_Q_HEADS + BH_Q - 1) // BH_Q
+        qpid = pid - num_kv_programs
+        tq = (qpid // HB_Q) * BT_Q + tl.arange(0, BT_Q)
+        hq = ((qpid % HB_Q) * BH_Q + tl.arange(0, BH_Q)).to(tl.int64)[None, :, None, None]
+        dq = tl.arange(0, DP)[None, :]
+        tq_ok = tq < num_tokens
+        tq4 = tq.to(tl.int64)[:, None, None, None]
+        q_ok = tq_ok[:, None, None, None] & (hq < NUM_Q_HEADS) & (dq < HEAD_DIM)
+        q_ptrs = Query + tq4 * stride_qt + hq * stride_qh + dq * stride_qd
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0).to(tl.float32)
+        q_pos = tl.load(Positions + tq.to(tl.int64) * stride_pos, mask=tq_ok, other=0).to(tl.int64)
+        q = _rope(q, q_ptrs, q_ok, stride_qd, CosSin + q_pos * stride_cs, (q_pos >= 0) & (q_pos < max_position),
+                  stride_csd, tl.zeros((1, 1), tl.int32), dq, BT_Q, BH_Q, 1, DP, HEAD_DIM, ROT, NEOX)
+        tl.store(QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od,
+                 _cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok)
+
+
+# =================================================================================================
+# Launcher
+# =================================================================================================
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1   # the interpreter: few, large programs are fastest
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile(num_tokens: int, heads: int, row_elems: int, sms: int) -> tuple[int, int]:
+    """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `TILE_ELEMS`
+    elements, all heads when they fit, fewer tokens while the grid is under
+    `MIN_PROGRAMS_PER_SM` programs per SM. From shapes only."""
+    bh = min(_pow2(heads), max(1, TILE_ELEMS // row_elems))
+    bt = min(max(1, TILE_ELEMS // (bh * row_elems)), _pow2(max(num_tokens, 1)))
+    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < MIN_PROGRAMS_PER_SM * sms:
+        bt //= 2
+    return bt, bh
+
+
+def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale) -> tuple[int, int, int, int]:
+    """(QGROUP, NG, NGP, GP): groups of QGROUP elements (INT8/INT4 scale groups, else the whole
+    row), NG of them per row, padded to powers of 2 in the tile."""
+    if _FMT[k_cache.dtype] in (FMT_INT8, FMT_INT4):
+        ng = k_scale.shape[-1]
+        qgroup = head_dim // ng
+        return qgroup, ng, _pow2(ng), _pow2(qgroup)
+    return head_dim, 1, 1, _pow2(head_dim)
+
+
+def unsupported(key, value, k_cache, v_cache, slot_mapping, **options) -> list[str]:
+    """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
+    why = []
+    d = key.shape[-1]
+    if d > MAX_HEAD_DIM:
+        why.append(f"head dim {d} > {MAX_HEAD_DIM} is not served by the Triton kv_cache_write kernel")
+    if options.get("positions") is not None and not options.get("rope_neox", True):
+        qgroup, ng, _, _ = group_layout(d, k_cache, options.get("k_scale"))
+        if ng > 1 and qgroup % 2:
+            why.append(f"GPT-J RoPE needs an even quant group (a rotated pair must stay in one group), "
+                       f"got quant group {qgroup}")
+    return why
+
+
+def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
+        positions=None, cos_sin_cache=None, rope_neox=True) -> torch.Tensor:
+    """Write `key`/`value [T, Hkv, D]` at `slot_mapping [T]` into the caches (and INT8/INT4 scale
+    caches); returns the rotated query (new, like `query [T, Hq, D]`) or an empty tensor."""
+    t, hkv, d = key.shape
+    rotated = torch.empty_like(query) if query is not None else key.new_empty(0)
+    if t == 0:
+        return rotated
+    fmt = _FMT[k_cache.dtype]
+    qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale)
+    dp = _pow2(d)
+    sms = num_sms(key.device)
+    bt_kv, bh_kv = tile(t, hkv, ngp * gp, sms)
+    n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
+    hq, bt_q, bh_q, n_q = 1, 1, 1, 0
+    if query is not None:
+        hq = query.shape[1]
+        bt_q, bh_q = tile(t, hq, dp, sms)
+        n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
+
+    if fmt == FMT_FP8:
+        ks, vs = k_scale, v_scale
+        k_sstrides = (0, 0, k_scale.stride(0) if k_scale.dim() else 0, 0)
+        v_sstrides = (0, 0, v_scale.stride(0) if v_scale.dim() else 0, 0)
+    elif fmt in (FMT_INT8, FMT_INT4):
+        ks, vs = k_scale, v_scale
+        k_sstrides, v_sstrides = k_scale.stride(), v_scale.stride()
+    else:
+        ks, vs = k_cache, v_cache    # unused
+        k_sstrides = v_sstrides = (0, 0, 0, 0)
+    rope = positions is not None
+    pos = positions if rope else slot_mapping
+    cs = cos_sin_cache if rope else key
+    q = query if query is not None else key
+    qo = rotated if query is not None else key
+    q_strides = q.stride() if query is not None else (0, 0, 0)
+    o_strides = qo.stride() if query is not None else (0, 0, 0)
+
+    _kv_cache_write_kernel[(n_kv + n_q,)](
+        key, value, k_cache, v_cache, ks, vs, slot_mapping, pos, cs, q, qo,
+        t, k_cache.shape[0] * k_cache.shape[1], cs.shape[0] if rope else 0, n_kv,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_sstrides, *v_sstrides,
+        slot_mapping.stride(0), pos.stride(0), cs.stride(0) if rope else 0, cs.stride(1) if rope else 0,
+        *q_strides, *o_strides,
+        NUM_KV_HEADS=hkv, NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+        FMT=fmt, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fmt == FMT_FP8 else 0.0,
+        QMAX=_QMAX.get(fmt, 0.0),
+        QGROUP=qgroup, NG=ng, NGP=ngp, GP=gp, DP=dp,
+        ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None,
+        BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
+        INTERPRETED=interpreting(),
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
+    return rotated
