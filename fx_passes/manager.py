@@ -3,6 +3,8 @@
 Order (`PASSES`):
 
 1. `sdpa_to_attn`: attention (SDPA, matmul-softmax-matmul) onto `attn::context_attention`.
+2. `qkv_fusion`: the q, k, v projections of one input into one GEMM and a split (only under
+   `torch._inductor.config.freezing`, which folds the weight concatenation at compile time).
 
 A pass is a module with `apply(graph: torch.fx.Graph) -> int` that rewrites Dynamo's torch-level
 graph in place and returns its number of rewrites; it logs why it declined a candidate on a child
@@ -19,7 +21,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import sdpa_to_attn
+from . import qkv_fusion, sdpa_to_attn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +29,12 @@ class PassConfig:
     """One switch per pass, named after its module."""
 
     sdpa_to_attn: bool = True
+    qkv_fusion: bool = True
 
 
 PASSES: dict[str, Callable[[fx.Graph], int]] = {
     "sdpa_to_attn": sdpa_to_attn.apply,
+    "qkv_fusion": qkv_fusion.apply,
 }
 
 _SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))

@@ -3,12 +3,14 @@
 Recognized spellings, in Dynamo's torch-level graph:
 
 * `F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` without
-  mask or dropout;
+  dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
+  Face's compiled causal mask);
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
   scalings by constants (`*`, `/`; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
-  (`~`, `logical_not`, `== 0`); float casts around the softmax (fp32 softmax) and eval-mode
-  dropout are allowed.
+  (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
+  `+ where(mask, 0, -inf or finfo.min)` with a provably causal mask (Hugging Face's eager
+  spelling); float casts around the softmax (fp32 softmax) and eval-mode dropout are allowed.
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -17,10 +19,11 @@ un-repeated: GQA. The rewrite packs `[B, H, S, D]` to `[B*S, H, D]` with
 layout flash SDPA returns on CUDA).
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
-other mask, dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
+other mask (padding, sliding window, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
 attention that autograd records (the op has no autograd formula: compile under no_grad),
 q/k/v head dims that differ, non-constant scales (`/ math.sqrt(q.size(-1))` under
-`dynamic=True` is symbolic), attention weights used elsewhere, and causal attention unless
+`dynamic=True` is symbolic, as are float module attributes that `dynamic=True` lifts to graph
+inputs), attention weights used elsewhere, and causal attention unless
 Sq == Sk is guaranteed: SDPA's `is_causal` (and a `triu` mask) is aligned top-left, the op's
 causal mask bottom-right.
 
@@ -43,6 +46,7 @@ import torch.fx as fx
 
 import torch_ops  # noqa: F401  (registers torch.ops.attn)
 
+from . import index_mask
 from .torch_ir import Call, call, erase_unused, is_tensor, known_equal, source_line, value
 
 log = logging.getLogger(__name__)
@@ -111,18 +115,26 @@ def apply(graph: fx.Graph) -> int:
 def _match_sdpa(node: fx.Node, c: Call) -> Attention:
     """`F.scaled_dot_product_attention`. Heads: equal, or one K/V head broadcast, or GQA with
     enable_gqa; all three mean what the op means by query head h reading KV head h // (Hq / Hkv)."""
-    if c.arg(3, "attn_mask") is not None:
-        raise Decline("attn_mask is given (only is_causal masks are served)")
     dropout_p = c.arg(4, "dropout_p", 0.0)
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise Decline(f"dropout_p={dropout_p} (only 0 is served)")
     causal, scale = c.arg(5, "is_causal", False), c.arg(6, "scale")
     if not isinstance(causal, bool):
         raise Decline("is_causal is not a constant bool")
+    mask, mask_nodes = c.arg(3, "attn_mask"), []
+    if mask is not None:
+        q, k = value(c.arg(0, "query")), value(c.arg(1, "key"))
+        if causal or not is_tensor(mask) or not is_tensor(q) or not is_tensor(k):
+            raise Decline("attn_mask is given with is_causal=True or is not a tensor")
+        _check_mask_shape(mask, (*q.shape[:-1], k.shape[-2]))
+        if not index_mask.is_causal(mask, mask_nodes):
+            raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
+                          "(only is_causal and a bool mask provably equal to k <= q are served)")
+        causal = True
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline("scale is not a constant")
     return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
-                      scale=None if scale is None else float(scale), nodes=[node])
+                      scale=None if scale is None else float(scale), nodes=[node, *mask_nodes])
 
 
 def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
@@ -149,9 +161,11 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
             scale = scale * factor if cx.name == "mul" else scale / factor
         elif cx.name == "masked_fill" and not causal:
             x, causal = _causal_fill(cx, mask_nodes), True
+        elif cx.name == "add" and not causal:
+            x, causal = _causal_bias(cx, mask_nodes), True
         else:
             raise Decline(f"the scores pass through {cx.name} (understood: constant scaling, casts, "
-                          "one causal masked_fill)")
+                          "one causal masked_fill or causal additive mask)")
     if cx is None:
         raise Decline("the scores are not q @ k^T")
     chain.append(x)
@@ -226,7 +240,7 @@ def _check_eval_dropout(c: Call) -> None:
     if c.name != "dropout":
         return
     p, training = c.arg(1, "p", 0.5), c.arg(2, "training", c.kwargs.get("train", True))
-    if not isinstance(p, (int, float)) or not isinstance(training, bool) or (training and p != 0):
+    if training is not False and (not isinstance(p, (int, float)) or not isinstance(training, bool) or p != 0):
         raise Decline(f"dropout (p={p}, training={training}) on the attention probabilities")
 
 
@@ -248,12 +262,59 @@ def _causal_fill(c: Call, nodes: list) -> fx.Node:
         raise Decline(f"masked_fill with {getattr(fill, 'name', fill)}, not -inf")
     if not is_tensor(mask):
         raise Decline("the masked_fill mask is not a tensor")
-    mask_shape, scores_shape = value(mask).shape, value(scores).shape
-    if not known_equal(mask_shape[-2:], scores_shape[-2:]) or not all(known_equal(s, 1) for s in mask_shape[:-2]):
-        raise Decline(f"mask shape {tuple(mask_shape)} is not [..., Sq, Sk] with leading ones")
-    if _triangle(mask, nodes) != ("triu", 1):
+    _check_mask_shape(mask, value(scores).shape)
+    if _triangle(mask, nodes) != ("triu", 1) and not _is_causal_complement(mask, nodes):
         raise Decline(f"mask {mask.name} is not recognized as causal (triu(ones, 1) or its complement)")
     return scores
+
+
+def _causal_bias(c: Call, nodes: list) -> fx.Node:
+    """The scores of `scores + where(mask, 0, -inf or finfo.min)` (Hugging Face's eager
+    spelling), where `mask` is provably `k <= q`; collects the bias's nodes into `nodes`."""
+    scores, bias = c.input, c.arg(1, "other")
+    if call(scores) is not None and call(scores).name == "where":
+        scores, bias = bias, scores
+    w = call(bias)
+    if w is None or w.name != "where" or not is_tensor(scores) or not is_tensor(bias):
+        raise Decline(f"the scores pass through add of {getattr(bias, 'name', bias)}, not of "
+                      "where(causal mask, 0, -inf)")
+    mask, keep, fill = w.input, w.arg(1, "input"), w.arg(2, "other")
+    zero = keep == 0 if isinstance(keep, (int, float)) else _is_zeros(keep)
+    if not zero or not isinstance(fill, (int, float)) or not fill <= torch.finfo(value(scores).dtype).min:
+        raise Decline(f"additive mask where({mask}, {getattr(keep, 'name', keep)}, {fill}) is not "
+                      "where(mask, 0, -inf)")
+    _check_mask_shape(bias, value(scores).shape)
+    if not index_mask.is_causal(mask, nodes):
+        raise Decline(f"additive mask from {getattr(mask, 'name', mask)}, not recognized as causal")
+    nodes.append(bias)
+    if isinstance(keep, fx.Node):
+        nodes.append(keep)
+    return scores
+
+
+def _is_zeros(x) -> bool:
+    c = call(x)
+    return c is not None and c.name in ("zeros", "zeros_like", "new_zeros") and is_tensor(x)
+
+
+def _is_causal_complement(mask, nodes: list) -> bool:
+    """`mask` is true exactly above the diagonal: `~m` or `m == 0` of a provably causal `m`."""
+    c = call(mask)
+    negated = c is not None and (c.name == "logical_not" or (c.name == "invert" and value(mask).dtype == torch.bool)
+                                 or (c.name == "eq" and c.arg(1, "other") in (0, False)))
+    if negated and index_mask.is_causal(c.input, nodes):
+        nodes.append(mask)
+        return True
+    return False
+
+
+def _check_mask_shape(mask, scores_shape) -> None:
+    """A mask of shape `[..., Sq, Sk]` broadcasting to the scores `[B, H, Sq, Sk]`."""
+    mask_shape = value(mask).shape
+    if len(mask_shape) > len(scores_shape) or not known_equal(mask_shape[-2:], scores_shape[-2:]) or not all(
+            known_equal(m, 1) or known_equal(m, s) for m, s in zip(mask_shape[:-2], scores_shape[-len(mask_shape):-2])):
+        raise Decline(f"mask shape {tuple(mask_shape)} does not broadcast as [..., Sq, Sk] to "
+                      f"the scores {tuple(scores_shape)}")
 
 
 def _triangle(x, nodes: list) -> tuple[str, int] | None:

@@ -92,7 +92,35 @@ def matmul_logical_not(q, k, v):
     return torch.softmax(torch.masked_fill(q @ k.swapaxes(2, 3), mask, float("-inf")) / 3, dim=3) @ v
 
 
+def hf_index_mask(b, s, device, window=None):
+    """Hugging Face's `sdpa_mask` (transformers 5, as compiled): a bool `[B, 1, S, S]` built from
+    position ids, true where the key is visible; with `window`, a sliding window too."""
+    pos = (torch.arange(s, device=device) + 0).unsqueeze(0).expand(b, -1)
+    packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    bi = torch.arange(b, device=device)[:, None, None, None]
+    qi, ki = torch.arange(s, device=device)[None, None, :, None], torch.arange(s, device=device)[None, None, None, :]
+    mask = qi.new_ones((), dtype=torch.bool) & (packed[bi, qi] == packed[bi, ki]).to(device)
+    mask = mask & (pos[bi, ki] <= pos[bi, qi])
+    if window is not None:
+        mask = mask & (pos[bi, ki] > pos[bi, qi] - window)
+    return mask.expand(b, -1, s, s)
+
+
+def sdpa_hf_index_mask(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_index_mask(q.shape[0], q.shape[2], q.device))
+
+
+def matmul_hf_additive_mask(q, k, v):
+    bias = torch.where(hf_index_mask(q.shape[0], q.shape[2], q.device), torch.zeros((), dtype=q.dtype, device=q.device),
+                       torch.finfo(q.dtype).min)
+    return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.25 + bias, dim=-1) @ v
+
+
 # Declined spellings.
+
+
+def sdpa_hf_sliding_window(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_index_mask(q.shape[0], q.shape[2], q.device, 3))
 
 
 def sdpa_tril_mask(q, k, v):
@@ -172,7 +200,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
 
 
 @pytest.mark.parametrize("fn, shapes, reason", [
-    pytest.param(sdpa_tril_mask, {}, "attn_mask", id="attn_mask"),
+    pytest.param(sdpa_tril_mask, {}, "not recognized as the causal mask", id="attn_mask"),
     pytest.param(sdpa_dropout, {}, "dropout_p", id="dropout"),
     pytest.param(sdpa, dict(dtype=torch.float64), "dtypes", id="float64"),
     pytest.param(sdpa, dict(dv=8), "head dims differ", id="value_head_dim"),
@@ -180,6 +208,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(sdpa, dict(requires_grad=True), "autograd records it", id="requires_grad"),
     pytest.param(matmul_returns_weights, {}, "used outside the attention", id="returns_weights"),
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
+    pytest.param(sdpa_hf_sliding_window, {}, "not recognized as the causal mask", id="sliding_window_mask"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
 ])
 def test_declines_with_reason(fn, shapes, reason, caplog):
@@ -211,12 +240,14 @@ def run_pass_without_inductor(fn, inputs):
 @pytest.mark.parametrize("fn, shapes", [
     (matmul_permute_unsqueeze, dict(hkv=2, dtype=torch.bfloat16)),
     (matmul_logical_not, {}),
-], ids=["permute_unsqueeze_invert", "logical_not_swapaxes"])
+    (sdpa_hf_index_mask, {}),
+    (matmul_hf_additive_mask, {}),
+], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask"])
 def test_more_spellings_without_inductor(fn, shapes):
     inputs = qkv(**shapes)
     out, rewrites, targets = run_pass_without_inductor(fn, inputs)
     assert rewrites == 1 and sdpa_to_attn.context_attention_bhsd in targets
-    assert not {"softmax", torch.softmax, torch.matmul} & targets
+    assert not {"softmax", torch.softmax, torch.matmul, F.scaled_dot_product_attention} & targets
     check_close(fn, inputs, out)
 
 

@@ -1,0 +1,267 @@
+"""Proving that a boolean mask computed in the graph from indices is the plain causal mask.
+
+Hugging Face's `create_causal_mask` (transformers 5) does not skip the mask under torch.compile
+before torch 2.14 (Dynamo folded `torch.compiler.is_exporting()` to True), so every SDPA and
+eager attention of a Llama, GPT-NeoX or GPT-J gets a materialized mask, built by index arithmetic:
+
+    position_ids = (arange(S) + past).unsqueeze(0).expand(B, -1)
+    packed = cumsum(diff(position_ids, prepend=position_ids[:, :1] - 1) != 1, -1)  # packed sequences
+    b, q, kv = arange(B)[:, None, None, None], (arange(S) + past)[None, None, :, None], ...
+    mask = ones((), bool) & (packed[b, q] == packed[b, kv]) & (position_ids[b, kv] <= position_ids[b, q])
+
+`is_causal(mask)` decides, for every value of the symbolic sizes, whether such a mask is true
+exactly where `key index <= query index` (top-left causal) and does not depend on the batch or
+head index. It interprets the mask's producers abstractly, over two kinds of value:
+
+* `Affine`: an integer tensor whose element at index `i` is `const + sum(coef[d] * i[d])`;
+* `Conj`: a bool tensor that is true at `i` iff `a(i) >= 0` for each `Affine` `a` of `ge`
+  (the empty conjunction is true everywhere).
+
+Every op it does not understand, or any input (a placeholder: a user's padding mask, position
+ids passed in, a buffer), makes the answer "not recognized". Integer arithmetic is exact (no
+overflow at index magnitudes); tensor indices must be provably non-negative (a negative index
+wraps around).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .torch_ir import call, is_tensor, known_equal, value
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    coef: tuple[int, ...]
+    const: Any = 0  # int or SymInt
+
+    def aligned(self, ndim: int) -> "Affine":
+        return Affine((0,) * (ndim - len(self.coef)) + self.coef, self.const)
+
+    def plus(self, other: "Affine", sign: int = 1) -> "Affine":
+        n = max(len(self.coef), len(other.coef))
+        a, b = self.aligned(n), other.aligned(n)
+        return Affine(tuple(x + sign * y for x, y in zip(a.coef, b.coef)), a.const + sign * b.const)
+
+    def scaled(self, k: int) -> "Affine":
+        return Affine(tuple(k * c for c in self.coef), k * self.const)
+
+    @property
+    def is_constant(self) -> bool:
+        return not any(self.coef)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conj:
+    ge: tuple[Affine, ...] = ()
+
+
+TRUE, FALSE = Conj(), Conj((Affine((), -1),))
+_COMPARE = {"le": (-1, 0), "lt": (-1, -1), "ge": (1, 0), "gt": (1, -1)}  # x op y  <=>  sign*(x-y) + off >= 0
+
+
+def is_causal(mask: fx.Node, nodes: list | None = None) -> bool:
+    """Whether bool `mask [..., Sq, Sk]` is true exactly where `k <= q`, whatever the leading
+    indices; collects the nodes it read into `nodes`."""
+    if not is_tensor(mask) or value(mask).dtype != torch.bool or value(mask).dim() < 2:
+        return False
+    result = analyze(mask, nodes if nodes is not None else [])
+    if not isinstance(result, Conj):
+        return False
+    n = value(mask).dim()
+    causal = (0,) * (n - 2) + (1, -1)
+    left = [a.aligned(n) for a in result.ge if not (a.is_constant and statically_known_true(a.const >= 0))]
+    return bool(left) and all(a.coef == causal and known_equal(a.const, 0) for a in left)
+
+
+def analyze(x: Any, nodes: list) -> Affine | Conj | None:
+    """The abstract value of `x` (a node, or a Python int/bool), or None if not understood."""
+    if isinstance(x, bool):
+        return TRUE if x else FALSE
+    if isinstance(x, (int, torch.SymInt)):
+        return Affine((), x)
+    c = call(x)
+    if c is None or not is_tensor(x):
+        return None
+    v = value(x)
+    if v.dtype.is_floating_point or v.dtype.is_complex:
+        return None
+    result = _eval(c, v, nodes)
+    if result is None:
+        return None
+    nodes.append(x)
+    return _normalized(result, v.shape)
+
+
+def _normalized(r: Affine | Conj, shape) -> Affine | Conj:
+    """Coefficients of size-1 dims are irrelevant (their index is 0): zero them."""
+    def norm(a: Affine) -> Affine:
+        a = a.aligned(len(shape))
+        return Affine(tuple(0 if known_equal(s, 1) else k for k, s in zip(a.coef, shape)), a.const)
+
+    return norm(r) if isinstance(r, Affine) else Conj(tuple(norm(a) for a in r.ge))
+
+
+def _eval(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
+    name, args, is_bool = c.name, c.args, v.dtype == torch.bool
+    if name == "arange":
+        if c.kwargs.get("start") is not None or c.kwargs.get("end") is not None:
+            return None
+        bounds = list(args) + [None] * (3 - len(args))
+        start, step = (0, 1) if len(args) == 1 else (args[0], bounds[2] if bounds[2] is not None else 1)
+        step = c.kwargs.get("step", step)
+        ok = all(isinstance(b, (int, torch.SymInt)) and not isinstance(b, bool) for b in (start, step))
+        return Affine((step,), start) if ok and isinstance(step, int) else None
+    if name in ("to", "contiguous", "clone", "long", "int", "bool"):
+        inner = analyze(c.input, nodes)
+        return inner if inner is not None and _same_kind(inner, is_bool) else None
+    if name in ("ones", "new_ones", "ones_like", "zeros", "new_zeros", "zeros_like"):
+        one = name in ("ones", "new_ones", "ones_like")
+        return (TRUE if one else FALSE) if is_bool else Affine((), int(one))
+    if name in ("add", "sub", "radd", "rsub", "neg"):
+        a = analyze(c.input, nodes)
+        b = analyze(c.arg(1, "other"), nodes) if name != "neg" else Affine((), 0)
+        if not (isinstance(a, Affine) and isinstance(b, Affine)) or c.kwargs.get("alpha", 1) != 1:
+            return None
+        sign = -1 if name in ("sub", "neg") else 1
+        return b.plus(a, -1) if name == "rsub" else (a.scaled(-1) if name == "neg" else a.plus(b, sign))
+    if name in ("eq", "ne", *_COMPARE):
+        a, b = analyze(c.input, nodes), analyze(c.arg(1, "other"), nodes)
+        if not (isinstance(a, Affine) and isinstance(b, Affine)):
+            return None
+        d = a.plus(b, -1)
+        if name in _COMPARE:
+            sign, off = _COMPARE[name]
+            return Conj((d.scaled(sign).plus(Affine((), off)),))
+        if name == "eq":
+            return Conj((d, d.scaled(-1)))
+        if not d.is_constant:
+            return None  # `!=` of varying values is a disjunction
+        return TRUE if statically_known_true(d.const != 0) else FALSE if known_equal(d.const, 0) else None
+    if name in ("and", "and_", "logical_and", "bitwise_and") or (name == "mul" and is_bool):
+        a, b = analyze(c.input, nodes), analyze(c.arg(1, "other"), nodes)
+        return Conj(a.ge + b.ge) if isinstance(a, Conj) and isinstance(b, Conj) else None
+    if name in ("unsqueeze", "expand", "expand_as", "getitem", "cumsum", "diff"):
+        return _eval_shape_op(c, v, nodes)
+    return None
+
+
+def _eval_shape_op(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
+    name, x = c.name, c.input
+    a = analyze(x, nodes)
+    if a is None or not is_tensor(x):
+        return None
+    ndim = value(x).dim()
+    if name == "unsqueeze":
+        d = c.arg(1, "dim")
+        if not isinstance(d, int):
+            return None
+        d = d % (ndim + 1)
+        return _map(a, lambda f: Affine(f.aligned(ndim).coef[:d] + (0,) + f.aligned(ndim).coef[d:], f.const))
+    if name in ("expand", "expand_as"):
+        return _map(a, lambda f: f.aligned(v.dim()))  # expanded dims have size 1: coefficient 0
+    if name == "getitem":
+        return _getitem(a, ndim, c.args[1], v, nodes)
+    dim = c.arg(1, "dim") if name == "cumsum" else c.arg(2, "dim", -1)
+    if not isinstance(dim, int):
+        return None
+    dim %= ndim
+    if name == "cumsum":  # of a constant k: k * (i + 1)
+        k = _constant(a)
+        if not isinstance(k, int):
+            return None
+        return Affine(tuple(k if d == dim else 0 for d in range(ndim)), k)
+    # diff(x, n=1, dim, prepend=p): constant coef[dim] if p continues x's progression backwards
+    if c.arg(1, "n", 1) != 1 or c.kwargs.get("append") is not None or not isinstance(a, Affine):
+        return None
+    prepend = c.kwargs.get("prepend", c.args[3] if len(c.args) > 3 else None)
+    a = a.aligned(ndim)
+    if prepend is not None:
+        p = analyze(prepend, nodes)
+        if not isinstance(p, Affine) or not known_equal(value(prepend).shape[dim], 1):
+            return None
+        p = p.aligned(ndim)
+        others = all(p.coef[d] == a.coef[d] for d in range(ndim) if d != dim)
+        if not others or not known_equal(p.const, a.const - a.coef[dim]):
+            return None
+    return Affine((0,) * ndim, a.coef[dim])
+
+
+def _getitem(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, fx.Node) for i in index):
+        return _advanced_index(a, ndim, index, v, nodes)
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    explicit = sum(i is not None and i is not Ellipsis for i in index)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (ndim - explicit) + index[at + 1:]
+    index = index + (slice(None),) * (ndim - sum(i is not None for i in index))
+
+    def apply(f: Affine) -> Affine | None:
+        f, coef, const, d = f.aligned(ndim), [], f.const, 0
+        for i in index:
+            if i is None:
+                coef.append(0)
+                continue
+            k = f.coef[d]
+            d += 1
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+                const = const + k * i
+            elif isinstance(i, slice):
+                start, step = i.start or 0, i.step or 1
+                if not (isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0):
+                    return None
+                coef.append(k * step)
+                const = const + k * start
+            else:
+                return None
+        return Affine(tuple(coef), const)
+
+    return _map(a, apply)
+
+
+def _advanced_index(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine | None:
+    """`x[i0, i1, ...]` with one integer index tensor per leading dim: `x` at those indices."""
+    if not isinstance(a, Affine) or len(index) > ndim or not all(isinstance(i, fx.Node) for i in index):
+        return None
+    rest = ndim - len(index)
+    out = v.dim()
+    a = a.aligned(ndim)
+    result = Affine((0,) * (out - rest) + a.coef[len(index):], a.const)
+    for k, i in zip(a.coef, index):
+        f = analyze(i, nodes)
+        if not isinstance(f, Affine) or value(i).dtype not in (torch.int64, torch.int32):
+            return None
+        if any(c < 0 for c in f.coef) or not statically_known_true(f.const >= 0):
+            return None  # a negative index would wrap around
+        result = result.plus(Affine(f.aligned(out - rest).coef + (0,) * rest, f.const).scaled(k))
+    return result
+
+
+def _map(a: Affine | Conj, f) -> Affine | Conj | None:
+    if isinstance(a, Affine):
+        return f(a)
+    mapped = [f(x) for x in a.ge]
+    return None if any(m is None for m in mapped) else Conj(tuple(mapped))
+
+
+def _constant(a: Affine | Conj) -> Any:
+    """The value of a constant tensor (a bool as 0/1), else None."""
+    if isinstance(a, Affine):
+        return a.const if a.is_constant else None
+    if not all(f.is_constant for f in a.ge):
+        return None
+    if all(statically_known_true(f.const >= 0) for f in a.ge):
+        return 1
+    return 0 if any(statically_known_true(f.const < 0) for f in a.ge) else None
+
+
+def _same_kind(r: Affine | Conj, is_bool: bool) -> bool:
+    return isinstance(r, Conj) == is_bool

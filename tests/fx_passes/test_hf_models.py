@@ -1,0 +1,146 @@
+"""Hugging Face models (transformers >= 5) built from tiny random configs, compiled with a plain
+`torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
+attention layer is rewritten onto `attn::context_attention`, one graph serves three sequence
+lengths, and the logits are as close to a float64 eager run as eager float32 is.
+
+Models run with `use_cache=False` (prefill without a KV cache; the cache write is another
+issue). Under torch.compile, transformers before torch 2.14 always materializes the causal mask
+(`masking_utils._ignore_causal_mask_sdpa` cannot skip it while compiling), so these tests also
+cover `index_mask`, which proves that mask is plain causal. GPT-J has no SDPA implementation in
+transformers ("does not support an attention implementation through SDPA"): eager only.
+No network: configs only, random weights, random token ids.
+"""
+
+import copy
+
+import expecttest
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fx_passes
+from fx_passes import sdpa_to_attn
+from torch_ops.testing import assert_error_ratio
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+
+VOCAB = 128
+SEQ_LENS = (5, 7, 9)
+
+
+def llama(impl):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+def gpt_neox(impl):
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+def gpt_j(impl):
+    config = transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+        bos_token_id=0, eos_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+class AttnOpRecorder(CustomGraphPass):
+    """A post-grad pass that records the `attn` ops of the graph Inductor lowers, and every
+    ATen attention or batched matmul left in it."""
+
+    def __init__(self):
+        self.ops = []
+
+    def __call__(self, graph):
+        for node in graph.nodes:
+            name = str(node.target)
+            if name.startswith("attn."):
+                q, k = (a.meta["val"] for a in node.args[:2])
+                self.ops.append(f"{name} q[*, {q.shape[1]}, {q.shape[2]}] k[*, {k.shape[1]}, {k.shape[2]}] "
+                                f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}")
+            elif "scaled_dot_product" in name or name.startswith("aten.bmm"):
+                self.ops.append(name)
+
+    def uuid(self):
+        return None
+
+
+def passes_then_eager(ops):
+    """A Dynamo backend that runs the installed pass manager (what Inductor's pre-grad hook runs)
+    on the graph and then the graph as it is, recording its attention calls into `ops`: the
+    passes on a real model's graph without Inductor's C++ compile (~15 s a model on 2 cores)."""
+
+    def backend(gm, example_inputs):
+        inductor_config.pre_grad_custom_pass(gm.graph)
+        gm.recompile()
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "__name__", str(node.target))
+            if node.target is sdpa_to_attn.context_attention_bhsd:
+                q, k = (a.meta["example_value"] for a in node.args[:2])
+                ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
+                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}")
+            elif name in ("scaled_dot_product_attention", "matmul", "softmax"):
+                ops.append(name)
+        return gm.forward
+
+    return backend
+
+
+class TestHFModels(expecttest.TestCase):
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    def compile_and_check(self, model, *, inductor=False, specialize_float=False):
+        """Compiles `model` once (`fullgraph=True, dynamic=True`), runs it on three sequence
+        lengths, checks the logits and counters; returns its attention ops, one per line:
+        Inductor's lowered graph's if `inductor`, else the rewritten Dynamo graph's.
+
+        `specialize_float`: under `dynamic=True` Dynamo lifts a model's float attributes (GPT-NeoX's
+        `scaling`, Llama's eager `scaling` (SDPA's `scale=` stays specialized), GPT-J's `scale_attn`, dropout `p`s) to graph inputs, values that may change
+        without a recompile; the pass declines such a scale ("scale is not a constant", "scores
+        div by item_3, not by a constant"). Specialized (Dynamo's default without
+        `dynamic=True`, or `mark_dynamic` on the sequence dim), they are constants."""
+        model = model.eval()
+        model64 = copy.deepcopy(model).double()
+        ops = []
+        recorder = AttnOpRecorder()
+        backend = "inductor" if inductor else passes_then_eager(ops)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+        with fx_passes.enabled(), torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=recorder), \
+                torch._dynamo.config.patch(error_on_recompile=True, specialize_float=specialize_float):
+            for s in SEQ_LENS:
+                ids = torch.randint(0, VOCAB, (2, s))
+                out = compiled(ids, use_cache=False).logits
+                assert_error_ratio(out, model64(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                   name=f"logits (S={s})")
+        self.assertEqual(counters["attn"]["sdpa_to_attn_matched"], model.config.num_hidden_layers)
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        return "\n".join(recorder.ops if inductor else ops)
+
+    def test_llama_sdpa_gqa_inductor(self):
+        self.assertExpectedInline(self.compile_and_check(llama("sdpa"), inductor=True), """\
+attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25
+attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25""")
+
+    def test_llama_eager_gqa(self):
+        self.assertExpectedInline(self.compile_and_check(llama("eager"), specialize_float=True), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25""")
+
+    def test_gpt_neox_sdpa_partial_rotary(self):
+        self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa"), specialize_float=True), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25""")
+
+    def test_gpt_j_eager_interleaved_rotary(self):
+        self.assertExpectedInline(self.compile_and_check(gpt_j("eager"), specialize_float=True), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25""")
