@@ -96,7 +96,10 @@ def quantize_groupwise(
         raise ValueError(f"quant group {group} must divide the head dim {d}")
     qmax = _QMAX[bits]
     g = x.float().reshape(*x.shape[:-1], d // group, group)
-    scale = (g.abs().amax(-1) / qmax).clamp_min(GROUP_SCALE_EPS).to(scale_dtype)
+    absmax = g.abs().amax(-1)
+    # Divide by a tensor: CUDA turns division by a Python scalar into a multiplication by its
+    # reciprocal, which is not correctly rounded (and then differs from the kernels by an ulp).
+    scale = (absmax / torch.full_like(absmax, qmax)).clamp_min(GROUP_SCALE_EPS).to(scale_dtype)
     q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-qmax, qmax).reshape(x.shape)
     q = q.to(torch.int8)
     return (pack_int4(q) if bits == 4 else q), scale
