@@ -57,7 +57,48 @@ def decode_section(data: dict, name: str) -> list[str]:
     return lines + [""]
 
 
-SECTIONS = {"decode": decode_section}
+def _header(data: dict, title: str, name: str) -> list[str]:
+    env = data["env"]
+    return [f"## {title}: {env['gpu']} ({name})", "",
+            f"{env['date']}, commit {env['git_commit']}; torch {env['torch']}, triton {env['triton']}, "
+            f"FlashInfer {env.get('flashinfer', '-')}.", ""]
+
+
+def prefill_section(data: dict, name: str) -> list[str]:
+    peers = ("flash_sdpa", "cudnn_sdpa", "flashinfer_fa3", "flex")
+    lines = _header(data, "context_attention / paged_prefill", name) + [
+        "TFLOP/s (causal counted as half the FLOPs), bf16, 32 query heads (GQA 32/8 for paged and mixed "
+        "rows); `×best` = best peer time / our time. `contig` = our context_attention on the same "
+        "tokens; `parts` = our time for the mixed batch's prefill and decode parts run separately.", "",
+        "| case | D | causal | ours TF/s | flash SDPA | cuDNN SDPA | FlashInfer fa3 | flex | ×best | err ok |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        case = f"{r['section']} " + (r.get("desc") or f"S={r.get('seqlen')} {r.get('batch')}")
+        tf = [f"{r[p + '_tflops']:.0f}" if r.get(p + "_tflops") else "-" for p in peers]
+        best = [r[p + "_us"] for p in peers if r.get(p + "_us")]
+        extra = f" (parts {r['parts_sum_us']:.0f} µs)" if r.get("parts_sum_us") else ""
+        extra += f" (contig {r['ours_contiguous_tflops']:.0f} TF/s)" if r.get("ours_contiguous_tflops") else ""
+        lines.append(f"| {case}{extra} | {r.get('d')} | {r.get('causal')} | {r['ours_tflops']:.0f} | "
+                     + " | ".join(tf) + f" | {_fmt_ratio(min(best) / r['ours_us'] if best else None)} | "
+                     f"{'yes' if r.get('check', {}).get('ok') else '-'} |")
+    return lines + [""]
+
+
+def kvwrite_section(data: dict, name: str) -> list[str]:
+    lines = _header(data, "kv_cache_write", name) + [
+        "Hkv = 8, D = 128, block 16; `%copy` = a device copy of the same bytes / our time; `torch` = "
+        "plain PyTorch indexing (and RoPE); FlashInfer's `append_paged_kv_cache` for bf16.", "",
+        "| T | KV | mode | ours µs | GB/s | %copy | torch µs | ×torch | FlashInfer µs | ×FI |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        fi = r.get("flashinfer_us")
+        lines.append(f"| {r['tokens']} | {r['fmt']} | {r['mode']} | {r['ours_us']:.1f} | {r['ours_GBps']:.0f} | "
+                     f"{r['pct_copy']:.0f} | {r.get('torch_us', 0):.1f} | {_fmt_ratio(r.get('vs_torch'))} | "
+                     f"{f'{fi:.1f}' if fi else '-'} | {_fmt_ratio(r.get('vs_flashinfer'))} |")
+    return lines + [""]
+
+
+SECTIONS = {"decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section}
 
 
 def main() -> None:
