@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .quant import FP8_DTYPES, FLOAT_DTYPES, KVFormat, kv_format
+from .quant import FLOAT_DTYPES, KVFormat, kv_format
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .interpreter import exact_cast
 
 TILE_ELEMS = 4096          # elements of one tensor (k, v or q) per program
 NUM_WARPS = 4
@@ -84,37 +85,6 @@ _QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
 # =================================================================================================
 # Kernel
 # =================================================================================================
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: bit arithmetic."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """fp32 `x` (within the format's range) rounded to the nearest FP8 value with MANT mantissa
-    bits and minimum normal exponent EMIN (ties to even, subnormals included), still fp32."""
-    b = x.to(tl.int32, bitcast=True)
-    ulp = ((tl.maximum(((b >> 23) & 0xFF) - 127, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp
-    return tl.where(b < 0, r * -1.0, r)    # keeps the sign of a zero (`-r` is `0 - r`)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """`x` -> `dtype`, round to nearest even (exact pre-rounding of fp32 under the interpreter)."""
-    if INTERPRETED and x.dtype == tl.float32:
-        if dtype == tl.bfloat16:
-            x = _round_bf16(x)
-        elif dtype == tl.float8e4nv:
-            x = _round_fp8(x, 3, -6)
-        elif dtype == tl.float8e5:
-            x = _round_fp8(x, 2, -14)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -172,11 +142,11 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     ok = row_ok & (g < NG) & (e < QGROUP)
     d = g * QGROUP + e
     if FMT == 0:
-        tl.store(rows + d, _cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+        tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     elif FMT == 1:
         y = tl.math.div_rn(x, scales)
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        tl.store(rows + d, _cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+        tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
         s = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-5).to(scales.dtype.element_ty)
@@ -272,7 +242,7 @@ def _kv_cache_write_kernel(
         q = _rope(q, q_ptrs, q_ok, stride_qd, CosSin + q_pos * stride_cs, (q_pos >= 0) & (q_pos < max_position),
                   stride_csd, tl.zeros((1, 1), tl.int32), dq, BT_Q, BH_Q, 1, DP, HEAD_DIM, ROT, NEOX)
         tl.store(QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od,
-                 _cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok)
+                 exact_cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok)
 
 
 # =================================================================================================

@@ -59,6 +59,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
+from .interpreter import round_to_bf16, round_to_fp8
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 LAST_KERNEL = None
@@ -86,22 +87,6 @@ def _find_sequence(CuQ, num_seqs, slot, TOK: tl.constexpr):
         else:
             hi = mid - 1
     return lo
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> nearest bf16 value (ties to even), kept in fp32 (interpreter only)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """fp32 (|x| <= 448) -> nearest e4m3 value (ties to even), kept in fp32 (interpreter only)."""
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return ((x / ulp + 12582912.0) - 12582912.0) * ulp
 
 
 @triton.jit
@@ -204,7 +189,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
     if ROUND_P_BF16:
-        p = _round_to_bf16(p)
+        p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -389,9 +374,9 @@ def _prefill_kernel(
     if OUT_FP8:
         o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
         if INTERPRET:
-            o = _round_to_e4m3(o)
+            o = round_to_fp8(o, 3, -6)
     elif INTERPRET and Out.dtype.element_ty == tl.bfloat16:
-        o = _round_to_bf16(o)
+        o = round_to_bf16(o)
     tok_rows = (q_start + tok).to(tl.int64)
     o_rows = tok_rows * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),

@@ -23,7 +23,7 @@ import torch
 import torch_ops
 from torch_ops import kv_cache, quant, reference
 from torch_ops.kernels import kv_cache_write as kcw
-from torch_ops.testing import assert_error_ratio, poison_
+from torch_ops.testing import assert_error_ratio, capture_cuda_graph, poison_
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -402,14 +402,7 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group, rope):
     def call():
         return call_triton(key, value, cache, slots, kwargs)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()   # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rq = call()
+    graph, rq = capture_cuda_graph(call)
     for step in range(1, 4):
         fill(step)
         before = clone(cache)

@@ -20,7 +20,7 @@ import torch
 import torch_ops
 from torch_ops import kv_cache, reference
 from torch_ops.kernels import paged_decode as pd
-from torch_ops.testing import assert_error_ratio, max_error, poison_
+from torch_ops.testing import assert_error_ratio, capture_cuda_graph, max_error, poison_
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -331,14 +331,7 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
             torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs())
 
     fill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()   # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_cuda_graph(call)
     for step in range(1, 4):
         fill(step)
         poison_(out)

@@ -21,7 +21,7 @@ import torch
 import torch_ops
 from torch_ops import quant, kv_cache, reference
 from torch_ops.kernels import prefill_attention as pa
-from torch_ops.testing import assert_error_ratio, poison_
+from torch_ops.testing import assert_error_ratio, capture_cuda_graph, poison_
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -451,14 +451,7 @@ def test_cuda_graph_replay(kernel_device, cache_dtype):
             torch.ops.attn.paged_prefill.out(q, cache.k, cache.v, bt, cu, sl, out=out, lse=lse, **cache.scale_kwargs())
 
     fill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()   # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_cuda_graph(call)
     for step in range(1, 4):
         fill(step)
         poison_(out)
