@@ -519,7 +519,7 @@ def main(argv=None):
 
     if args.tune:
         payload["tune"] = tune(runner, bw)
-        save_partial(args.out, payload)
+        common.write_partial(args.out, "bench_decode", payload)
 
     batches = args.batch or (QUICK_BATCH if args.quick else GRID_BATCH)
     ctxs = args.ctx or (QUICK_CTX if args.quick else GRID_CTX)
@@ -549,7 +549,7 @@ def main(argv=None):
             traceback.print_exc()
         runner.rows.append(row)
         print(_short(row), flush=True)
-        save_partial(args.out, payload)
+        common.write_partial(args.out, "bench_decode", payload)
 
     # quantized KV section: our kernel in every format (FlashInfer FP8 as the peer)
     q_configs = [(64, 4096, 32, 8), (256, 4096, 32, 8), (16, 16384, 32, 8), (1, 1024, 32, 8)]
@@ -569,7 +569,7 @@ def main(argv=None):
             fmt_rows.append(row)
             runner.rows.append(row)
             print(_short(row), flush=True)
-            save_partial(args.out, payload)
+            common.write_partial(args.out, "bench_decode", payload)
         base = next((r for r in fmt_rows if r.get("fmt") == "bf16" and r.get("ours_us") and
                      (r["batch"], r["ctx"], r["hq"], r["hkv"]) == (b, ctx, hq, hkv)), None)
         for r in fmt_rows:
@@ -580,17 +580,6 @@ def main(argv=None):
     print(f"# wrote {path}")
     print(summary(runner.rows, bw))
     return 0
-
-
-def save_partial(out_dir, payload) -> None:
-    """Rewrite one fixed-name file with everything measured so far (survives a killed run)."""
-    import json
-
-    try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_decode_partial.json").write_text(json.dumps(payload, indent=1, default=str))
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _short(r: dict) -> str:

@@ -36,7 +36,6 @@ Notes
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -558,7 +557,7 @@ def main(argv=None) -> int:
     payload = {"env": env, "args": vars(args), "rows": runner.rows}
     if args.tune:
         payload["tune"] = runner.tune()
-        save_partial(args.out, payload)
+        common.write_partial(args.out, "bench_prefill", payload)
 
     jobs = []
     if "context" in args.sections:
@@ -582,22 +581,13 @@ def main(argv=None) -> int:
             traceback.print_exc()
         runner.rows.append(row)
         print(_short(row), flush=True)
-        save_partial(args.out, payload)
+        common.write_partial(args.out, "bench_prefill", payload)
         torch.cuda.empty_cache()
 
     path = common.write_json(args.out, "bench_prefill", payload)
     print(f"# wrote {path}")
     print(summary(runner.rows))
     return 0
-
-
-def save_partial(out_dir, payload) -> None:
-    """Rewrite one fixed-name file with everything measured so far (survives a killed run)."""
-    try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_prefill_partial.json").write_text(json.dumps(payload, indent=1, default=str))
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _label(r: dict) -> str:

@@ -167,3 +167,12 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
             cells.append(f"{'-' if v is None else format(v, fmt) if not isinstance(v, str) else v:>{w}}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def write_partial(out_dir, name: str, payload: dict) -> None:
+    """Rewrite `<name>_partial.json` with everything measured so far (survives a killed run)."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{name}_partial.json").write_text(json.dumps(payload, indent=1, default=str))
+    except OSError:
+        pass
