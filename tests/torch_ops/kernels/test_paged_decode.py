@@ -76,9 +76,7 @@ def check(q, cache, block_tables, seq_lens, out, lse, **options):
     kw = dict(cache.scale_kwargs(), **options)
     out_scale = kw.pop("out_scale", None)
     args = (cache.k, cache.v, block_tables, seq_lens)
-    # the query upcast (exactly) so that the reference returns its float64 result as fp32 instead
-    # of rounding it to the query dtype: the rounding floor then measures the output dtype
-    truth_o, truth_l = reference.paged_decode(q.float(), *args, compute_dtype=torch.float64, **kw)
+    truth_o, truth_l = reference.paged_decode(q, *args, compute_dtype=torch.float64, **kw)  # unrounded fp64
     base_o, base_l = reference.paged_decode(q, *args, compute_dtype=q.dtype, **kw)
     assert not torch.isnan(out.float()).any(), "out has NaN (unwritten or bad masking)"
     assert not torch.isnan(lse).any(), "lse has NaN"
