@@ -66,6 +66,7 @@ measured here is the ceiling used for the percentages)
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import traceback
@@ -339,10 +340,7 @@ class Runner:
         case = Case(batch, ctx, hq, hkv, fmt, n_sets=n_sets)
         row["rotated_sets"] = n_sets
         if self.args.check:
-            try:
-                row["check"] = check_ours(case)
-            except Exception as e:  # noqa: BLE001
-                row["check"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row["check"] = common.run_check(functools.partial(check_ours, case))
         t, how = common.time_us([case.ours(i) for i in range(n_sets)])
         row["ours_us"], row["ours_timing"] = t, how
         row["ours_GBps"] = kv / t / 1e3

@@ -35,6 +35,7 @@ Notes
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import traceback
@@ -267,10 +268,7 @@ class Runner:
         case = Case(t, fmt, mode, n_sets=n)
         row["rotated_sets"] = n
         if self.args.check:
-            try:
-                row["check"] = check_ours(case)
-            except Exception as e:  # noqa: BLE001
-                row["check"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row["check"] = common.run_check(functools.partial(check_ours, case))
         total = read + write
         us, how = common.time_us([case.ours(i) for i in range(n)])
         row.update(ours_us=us, ours_timing=how, ours_GBps=total / us / 1e3)

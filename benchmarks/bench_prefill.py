@@ -407,10 +407,7 @@ class Runner:
 
     def ours(self, row: dict, fn, flops: float, check) -> float | None:
         if self.args.check:
-            try:
-                row["check"] = check()
-            except Exception as e:  # noqa: BLE001
-                row["check"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row["check"] = common.run_check(check)
         try:
             us, how = time_us(fn)
         except Exception as e:  # noqa: BLE001

@@ -176,3 +176,11 @@ def write_partial(out_dir, name: str, payload: dict) -> None:
         (Path(out_dir) / f"{name}_partial.json").write_text(json.dumps(payload, indent=1, default=str))
     except OSError:
         pass
+
+
+def run_check(check: Callable[[], dict]) -> dict:
+    """The result of an accuracy check, or the error it raised (a benchmark row records either)."""
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
