@@ -66,3 +66,21 @@ def capture_cuda_graph(fn):
     with torch.cuda.graph(graph):
         result = fn()
     return graph, result
+
+
+def assert_replays_match_eager(call, fill, outputs, check, steps: int = 3) -> None:
+    """Capture `call` once after `fill(0)`; then for each step, `fill(step)` writes new inputs in
+    place, the `outputs` are poisoned, the graph replays, and the replayed outputs must equal an
+    eager `call()`'s bit for bit and pass `check(*replayed_outputs)`."""
+    fill(0)
+    graph, _ = capture_cuda_graph(call)
+    for step in range(1, steps + 1):
+        fill(step)
+        for t in outputs:
+            poison_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in outputs]
+        call()
+        assert all(torch.equal(r, t) for r, t in zip(replayed, outputs)), f"replay {step} differs from eager"
+        check(*replayed)

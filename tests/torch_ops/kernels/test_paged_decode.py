@@ -20,7 +20,7 @@ import torch
 import torch_ops
 from torch_ops import kv_cache, reference
 from torch_ops.kernels import paged_decode as pd
-from torch_ops.testing import assert_error_ratio, capture_cuda_graph, max_error, poison_
+from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, max_error, poison_
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -328,15 +328,4 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
         with torch_ops.use_backend("triton"):
             torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs())
 
-    fill(0)
-    graph, _ = capture_cuda_graph(call)
-    for step in range(1, 4):
-        fill(step)
-        poison_(out)
-        poison_(lse)
-        graph.replay()
-        torch.cuda.synchronize()
-        g_out, g_lse = out.clone(), lse.clone()
-        call()
-        assert torch.equal(g_out, out) and torch.equal(g_lse, lse), f"replay {step} differs from eager"
-        check(q, cache, bt, sl, g_out, g_lse)
+    assert_replays_match_eager(call, fill, (out, lse), lambda o, l: check(q, cache, bt, sl, o, l))
