@@ -208,8 +208,8 @@ def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, ca
     expect(key.shape[2] == query.shape[2],
            f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
     _check_heads(query, key.shape[1], "key")
-    b1 = cu_seqlens_q.shape[0] if isinstance(cu_seqlens_q, torch.Tensor) else None
     check_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]", dev, INDEX_DTYPES)
+    b1 = cu_seqlens_q.shape[0]
     expect(b1 >= 1, "cu_seqlens_q must have B + 1 >= 1 entries")
     check_vector(cu_seqlens_k, "cu_seqlens_k", b1, dev, INDEX_DTYPES, "[B + 1]")
     fp8 = query.dtype == torch.float8_e4m3fn
