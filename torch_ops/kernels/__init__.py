@@ -17,6 +17,7 @@ KERNEL_MODULES = {
     "paged_prefill": "torch_ops.kernels.paged_prefill",
     "context_attention": "torch_ops.kernels.context_attention",
     "kv_cache_write": "torch_ops.kernels.kv_cache_write",
+    "merge_states": "torch_ops.kernels.merge_states",
 }
 
 
