@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -297,10 +298,13 @@ class OutOfBlocksError(RuntimeError):
 class BlockAllocator:
     """Block ids `0..num_blocks-1`: a free list and reference counts (host only)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, reclaim: Callable[[int], None] | None = None):
+        """`reclaim(n)`, if given, is asked to free up to `n` more blocks (e.g. by evicting a
+        prefix cache's blocks) when an allocation finds too few free."""
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
+        self.reclaim = reclaim
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._refcount = [0] * num_blocks
 
@@ -312,6 +316,8 @@ class BlockAllocator:
         """`n` free blocks with refcount 1; all or nothing (`OutOfBlocksError`)."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"cannot allocate {n} blocks: {len(self._free)} of {self.num_blocks} are free"
@@ -352,7 +358,13 @@ class BlockAllocator:
 
 class BlockTables:
     """Per-sequence block lists over a `BlockAllocator`. Token `p` of a sequence sits in slot
-    `table[p // block_size] * block_size + p % block_size`."""
+    `table[p // block_size] * block_size + p % block_size`.
+
+    Blocks may be shared between sequences (`fork`, prefix caching). Writes are copy-on-write: a
+    shared block about to receive new tokens is replaced in the writer's table by a fresh block,
+    and the pair `(src, dst)` is queued; the owner of the device caches must copy those blocks
+    (`take_copies`) before the next cache write.
+    """
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         if not isinstance(block_size, int) or block_size <= 0:
@@ -361,6 +373,7 @@ class BlockTables:
         self.block_size = block_size
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        self._copies: list[tuple[int, int]] = []
 
     def _table(self, seq_id: int) -> list[int]:
         if seq_id not in self._tables:
@@ -370,33 +383,68 @@ class BlockTables:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def add(self, seq_id: int, num_tokens: int) -> list[int]:
-        """A new sequence of `num_tokens` tokens; returns their slots."""
+    @staticmethod
+    def _check_count(name: str, n) -> None:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+
+    def add(self, seq_id: int, num_tokens: int, shared_blocks: list[int] = ()) -> list[int]:
+        """A new sequence of `num_tokens` tokens; returns their slots. Its table starts with
+        `shared_blocks` (full blocks already holding its first tokens, e.g. a cached prefix;
+        their refcount + 1), then fresh blocks."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        self._tables[seq_id] = self.allocator.allocate(self._blocks_for(num_tokens))
+        self._check_count("num_tokens", num_tokens)
+        shared = list(shared_blocks)
+        if len(shared) * self.block_size > num_tokens:
+            raise ValueError(
+                f"{len(shared)} shared blocks hold more than the sequence's {num_tokens} tokens"
+            )
+        fresh = self.allocator.allocate(self._blocks_for(num_tokens) - len(shared))
+        self.allocator.share(shared)
+        self._tables[seq_id] = shared + fresh
         self._lens[seq_id] = num_tokens
         return self.slots(seq_id, 0, num_tokens)
 
     def append(self, seq_id: int, num_tokens: int = 1) -> list[int]:
-        """Grow a sequence by `num_tokens`, allocating blocks only past its last block's end;
-        returns the new tokens' slots. On `OutOfBlocksError` the sequence is unchanged."""
+        """Grow a sequence by `num_tokens`, allocating blocks past its last block's end and
+        copies of shared blocks it writes into; returns the new tokens' slots. On
+        `OutOfBlocksError` the sequence is unchanged."""
         table = self._table(seq_id)
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self._check_count("num_tokens", num_tokens)
         start = self._lens[seq_id]
-        table += self.allocator.allocate(self._blocks_for(start + num_tokens) - len(table))
+        first = start // self.block_size if num_tokens else len(table)
+        new = self._own(seq_id, range(first, len(table)),
+                        self._blocks_for(start + num_tokens) - len(table))
+        table += new
         self._lens[seq_id] = start + num_tokens
         return self.slots(seq_id, start, num_tokens)
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """`child_id` starts as a copy of `parent_id`, sharing its blocks (refcount + 1).
+    def make_writable(self, seq_id: int, block_indices) -> None:
+        """Give the sequence its own copy of each shared block among `table[i]`, `i` in
+        `block_indices` (before rewriting tokens in place)."""
+        self._own(seq_id, block_indices, 0)
 
-        No copy-on-write yet (a later issue): a partially filled last block stays shared, so
-        appending to both sequences would write the same slots. Until then, append to only one.
-        """
+    def _own(self, seq_id: int, block_indices, extra: int) -> list[int]:
+        """Replace the shared blocks among `block_indices` by fresh copies and return `extra`
+        more fresh blocks, allocating all of them at once (all or nothing)."""
+        table = self._table(seq_id)
+        shared = [i for i in block_indices if self.allocator.refcount(table[i]) > 1]
+        fresh = self.allocator.allocate(len(shared) + extra)
+        for i, dst in zip(shared, fresh):
+            self._copies.append((table[i], dst))
+            self.allocator.free([table[i]])
+            table[i] = dst
+        return fresh[len(shared):]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The `(src, dst)` block copies queued since the last call, in order; clears them."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """`child_id` starts as a copy of `parent_id`, sharing its blocks (refcount + 1); either
+        may then grow (copy-on-write)."""
         table = self._table(parent_id)
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already exists")
@@ -404,10 +452,28 @@ class BlockTables:
         self._tables[child_id] = list(table)
         self._lens[child_id] = self._lens[parent_id]
 
+    def drop_blocks(self, seq_id: int, first: int, n: int) -> None:
+        """Remove `n` full blocks from a sequence's table starting at index `first` (tokens that
+        left a sliding window) and release them; later tokens move `n * block_size` down."""
+        table = self._table(seq_id)
+        self._check_count("first", first)
+        self._check_count("n", n)
+        if (first + n) * self.block_size > self._lens[seq_id]:
+            raise ValueError(
+                f"blocks {first}..{first + n - 1} are not all full in sequence {seq_id!r} "
+                f"of length {self._lens[seq_id]}"
+            )
+        self.allocator.free(table[first:first + n])
+        del table[first:first + n]
+        self._lens[seq_id] -= n * self.block_size
+
     def free(self, seq_id: int) -> None:
         """Drop a sequence, releasing its references to its blocks."""
         self.allocator.free(self._table(seq_id))
         del self._tables[seq_id], self._lens[seq_id]
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._tables
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._table(seq_id))

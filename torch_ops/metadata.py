@@ -98,6 +98,7 @@ class MetadataBuilder:
         block_tables: Sequence[Sequence[int]],
         *,
         pad_to: int | None = None,
+        position_offsets: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Metadata for `B` sequences from host data: `seq_lens[b]` keys (new tokens included),
         `query_lens[b]` new tokens (the last ones), `block_tables[b]` the block ids of sequence
@@ -110,9 +111,14 @@ class MetadataBuilder:
         is uniform (`q_per_seq = k > 0`, e.g. decode): then each padding sequence keeps `k`
         query rows (slot -1, position 0), so `T = pad_to * k` and the padded batch stays uniform
         for `paged_decode`, which yields zeros for `seq_len 0`.
+
+        `position_offsets[b]` is added to sequence `b`'s `positions` (not to its slots): the
+        tokens a sliding-window cache dropped before its first cached token, so that RoPE sees
+        absolute positions while the ops see positions within the cache.
         """
         seq, qlen, num_blocks, flat_blocks = self._parse(seq_lens, query_lens, block_tables, pad_to)
         num_real = len(seq)
+        offsets = None if position_offsets is None else self._offsets_array(position_offsets, num_real)
         # Uniform batches keep query rows in padding sequences (see the docstring).
         uniform = num_real > 0 and qlen[0] > 0 and bool(np.all(qlen == qlen[0]))
         q_per_seq = int(qlen[0]) if uniform else 0
@@ -148,6 +154,8 @@ class MetadataBuilder:
         h_pos = self._host(staging, "positions", num_tokens)
         h_slot = self._host(staging, "slot_mapping", num_tokens)
         h_pos[:real_tokens] = pos
+        if offsets is not None:
+            h_pos[:real_tokens] += np.repeat(offsets, qlen)
         h_pos[real_tokens:] = 0
         h_slot[:real_tokens] = h_bt[tok_seq, pos // self.block_size] * self.block_size
         h_slot[:real_tokens] += pos % self.block_size
@@ -221,6 +229,16 @@ class MetadataBuilder:
                 f"{int(flat_blocks.min())}..{int(flat_blocks.max())}"
             )
         return seq, qlen, num_blocks, flat_blocks
+
+    @staticmethod
+    def _offsets_array(position_offsets, num_seqs: int) -> np.ndarray:
+        offsets = np.asarray(position_offsets, dtype=np.int64)
+        if offsets.shape != (num_seqs,) or (offsets < 0).any():
+            raise ValueError(
+                f"position_offsets must hold {num_seqs} ints >= 0 (one per sequence), got "
+                f"{offsets.tolist()}"
+            )
+        return offsets
 
     def _wait_for_staging(self) -> None:
         """The staging buffer about to be reused may still feed an async copy: wait for it."""

@@ -493,20 +493,86 @@ def test_block_tables_add_append_slots():
     assert len(set(tables.slots("a", 0, 13))) == 13
 
 
-def test_block_tables_fork_shares_blocks():
+def test_block_tables_fork_then_copy_on_write():
     alloc = BlockAllocator(8)
     tables = BlockTables(alloc, block_size=2)
-    tables.add(0, 3)
+    tables.add(0, 3)  # one full block, one half-filled
+    full, partial = tables.block_table(0)
     tables.fork(0, 1)
-    assert tables.block_table(1) == tables.block_table(0) and tables.seq_len(1) == 3
-    assert all(alloc.refcount(b) == 2 for b in tables.block_table(0))
-    tables.append(1, 2)  # fills the shared block's last slot, then one new block
-    assert tables.seq_len(0) == 3 and len(tables.block_table(0)) == 2
-    parent_blocks = tables.block_table(0)
+    assert tables.block_table(1) == [full, partial] and tables.seq_len(1) == 3
+    assert alloc.refcount(full) == alloc.refcount(partial) == 2
+    assert tables.take_copies() == []
+    # The child writes into the shared half-filled block: it gets its own copy.
+    slots = tables.append(1, 2)
+    own, extra = tables.block_table(1)[1:]
+    assert tables.block_table(1)[0] == full and own not in (full, partial)
+    assert tables.take_copies() == [(partial, own)] and tables.take_copies() == []
+    assert slots == [own * 2 + 1, extra * 2]
+    assert (alloc.refcount(full), alloc.refcount(partial)) == (2, 1)
+    # The parent now owns its half-filled block alone: appending copies nothing.
+    assert tables.append(0) == [partial * 2 + 1] and tables.take_copies() == []
     tables.free(0)
-    assert all(alloc.refcount(b) == 1 for b in parent_blocks)
+    assert (alloc.refcount(full), alloc.refcount(partial)) == (1, 0)
     tables.free(1)
     assert alloc.num_free == 8
+
+
+def test_block_tables_append_at_a_block_boundary_copies_nothing():
+    alloc = BlockAllocator(8)
+    tables = BlockTables(alloc, block_size=2)
+    tables.add(0, 4)
+    tables.fork(0, 1)
+    tables.append(1, 1)
+    assert tables.take_copies() == [] and tables.block_table(1)[:2] == tables.block_table(0)
+
+
+def test_block_tables_copy_on_write_is_all_or_nothing():
+    alloc = BlockAllocator(3)
+    tables = BlockTables(alloc, block_size=4)
+    tables.add(0, 6)
+    tables.fork(0, 1)
+    with pytest.raises(OutOfBlocksError):
+        tables.append(1, 7)  # needs a copy and two more blocks, one is free
+    assert tables.block_table(1) == tables.block_table(0) and tables.seq_len(1) == 6
+    assert tables.take_copies() == [] and alloc.num_free == 1
+
+
+def test_block_tables_make_writable_and_shared_prefix():
+    alloc = BlockAllocator(8)
+    tables = BlockTables(alloc, block_size=2)
+    tables.add(0, 4)
+    prefix = tables.block_table(0)
+    tables.add(1, 5, shared_blocks=prefix)  # blocks 0-1 shared, one fresh
+    assert tables.block_table(1)[:2] == prefix and alloc.refcount(prefix[0]) == 2
+    tables.make_writable(1, [0])
+    copy = tables.block_table(1)[0]
+    assert tables.take_copies() == [(prefix[0], copy)] and alloc.refcount(prefix[0]) == 1
+    tables.make_writable(1, [0, 2])  # already its own: nothing to do
+    assert tables.take_copies() == []
+    with pytest.raises(ValueError, match="3 shared blocks hold more than the sequence's 5 tokens"):
+        tables.add(2, 5, shared_blocks=prefix + [copy])
+
+
+def test_block_tables_drop_blocks():
+    alloc = BlockAllocator(8)
+    tables = BlockTables(alloc, block_size=2)
+    tables.add(0, 7)
+    table = tables.block_table(0)
+    tables.drop_blocks(0, 1, 2)
+    assert tables.block_table(0) == [table[0], table[3]] and tables.seq_len(0) == 3
+    assert alloc.refcount(table[1]) == alloc.refcount(table[2]) == 0
+    assert tables.slots(0, 2, 1) == [table[3] * 2]
+    with pytest.raises(ValueError, match="not all full"):
+        tables.drop_blocks(0, 1, 1)
+
+
+def test_block_allocator_reclaim_hook():
+    held = []
+    alloc = BlockAllocator(4, reclaim=lambda n: alloc.free([held.pop() for _ in range(min(n, len(held)))]))
+    held += alloc.allocate(3)
+    assert sorted(alloc.allocate(2) + held) == [0, 1, 2, 3]  # one block reclaimed
+    with pytest.raises(OutOfBlocksError):
+        alloc.allocate(3)
 
 
 def test_block_tables_out_of_blocks_leaves_sequence_unchanged():

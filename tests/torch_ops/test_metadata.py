@@ -201,3 +201,15 @@ def test_cuda_build_never_syncs():
         want = (md.seq_lens, md.cu_seqlens_q, md.block_tables, md.slot_mapping, md.positions)
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
+
+
+def test_position_offsets_shift_positions_not_slots():
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 5)
+    offsets = [rng.randint(0, 100) for _ in seq_lens]
+    md = builder().build(seq_lens, query_lens, tables, pad_to=7, position_offsets=offsets)
+    cu, slots, positions, _ = expected_metadata(seq_lens, query_lens, tables)
+    shifted = [p + offsets[b] for b in range(5) for p in positions[cu[b]:cu[b + 1]]]
+    assert md.positions.tolist()[:cu[-1]] == shifted and md.slot_mapping.tolist()[:cu[-1]] == slots
+    with pytest.raises(ValueError, match="position_offsets must hold 5 ints >= 0"):
+        builder().build(seq_lens, query_lens, tables, position_offsets=[1, 2])
