@@ -192,8 +192,22 @@ def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     return fmt
 
 
+def check_rope(positions, cos_sin_cache, tokens: int, head_dim: int, device) -> None:
+    """RoPE arguments: both or neither of `positions [tokens]` int and
+    `cos_sin_cache [max_position, rotary_dim]` float, `rotary_dim` even and at most `head_dim`."""
+    expect((positions is None) == (cos_sin_cache is None),
+           "RoPE needs both positions and cos_sin_cache (or neither)")
+    if positions is None:
+        return
+    check_vector(positions, "positions", tokens, device, INDEX_DTYPES, "[T]")
+    check_tensor(cos_sin_cache, "cos_sin_cache", 2, "[max_position, rotary_dim]", device, QUERY_DTYPES)
+    rot = cos_sin_cache.shape[1]
+    expect(rot % 2 == 0 and 0 < rot <= head_dim,
+           f"cos_sin_cache rotary_dim (dim 1) must be even and in 2..{head_dim}, got {rot}")
+
+
 def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal, q_scale,
-                            k_scale, v_scale, out_dtype, **options):
+                            k_scale, v_scale, out_dtype, positions, cos_sin_cache, rope_neox, **options):
     expect(isinstance(query, torch.Tensor), "query must be a tensor [Tq, Hq, D]", TypeError)
     dev = query.device
     inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D]"))
@@ -225,6 +239,12 @@ def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, ca
         expect(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of ({_names(FLOAT_DTYPES)}), got {out_dtype}",
                TypeError)
         expect(options.get("out_scale") is None, "give out_dtype or out_scale (FP8 output), not both")
+    if positions is not None:
+        expect(not fp8, "RoPE (positions) is for fp16/bf16/fp32 inputs, not float8_e4m3fn")
+        expect(query.shape[0] == key.shape[0],
+               f"RoPE (positions) is for self-attention: query and key need one token count, got "
+               f"{query.shape[0]} and {key.shape[0]}")
+    check_rope(positions, cos_sin_cache, key.shape[0], query.shape[2], dev)
     check_options(query, **options)
 
 
@@ -241,19 +261,12 @@ def check_kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale,
     fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale)
     expect(k_cache.shape[2] == hkv, f"k_cache has {k_cache.shape[2]} KV heads, key has {hkv}")
     check_vector(slot_mapping, "slot_mapping", t, dev, INDEX_DTYPES, "[T]")
-    expect((positions is None) == (cos_sin_cache is None),
-           "RoPE needs both positions and cos_sin_cache (or neither)")
+    check_rope(positions, cos_sin_cache, t, d, dev)
     if query is not None:
         check_tensor(query, "query", 3, "[T, Hq, D]", dev, QUERY_DTYPES)
         expect(query.shape[0] == t and query.shape[2] == d,
                f"query must be [T, Hq, D] = [{t}, Hq, {d}], got {tuple(query.shape)}")
         expect(positions is not None, "query is only rotated by RoPE: pass positions and cos_sin_cache too")
-    if positions is not None:
-        check_vector(positions, "positions", t, dev, INDEX_DTYPES, "[T]")
-        check_tensor(cos_sin_cache, "cos_sin_cache", 2, "[max_position, rotary_dim]", dev, QUERY_DTYPES)
-        rot = cos_sin_cache.shape[1]
-        expect(rot % 2 == 0 and 0 < rot <= d,
-               f"cos_sin_cache rotary_dim (dim 1) must be even and in 2..{d}, got {rot}")
     return fmt
 
 
@@ -392,8 +405,10 @@ def check_data(op: str, args: tuple, kwargs: dict) -> None:
         q_lens = _check_cu_seqlens(args[4], "cu_seqlens_q", args[0].shape[0])
         check_paged_data(args[1], args[3], args[5], q_lens)
     elif op == "context_attention":
-        _check_cu_seqlens(args[3], "cu_seqlens_q", args[0].shape[0])
-        _check_cu_seqlens(args[4], "cu_seqlens_k", args[1].shape[0])
+        q_lens = _check_cu_seqlens(args[3], "cu_seqlens_q", args[0].shape[0])
+        k_lens = _check_cu_seqlens(args[4], "cu_seqlens_k", args[1].shape[0])
+        expect(kwargs.get("positions") is None or torch.equal(q_lens, k_lens),
+               "RoPE (positions) is for self-attention: cu_seqlens_q must equal cu_seqlens_k")
     elif op == "kv_cache_write":
         capacity = args[2].shape[0] * args[2].shape[1]
         expect(bool((args[4].cpu() < capacity).all()),

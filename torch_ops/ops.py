@@ -36,7 +36,8 @@ ATTENTION_OPS = {
     ),
     "context_attention": (
         "Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k",
-        f"bool causal=False, {_COMMON}, Tensor? q_scale=None, {_KV_SCALES}, ScalarType? out_dtype=None",
+        f"bool causal=False, {_COMMON}, Tensor? q_scale=None, {_KV_SCALES}, ScalarType? out_dtype=None, "
+        "Tensor? positions=None, Tensor? cos_sin_cache=None, bool rope_neox=True",
     ),
     "merge_states": ("Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b", ""),
 }

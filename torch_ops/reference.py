@@ -152,11 +152,16 @@ def paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 
 
 def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, q_scale=None,
-                      k_scale=None, v_scale=None, out_scale=None, out_dtype=None,
-                      compute_dtype=torch.float32, **options):
-    """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`."""
+                      k_scale=None, v_scale=None, out_scale=None, out_dtype=None, positions=None,
+                      cos_sin_cache=None, rope_neox=True, compute_dtype=torch.float32, **options):
+    """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`.
+    With `positions [T]`, query and key are rotated first (RoPE), rounded to their dtype as a
+    separate RoPE op would leave them (the float64 oracle keeps them unrounded)."""
     dtype = attention_output_dtype(query, out_scale, out_dtype)
     acc = _acc_dtype(compute_dtype)
+    if positions is not None:
+        rotated_dtype = torch.float64 if compute_dtype == torch.float64 else query.dtype
+        query, key = (apply_rope(x, positions, cos_sin_cache, rope_neox, rotated_dtype) for x in (query, key))
     if query.dtype == torch.float8_e4m3fn:
         query, key, value = (quant.dequantize_fp8(x, s, acc) for x, s in ((query, q_scale), (key, k_scale), (value, v_scale)))
     t, hq, _ = query.shape
@@ -191,16 +196,19 @@ def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool) -> torch.Tensor:
-    """Rotary embedding of `x [T, H, D]` at `positions [T]`; returns fp32 `[T, H, D]`.
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rotary embedding of `x [T, H, D]` at `positions [T]`, computed in `dtype` (fp32 or fp64)
+    and returned in it; `[T, H, D]`.
 
     NeoX style rotates the pairs `(x[i], x[i + R/2])`, GPT-J style `(x[2i], x[2i+1])`, for
     `i < R/2` with `R = cos_sin_cache.shape[1]`; dims past `R` are unchanged.
     """
     rot = cos_sin_cache.shape[1]
-    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)    # [T, R/2]
+    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = cos_sin_cache[positions.long()].to(math_dtype).chunk(2, dim=-1)    # [T, R/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x = x.float()
+    x = x.to(math_dtype)
     xr, rest = x[..., :rot], x[..., rot:]
     if neox:
         a, b = xr.chunk(2, dim=-1)
@@ -208,7 +216,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     else:
         a, b = xr[..., 0::2], xr[..., 1::2]
         rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-    return torch.cat([rotated, rest], dim=-1)
+    return torch.cat([rotated, rest], dim=-1).to(dtype)
 
 
 def _store(cache, scale, rows, x: torch.Tensor) -> None:

@@ -455,3 +455,89 @@ def test_cuda_graph_replay(kernel_device, cache_dtype):
         assert math.isinf(g_lse[-1, 0].item()) and (g_out[-1] == 0).all()
 
     assert_replays_match_eager(call, fill, (out, lse), check_replay)
+
+
+# ---- RoPE (context_attention's pre-kernel) -----------------------------------------------------
+
+
+def rope_options(device, d, rot, neox, t, max_position=64, cache_dtype=FP32):
+    """Random positions (within the cache) and the standard cos/sin cache of width `rot`."""
+    cache = reference.rope_cos_sin_cache(max_position, rot).to(device=device, dtype=cache_dtype)
+    positions = torch.randint(0, max_position, (t,), dtype=torch.int32, device=device)
+    return dict(positions=positions, cos_sin_cache=cache, rope_neox=neox)
+
+
+@pytest.mark.parametrize("neox,rot,dtype", [(True, 32, BF16), (False, 16, FP16), (True, 8, FP32)],
+                         ids=["neox-full-bf16", "gptj-partial-fp16", "neox-partial-fp32"])
+def test_context_rope(kernel_device, small_tiles, neox, rot, dtype):
+    lens = [9, 0, 21]
+    problem = make_context(kernel_device, q_lens=lens, k_lens=lens, hq=4, hkv=2, d=32, dtype=dtype)
+    options = dict(causal=True, **rope_options(kernel_device, 32, rot, neox, sum(lens)))
+    out, lse = run_context(problem, functional=False, **options)
+    check("context_attention", problem, out, lse, **options)
+
+
+def test_rope_pre_kernel_matches_reference_bitwise(kernel_device):
+    # 20 tokens (two programs, the second partial), D = 48 (padded to 64), GPT-J and NeoX, partial
+    # rotary; one position past the cache (cos = sin = 0 in both); bf16 rounding must agree exactly
+    from torch_ops.kernels import context_attention as ca
+    x = torch.randn(20, 3, 48, dtype=BF16, device=kernel_device)
+    for neox in (True, False):
+        opts = rope_options(kernel_device, 48, 24, neox, 20, cache_dtype=BF16)
+        opts["positions"][7] = 64
+        got = ca.rope(x, opts["positions"], opts["cos_sin_cache"], neox)
+        cache = torch.cat([opts["cos_sin_cache"], opts["cos_sin_cache"].new_zeros(1, 24)])
+        want = reference.apply_rope(x, opts["positions"], cache, neox).to(BF16)
+        assert torch.equal(got, want), f"neox={neox}: {(got.float() - want.float()).abs().max()}"
+
+
+def test_reference_rope_is_rotation_then_attention():
+    # the reference's RoPE option equals rotating q and k by hand (complex multiplication) first
+    q, k, v, cu, _ = make_context("cpu", q_lens=[5, 6], k_lens=[5, 6], hq=2, hkv=1, d=8, dtype=FP32)
+    positions = torch.randint(0, 30, (11,))
+    cache = reference.rope_cos_sin_cache(30, 8)
+    c, s = cache[positions].double().chunk(2, -1)
+    turn = torch.polar(torch.ones_like(c), torch.atan2(s, c))                  # [11, 4] complex
+
+    def rotate_gptj(x):
+        pairs = torch.view_as_complex(x.double().unflatten(-1, (4, 2)).contiguous())
+        return torch.view_as_real(pairs * turn[:, None]).flatten(-2)
+
+    got = reference.context_attention(q, k, v, cu, cu, causal=True, positions=positions, cos_sin_cache=cache,
+                                      rope_neox=False, compute_dtype=torch.float64)
+    want = reference.context_attention(rotate_gptj(q), rotate_gptj(k), v.double(), cu, cu, causal=True,
+                                       compute_dtype=torch.float64)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(cos_sin_cache=None), ValueError, "both positions and cos_sin_cache"),
+    (dict(positions=torch.zeros(5, dtype=torch.int32)), ValueError, "positions must have shape"),
+    (dict(positions=torch.zeros(8)), TypeError, "positions must have dtype"),
+    (dict(cos_sin_cache=torch.zeros(4, 7)), ValueError, "rotary_dim"),
+    (dict(cos_sin_cache=torch.zeros(4, 18)), ValueError, "rotary_dim"),
+    (dict(key_tokens=6), ValueError, "self-attention"),
+])
+def test_context_rope_bad_input(change, error, match):
+    key_tokens = change.pop("key_tokens", 8)
+    q, k, v, cq, ck = make_context("cpu", q_lens=[8], k_lens=[key_tokens], hq=2, hkv=1, d=16, dtype=FP16)
+    options = {"positions": torch.zeros(8, dtype=torch.int32), "cos_sin_cache": torch.zeros(4, 16), **change}
+    with pytest.raises(error, match=match):
+        torch.ops.attn.context_attention(q, k, v, cq, ck, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("neox,rot", [(True, 128), (True, 64), (False, 128), (False, 32)])
+def test_context_rope_gpu(kernel_device, neox, rot):
+    lens = [2048, 1, 333]
+    problem = make_context(kernel_device, q_lens=lens, k_lens=lens, hq=32, hkv=8, d=128)
+    options = dict(causal=True, **rope_options(kernel_device, 128, rot, neox, sum(lens), max_position=4096))
+    out, lse = run_context(problem, **options)
+    check("context_attention", problem, out, lse, **options)
+
+
+def test_context_rope_opcheck():
+    lens = [4, 7]
+    problem = make_context("cpu", q_lens=lens, k_lens=lens, hq=4, hkv=2, d=16)
+    options = dict(causal=True, **rope_options("cpu", 16, 8, False, sum(lens)))
+    torch.library.opcheck(torch.ops.attn.context_attention.default, problem, options)
