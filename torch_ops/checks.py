@@ -293,6 +293,12 @@ def cache_layout_dims(cache_layout: int) -> tuple[int, int, int, int, int]:
     return {0: (0, 1, 2, 3, 4), 1: (1, 0, 2, 3, 4), 2: (2, 0, 1, 3, 4), 3: (3, 0, 1, 2, 4)}[cache_layout]
 
 
+def ppl_cache_views(cache: torch.Tensor, layer_idx: int, cache_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views `(k, v)` of shape `[MaxT, Hkv, last]` of one layer of a PPL cache (or scale) tensor."""
+    rows = cache.permute(*cache_layout_dims(cache_layout))[:, layer_idx]   # [MaxT, 2, Hkv, last]
+    return rows[:, 0], rows[:, 1]
+
+
 def check_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                           decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask, *, num_heads,
                           head_dim, is_causal, is_alibi, num_kv_heads, num_layer, layer_idx, quant_bit,
@@ -429,16 +435,21 @@ def _check_cache_attention_data(query, current_key, current_value, seqstarts, kv
     longest_q, longest_kv = max(seqlens.tolist(), default=0), max(kvlens.tolist(), default=0)
     expect(longest_q <= max_seqlen and longest_kv <= max_kvlen,
            f"max_seqlen/max_kvlen ({max_seqlen}/{max_kvlen}) must bound the lengths ({longest_q}/{longest_kv})")
+    decodes = int(decoding_batches.reshape(-1)[0])
+    expect(0 <= decodes <= len(seqlens) and bool((seqlens[:decodes] <= 1).all()),
+           f"decoding_batches ({decodes}) must count the first sequences, each with at most one new token "
+           f"(seqlens {seqlens.tolist()})")
     max_t = cache.shape[cache_layout_dims(cache_layout)[0]]
     starts = cachestarts.cpu().long()
     if cache_mode == 0:
-        last_row = starts + kvlens - 1
+        first_row, last_row = starts[kvlens > 0], (starts + kvlens - 1)[kvlens > 0]
     else:
         expect(bool((kvlens <= starts.shape[1] * page_size).all()),
                f"kv lengths {kvlens.tolist()} exceed MaxP * page_size = {starts.shape[1] * page_size}")
-        last_row = starts + page_size - 1
-    expect(bool((starts >= 0).all()) and bool((last_row[kvlens > 0] < max_t).all()),
-           f"cachestarts must address rows within MaxT = {max_t}")
+        used = torch.arange(starts.shape[1]) * page_size < kvlens.unsqueeze(1)
+        first_row, last_row = starts[used], starts[used] + page_size - 1
+    expect(bool((first_row >= 0).all()) and bool((last_row < max_t).all()),
+           f"cachestarts must address rows within MaxT = {max_t} (the pages the kv lengths use)")
     if attn_mask is not None:
         expect(attn_mask.shape[-1] >= int(kvlens.sum()),
                f"attn_mask last dim must be >= kvstarts[B] = {int(kvlens.sum())}, got {attn_mask.shape[-1]}")

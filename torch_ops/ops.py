@@ -7,6 +7,7 @@ semantics; `tests/torch_ops/test_schemas.py` pins these strings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -93,6 +94,16 @@ def attention_output_dtype(query: torch.Tensor, out_scale, out_dtype=None) -> to
     if out_dtype is not None:
         return out_dtype
     return torch.bfloat16 if query.dtype == torch.float8_e4m3fn else query.dtype
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.) that `cache_attention(is_alibi=True)` uses: fp32
+    `[num_heads]`, the geometric sequence of the largest power of two of heads, then every other
+    slope of the sequence for twice that many."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
+    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def _paged_output_spec(query, *args, out_scale=None, **kwargs):

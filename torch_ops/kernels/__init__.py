@@ -18,6 +18,7 @@ KERNEL_MODULES = {
     "context_attention": "torch_ops.kernels.context_attention",
     "kv_cache_write": "torch_ops.kernels.kv_cache_write",
     "merge_states": "torch_ops.kernels.merge_states",
+    "cache_attention": "torch_ops.kernels.cache_attention",
 }
 
 

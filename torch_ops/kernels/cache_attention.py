@@ -1,0 +1,206 @@
+"""Triton `attn::cache_attention` (PPL's MultiHeadCacheAttention) on the existing kernels: no
+attention kernel of its own, only views, one small metadata kernel and three launches.
+
+Semantics: docs/ops.md (`cache_attention`); `reference.cache_attention` is the oracle.
+
+1. **Views, not copies.** One layer of the PPL cache (any of its four layouts) is a pair of
+   `[MaxT, Hkv, Dh]` row views (k and v; `scale` alike). Writes see them as a paged cache of
+   block size 1 (`[MaxT, 1, Hkv, Dh]`, slot = cache row). Reads see them as *overlapping* blocks
+   `[MaxT - bs + 1, bs, Hkv, Dh]` whose block stride is one row: block id `r` is the `bs` rows
+   starting at row `r`, so any run of consecutive rows is one block whatever its alignment. In
+   offset mode a sequence's rows are consecutive (`cachestarts[b] + p`): block `j` of sequence
+   `b` is row `cachestarts[b] + j * bs`, with `bs = OFFSET_BLOCK` (a multiple of every key tile
+   of the kernels: one block-table load per tile). In page-table mode `bs` divides `page_size`
+   (`page_size` itself up to 256), so a block never crosses a page.
+2. **Metadata on the device** (`_metadata_kernel`, one launch, grid from shapes only: CUDA-graph
+   safe, no host sync): the cache row of every current token (the write's slot mapping), the
+   key count of every sequence (`kvstarts[b+1] - kvstarts[b]`) and the block table
+   `[B, cdiv(max_kvlen, bs)]` (the row of key `j * bs`), int64 rows. A token finds its sequence
+   by a binary search over `seqstarts`.
+3. `kv_cache_write` writes current k/v at those rows (INT8/INT4 quantized with the scale cache),
+   then one attention launch reads past + current keys: `paged_decode` when every sequence has
+   the same 1..8 new tokens (known from shapes: `T == B * max_seqlen`), else one `paged_prefill`
+   for the whole mixed batch. `decoding_batches` is never read: a decode has one new token (the
+   contract), for which causal and non-causal attention agree, so one causal launch serves the
+   mixed batch and nothing waits for that tensor's value.
+
+Not served (`unsupported` says why; the automatic choice then takes `vanilla`): a custom
+`attn_mask`; what the underlying kernels do not serve (head dims > 256).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import ops
+from ..checks import ppl_cache_views
+from . import kv_cache_write, paged_decode, paged_prefill, prefill_attention
+
+OFFSET_BLOCK = 128          # keys per block of offset-mode views
+MAX_BLOCK = 256             # the paged kernels' largest block size
+TOKENS_PER_PROGRAM = 128    # current tokens per program of the metadata kernel
+BLOCKS_PER_PROGRAM = 128    # block-table entries per program of the metadata kernel
+
+
+@triton.jit
+def _row(Cachestarts, b, pos, ok, stride_cb, stride_cp, max_pages, PAGE_SIZE: tl.constexpr):
+    """Cache row of position `pos` of sequence `b` (offset mode when PAGE_SIZE == 0); -1 where
+    `ok` is false or the page is outside `cachestarts`."""
+    if PAGE_SIZE == 0:
+        start = tl.load(Cachestarts + b * stride_cb + pos * 0, mask=ok, other=0).to(tl.int64)   # b may be scalar
+        row = start + pos
+    else:
+        page = pos // PAGE_SIZE
+        ok = ok & (pos >= 0) & (page < max_pages)
+        start = tl.load(Cachestarts + b * stride_cb + page * stride_cp, mask=ok, other=0).to(tl.int64)
+        row = start + pos % PAGE_SIZE
+    return tl.where(ok, row, -1)
+
+
+@triton.jit
+def _metadata_kernel(
+    Seqstarts, Kvstarts, Cachestarts, StartPos, Slots, SeqLens, BlockTables,
+    num_tokens, num_seqs, max_pages, num_blocks, token_programs, table_programs,
+    stride_cb, stride_cp, stride_btb,
+    PAGE_SIZE: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """Programs [0, token_programs): slots of BLOCK_T current tokens. Then `table_programs` per
+    sequence: BLOCK_J entries of its block-table row each (the first also its key count)."""
+    pid = tl.program_id(0)
+    if pid < token_programs:
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < num_tokens
+        # the last sequence b with seqstarts[b] <= t
+        lo = tl.zeros([BLOCK_T], tl.int32)
+        hi = lo + num_seqs - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            go = tl.load(Seqstarts + mid, mask=t_ok, other=0) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        first = tl.load(Seqstarts + lo, mask=t_ok, other=0)
+        pos = tl.load(StartPos + lo, mask=t_ok, other=0).to(tl.int64) + (t - first)
+        row = _row(Cachestarts, lo, pos, t_ok, stride_cb, stride_cp, max_pages, PAGE_SIZE)
+        tl.store(Slots + t, row, mask=t_ok)
+    else:
+        seq = (pid - token_programs) // table_programs
+        chunk = (pid - token_programs) % table_programs
+        kv_len = tl.load(Kvstarts + seq + 1) - tl.load(Kvstarts + seq)
+        if chunk == 0:
+            tl.store(SeqLens + seq, kv_len.to(tl.int32))
+        j = chunk * BLOCK_J + tl.arange(0, BLOCK_J)
+        key = (j * BS).to(tl.int64)
+        block = _row(Cachestarts, seq, key, key < kv_len, stride_cb, stride_cp, max_pages, PAGE_SIZE)
+        tl.store(BlockTables + seq * stride_btb + j, tl.maximum(block, 0), mask=j < num_blocks)
+
+
+def _blocks(rows: torch.Tensor, bs: int) -> torch.Tensor:
+    """Overlapping blocks `[MaxT - bs + 1, bs, Hkv, last]` of the row view `[MaxT, Hkv, last]`:
+    block `r` is rows `r .. r + bs - 1`."""
+    max_t, hkv, last = rows.shape
+    st, sh, sd = rows.stride()
+    return rows.as_strided((max(max_t - bs + 1, 0), bs, hkv, last), (st, st, sh, sd))
+
+
+def _block_size(max_t: int, cache_mode: int, page_size: int) -> int:
+    """Keys per block of the read views: OFFSET_BLOCK (offset mode) or the largest divisor of
+    `page_size` up to MAX_BLOCK, and never more than the cache's rows."""
+    limit = max(1, min(max_t, OFFSET_BLOCK if cache_mode == 0 else MAX_BLOCK))
+    if cache_mode == 0:
+        return limit
+    return next(s for s in range(min(limit, page_size), 0, -1) if page_size % s == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    """Cached on the device, so that a call inside CUDA-graph capture copies nothing from the host."""
+    return ops.alibi_slopes(num_heads).to(device)
+
+
+class _Problem:
+    """One call's cache views: `k_rows`/`v_rows [MaxT, Hkv, last]` (and the scale rows, or None)."""
+
+    def __init__(self, cache, scale, *, layer_idx, cache_layout, quant_bit, **_):
+        if quant_bit == 4:
+            cache = cache.view(torch.uint8)   # packed INT4 may come as an int8 tensor
+        self.k_rows, self.v_rows = ppl_cache_views(cache, layer_idx, cache_layout)
+        self.ks_rows, self.vs_rows = ppl_cache_views(scale, layer_idx, cache_layout) if quant_bit else (None, None)
+
+    def write_views(self) -> tuple:
+        """(k_cache, v_cache, k_scale, v_scale) of block size 1: slot = cache row."""
+        views = [x if x is None else x.unsqueeze(1) for x in (self.k_rows, self.v_rows, self.ks_rows, self.vs_rows)]
+        return tuple(views)
+
+    def read_views(self, bs: int) -> tuple:
+        """(k_cache, v_cache, k_scale, v_scale) of overlapping blocks of `bs` rows."""
+        return tuple(x if x is None else _blocks(x, bs) for x in (self.k_rows, self.v_rows, self.ks_rows, self.vs_rows))
+
+
+def unsupported(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
+                max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, **attrs) -> list[str]:
+    """Reasons the Triton path cannot run the call (the front has validated shapes and dtypes)."""
+    why = []
+    if attn_mask is not None:
+        why.append("a custom attn_mask is not served by the Triton kernels (the vanilla backend serves it)")
+    problem = _Problem(cache, scale, **attrs)
+    why += prefill_attention.unsupported(query, problem.k_rows.dtype)
+    k, v, ks, vs = problem.write_views()
+    why += kv_cache_write.unsupported(current_key, current_value, k, v, None, k_scale=ks, v_scale=vs)
+    return why
+
+
+def metadata(seqstarts, kvstarts, cachestarts, start_pos, *, num_tokens: int, max_kvlen: int, bs: int,
+             cache_mode: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots [T] int64, seq_lens [B] int32, block_tables [B, cdiv(max_kvlen, bs)] int64) on the device."""
+    num_seqs = start_pos.shape[0]
+    dev = seqstarts.device
+    num_blocks = max(1, -(-max_kvlen // bs))
+    slots = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    seq_lens = torch.empty(num_seqs, dtype=torch.int32, device=dev)
+    tables = torch.empty((num_seqs, num_blocks), dtype=torch.int64, device=dev)
+    token_programs = -(-num_tokens // TOKENS_PER_PROGRAM)
+    table_programs = -(-num_blocks // BLOCKS_PER_PROGRAM)
+    paged = cache_mode == 1
+    if token_programs + num_seqs == 0:
+        return slots, seq_lens, tables
+    _metadata_kernel[(token_programs + num_seqs * table_programs,)](
+        seqstarts, kvstarts, cachestarts, start_pos, slots, seq_lens, tables,
+        num_tokens, num_seqs, cachestarts.shape[1] if paged else 0, num_blocks, token_programs, table_programs,
+        cachestarts.stride(0), cachestarts.stride(1) if paged else 0, tables.stride(0),
+        PAGE_SIZE=page_size if paged else 0, BS=bs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_J=BLOCKS_PER_PROGRAM,
+    )
+    return slots, seq_lens, tables
+
+
+def run(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
+        max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi,
+        num_kv_heads, num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout,
+        page_size) -> torch.Tensor:
+    """Write current k/v into `cache` (and `scale`), then attend; returns `out [T, Hq, Dh]`."""
+    t, num_seqs = query.shape[0], start_pos.shape[0]
+    out = torch.empty_like(query)
+    if t == 0:
+        return out
+    problem = _Problem(cache, scale, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit)
+    bs = _block_size(problem.k_rows.shape[0], cache_mode, page_size)
+    slots, seq_lens, tables = metadata(seqstarts, kvstarts, cachestarts, start_pos, num_tokens=t,
+                                       max_kvlen=max_kvlen, bs=bs, cache_mode=cache_mode, page_size=page_size)
+    k, v, ks, vs = problem.write_views()
+    kv_cache_write.run(current_key, current_value, k, v, slots, k_scale=ks, v_scale=vs)
+
+    k, v, ks, vs = problem.read_views(bs)
+    lse = torch.empty((t, num_heads), dtype=torch.float32, device=query.device)
+    options = dict(out=out, lse=lse, k_scale=ks, v_scale=vs,
+                   alibi_slopes=_alibi_slopes(num_heads, query.device) if is_alibi else None)
+    uniform = t == num_seqs * max_seqlen and (max_seqlen == 1 or (is_causal and max_seqlen <= 8))
+    if uniform and not paged_decode.unsupported(query, k, v, tables, seq_lens, k_scale=ks, v_scale=vs):
+        paged_decode.run(query, k, v, tables, seq_lens, **options)
+    else:
+        paged_prefill.run(query, k, v, tables, seqstarts, seq_lens, causal=is_causal, **options)
+    return out
