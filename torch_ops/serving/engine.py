@@ -1,0 +1,230 @@
+"""Continuous batching: requests arrive and finish between steps; each step packs the decodes
+of running requests and prefill chunks of new ones into one batch under a token budget (mixed
+batches go through `paged_prefill`), samples greedily, and frees finished requests. Steps made
+only of decodes replay a CUDA graph captured once per batch-size bucket (padding sequences have
+length 0) when the attention backend is graph-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_ops.kv_cache import OutOfBlocksError
+from torch_ops.serving.attention import AttentionBackend
+from torch_ops.serving.cache_manager import KVCacheManager
+from torch_ops.serving.model import Llama
+from torch_ops.testing import capture_cuda_graph
+
+
+@dataclass
+class Request:
+    """A prompt and how many tokens to generate greedily; `output` fills as it runs."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose k/v are in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    graph: bool          # replayed a CUDA graph
+    metadata_us: float   # CPU time building the step's metadata
+    gpu_us: float | None  # device time of the forward (CUDA events), None on CPU
+
+
+class Engine:
+    """Serves `Request`s with `model` (whose `attention` backend runs over `kv`).
+
+    `max_num_seqs` sequences and `max_num_tokens` new tokens per step; prompts longer than the
+    budget are prefilled in chunks. `graph_buckets` (batch sizes, ascending) enables CUDA-graph
+    decode steps; a decode batch is padded to the smallest bucket that holds it.
+    """
+
+    def __init__(self, model: Llama, kv: KVCacheManager, *, max_num_seqs: int, max_num_tokens: int,
+                 graph_buckets: tuple[int, ...] = ()):
+        attention: AttentionBackend = model.attention
+        if graph_buckets and not (attention.graph_safe and kv.caches[0].k.is_cuda):
+            raise ValueError(f"graph_buckets need a graph-safe backend on CUDA, got {attention.name!r} "
+                             f"on {kv.caches[0].k.device}")
+        if graph_buckets and max(graph_buckets) > max_num_seqs:
+            raise ValueError(f"graph_buckets {graph_buckets} exceed max_num_seqs={max_num_seqs}")
+        self.model, self.kv, self.attention = model, kv, attention
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.buckets = tuple(sorted(graph_buckets))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        device = kv.caches[0].k.device
+        self._input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
+        if self.buckets:
+            self._capture_graphs()
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """`(request, new tokens)` of this step: running requests first (decodes, then
+        unfinished prefills), then newly admitted ones, within the token budget."""
+        budget = self.max_num_tokens
+        batch = []
+        for req in sorted(self.running, key=lambda r: len(r.tokens) - r.num_computed):
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if n == 0:
+                break
+            if req not in self.running:  # preempted to make room for an earlier one
+                continue
+            if not self._append(req, n, batch):
+                break
+            batch.append((req, n))
+            budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            req.num_computed = self.kv.add(req.id, req.tokens if self.kv.prefix_caching else ())
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if not self._append(req, n, batch, admitting=True):
+                self.kv.free(req.id)
+                break
+            self.running.append(self.waiting.pop(0))
+            batch.append((req, n))
+            budget -= n
+        return batch
+
+    def _append(self, req: Request, n: int, batch, admitting: bool = False) -> bool:
+        """Room in the cache for `n` more tokens of `req`; preempts the newest running request
+        outside this batch (it is recomputed later) until it fits, or returns False."""
+        new = req.tokens[req.num_computed:req.num_computed + n] if self.kv.prefix_caching else n
+        scheduled = {r.id for r, _ in batch}
+        while True:
+            try:
+                self.kv.append(req.id, new)
+                return True
+            except OutOfBlocksError:
+                victims = [r for r in self.running if r.id not in scheduled and r is not req]
+                if admitting or not victims:
+                    return False
+                self._preempt(victims[-1])
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.id)
+        req.num_computed = 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def step(self) -> StepStats | None:
+        """Run one step; None if there was nothing to schedule."""
+        batch = self._schedule()
+        if not batch:
+            if self.running or self.waiting:
+                raise RuntimeError("no request fits in the KV cache: raise num_blocks")
+            return None
+        self.kv.apply_pending()
+        ids = [r.id for r, _ in batch]
+        query_lens = [n for _, n in batch]
+        num_tokens = sum(query_lens)
+        bucket = self._bucket(query_lens)
+        t0 = time.perf_counter()
+        meta = self.attention.prepare(ids, query_lens, pad_to=bucket)
+        metadata_us = (time.perf_counter() - t0) * 1e6
+
+        tokens = [t for r, n in batch for t in r.tokens[r.num_computed:r.num_computed + n]]
+        self._input_ids[:num_tokens].copy_(torch.tensor(tokens), non_blocking=True)
+        timer = _GpuTimer(self._input_ids.is_cuda)
+        if bucket is not None:
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+            logits = logits[:len(batch)]
+        else:
+            hidden = self.model(self._input_ids[:num_tokens], meta)
+            last = meta.attn.cu_seqlens_q[1:len(batch) + 1] - 1
+            logits = self.model.logits(hidden[last])
+        gpu_us = timer.stop()
+
+        next_tokens = logits.argmax(dim=-1).tolist()
+        for (req, n), token in zip(batch, next_tokens):
+            req.num_computed += n
+            if req.num_computed == len(req.tokens):  # its last known token ran: sample
+                req.output.append(token)
+                if req.done:
+                    self.kv.free(req.id)
+                    self.running.remove(req)
+                    self.finished[req.id] = req
+        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us)
+
+    def _bucket(self, query_lens: list[int]) -> int | None:
+        if not self.buckets or any(n != 1 for n in query_lens):
+            return None
+        return next((b for b in self.buckets if b >= len(query_lens)), None)
+
+    @torch.no_grad()
+    def _capture_graphs(self) -> None:
+        """One decode graph per bucket, captured over dummy one-token sequences in block 0 of a
+        still empty cache (the graph keeps only buffer addresses)."""
+        if self.running or self.kv.allocator.num_free != self.kv.allocator.num_blocks:
+            raise RuntimeError("CUDA graphs are captured before any request runs")
+        for bucket in self.buckets:
+            meta = self.attention.step_metadata(
+                self.attention.builder.build([1] * bucket, [1] * bucket, [[0]] * bucket))
+            ids = self._input_ids[:bucket]
+
+            def run():
+                return self.model.logits(self.model(ids, meta))
+
+            self._graphs[bucket] = capture_cuda_graph(run)
+
+
+class _GpuTimer:
+    """Device time between construction and `stop()` (CUDA events; None on CPU)."""
+
+    def __init__(self, cuda: bool):
+        self.events = None
+        if cuda:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def stop(self) -> float | None:
+        if self.events is None:
+            return None
+        self.events[1].record()
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) * 1e3
+
+
+def generate(engine: Engine, requests: list[Request], arrivals: list[int] | None = None,
+             on_step=None) -> dict[int, list[int]]:
+    """Run `requests` to completion, request `i` arriving before step `arrivals[i]` (default:
+    all at once); `on_step(stats, engine)` after each step. Returns `{id: output tokens}`."""
+    arrivals = arrivals or [0] * len(requests)
+    pending = sorted(zip(arrivals, range(len(requests))))
+    step = 0
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add_request(requests[pending.pop(0)[1]])
+        stats = engine.step()
+        if stats is not None and on_step is not None:
+            on_step(stats, engine)
+        step += 1
+    return {r.id: r.output for r in requests}
