@@ -85,6 +85,15 @@ BAD = [
     ("cache_attention", "offset", _set("num_kv_heads", 3), ValueError, "multiple of num_kv_heads"),
     ("cache_attention", "offset", _set("layer_idx", 2), ValueError, "layer_idx must be in"),
     ("cache_attention", "offset", _set(7, torch.tensor([0.5])), TypeError, "decoding_batches"),
+    ("cache_attention", "offset", _set(1, lambda k: k[:-1]), ValueError, "current_key must be"),
+    ("cache_attention", "offset", _set(4, lambda k: k[:-1]), ValueError, "kvstarts must have shape"),
+    ("cache_attention", "offset", _set(5, lambda c: c.view(3, 1)), ValueError, "cachestarts must be 1-D"),
+    ("cache_attention", "paged", _set(5, lambda c: c[:2]), ValueError, "cachestarts must be [B, MaxP]"),
+    ("cache_attention", "offset", _set(10, lambda c: c.float()), TypeError, "cache dtype"),
+    ("cache_attention", "int8", _set(10, lambda c: c.view(torch.uint8)), TypeError, "cache must have dtype"),
+    ("cache_attention", "offset", _set(11, torch.ones(1)), ValueError, "scale is only for quantized caches"),
+    ("cache_attention", "int4", _set("quant_group", 1), ValueError, "INT4 needs an even quant_group"),
+    ("cache_attention", "int4", _set(12, lambda m: m[:-1]), ValueError, "attn_mask must be"),
 ]
 
 
@@ -128,6 +137,10 @@ DATA_BAD = [
     ("cache_attention", "offset", _set(6, lambda p: p + 1), "kvstarts must hold start_pos"),
     ("cache_attention", "offset", _set(5, lambda c: c + 40), "cachestarts must address rows"),
     ("cache_attention", "offset", _set(8, 0), "max_seqlen/max_kvlen"),
+    ("cache_attention", "offset", _set(3, lambda s: s.flip(0)), "seqstarts must start at 0"),
+    ("cache_attention", "offset", _set(7, torch.tensor([2])), "decoding_batches"),
+    ("cache_attention", "paged", _set(5, lambda c: c + 1000), "cachestarts must address rows"),
+    ("cache_attention", "int4", _set(12, lambda m: m[:, :5]), "attn_mask last dim"),
 ]
 
 
