@@ -5,8 +5,10 @@ Importing registers the schemas, fakes and implementations and changes no global
 
 from . import ops, backends  # noqa: F401  (registration)
 from .backends import backend_for, register_backend, use_backend
+from .cutlass import CutlassBackend
 from .kernels import TritonBackend
 
 register_backend(TritonBackend())
+register_backend(CutlassBackend())  # ahead of Triton for the context_attention calls it serves
 
 __all__ = ["backend_for", "register_backend", "use_backend"]

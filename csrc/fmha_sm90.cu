@@ -1,0 +1,381 @@
+// Varlen (packed, cu_seqlens) forward attention on Hopper, FP8 e4m3 or bf16/fp16 inputs.
+//
+// Built on the warp-specialized FMHA mainloop of CUTLASS's example 88 (included from the
+// nvidia-cutlass wheel, not copied): one producer warpgroup loads Q/K/V tiles by TMA, two
+// consumer warpgroups run QK^T -> online softmax -> PV with wgmma. What this file adds:
+//   * varlen: TMA coordinates offset by cu_seqlens (domain_offset), so one descriptor covers
+//     the packed tensor; keys past a sequence's end are masked, query rows past it not stored;
+//   * a tile scheduler over "virtual" tiles (floor(cu_q[b] / M) + b), found by binary search
+//     on cu_seqlens_q: no host sync, no pre-pass, CUDA-graph safe;
+//   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
+//     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
+//   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3.
+//
+// One translation unit per (element, head dim), chosen by -DATTN_ELEMENT_<E4M3|BF16|FP16> and
+// -DATTN_HEAD_DIM=<128|256>; torch_ops/cutlass.py builds and links them.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/numeric_conversion.h"
+#include "kernel/fmha_kernel_builder.hpp"  // examples/88_hopper_fmha (include path set by the build)
+
+#include "fmha_sm90.h"
+
+namespace attn_fmha {
+
+using namespace cute;
+
+#if defined(ATTN_ELEMENT_E4M3)
+using Element = cutlass::float_e4m3_t;
+#define ATTN_ELEMENT_NAME e4m3
+#elif defined(ATTN_ELEMENT_BF16)
+using Element = cutlass::bfloat16_t;
+#define ATTN_ELEMENT_NAME bf16
+#elif defined(ATTN_ELEMENT_FP16)
+using Element = cutlass::half_t;
+#define ATTN_ELEMENT_NAME fp16
+#else
+#error "define one of ATTN_ELEMENT_E4M3, ATTN_ELEMENT_BF16, ATTN_ELEMENT_FP16"
+#endif
+
+constexpr int kHeadDim = ATTN_HEAD_DIM;
+constexpr bool kFp8 = sizeof(Element) == 1;
+static_assert(kHeadDim == 128 || kHeadDim == 256, "head dims 128 and 256 are instantiated");
+
+// (query rows per CTA, keys per tile, head dim): the example's best-measured shapes.
+using TileShape = std::conditional_t<kHeadDim == 128,
+    std::conditional_t<kFp8, Shape<_128, _256, _128>, Shape<_128, _128, _128>>,
+    std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>;
+
+// Strides of (tokens, head dim, (batch, head)); FP8 V is transposed (tokens contiguous).
+using StrideQK = cute::tuple<int, _1, cute::tuple<int, int>>;
+using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, int>>, StrideQK>;
+
+// Problem shape of one sequence as the mainloop sees it: (1, Hq, Lq, Lk, D, causal).
+using SeqShape = cute::tuple<int, int, int, int, int, int>;
+
+// Which key tiles a CTA visits and which logits are masked: keys past the sequence's Lk, and
+// (causal) keys after the query's position Lk - Lq + i. Trip counts are per CTA (both consumer
+// warpgroups consume the same K/V tiles); the masked tiles come last. At least one tile is
+// visited so that a row with nothing to attend to ends with sum 0 (out 0, lse -inf).
+struct VarlenMask {
+  template <class BlkCoord, class Tile>
+  CUTLASS_DEVICE int get_trip_count(BlkCoord const& blk, Tile const& tile, SeqShape const& s) {
+    int lq = get<2>(s), lk = get<3>(s), n = get<1>(tile);
+    int tiles = ceil_div(lk, n);
+    if (get<5>(s)) {
+      int keys = (int(get<0>(blk)) + 1) * int(get<0>(tile)) + lk - lq;  // past the CTA's last row's last key
+      tiles = min(tiles, ceil_div(max(keys, 0), n));
+    }
+    return max(tiles, 1);
+  }
+
+  template <class BlkCoord, class Tile>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const& blk, Tile const& tile, SeqShape const& s) {
+    int lq = get<2>(s), lk = get<3>(s), n = get<1>(tile);
+    int full = lk / n;
+    if (get<5>(s)) {  // tiles whose every key is visible to the CTA's first row
+      full = min(full, max(int(get<0>(blk)) * int(get<0>(tile)) + lk - lq + 1, 0) / n);
+    }
+    return min(full, get_trip_count(blk, tile, s));
+  }
+
+  template <class BlkCoord, class Tile>
+  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk, Tile const& tile, SeqShape const& s) {
+    return get_trip_count(blk, tile, s) - get_unmasked_trip_count(blk, tile, s);
+  }
+
+  template <class AccQK, class IndexQK>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, SeqShape const& s) {
+    int lk = get<3>(s), shift = get<3>(s) - get<2>(s);
+    bool causal = get<5>(s);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i++) {
+      auto pos = index(i);
+      int q = get<0>(pos), k = get<1>(pos);
+      if (k >= lk || (causal && k > q + shift)) acc(i) = -INFINITY;
+    }
+  }
+};
+
+using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+    Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask>;
+
+struct Sequence {
+  int q0, k0, lq, lk;
+};
+
+// The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
+struct VarlenMainloop : Base {
+  struct Params : Base::Params {
+    const int* cu_q;
+    const int* cu_k;
+    const float* q_scale;  // NULL: 1
+    const float* k_scale;
+    int q_scale_stride, k_scale_stride;
+    int group;  // Hq / Hkv
+    int causal;
+    float softmax_scale;
+  };
+
+  template <class BlkCoord>
+  CUTLASS_DEVICE static Sequence sequence(BlkCoord const& blk, Params const& p) {
+    int b = get<2, 0>(blk);
+    int q0 = p.cu_q[b], k0 = p.cu_k[b];
+    return {q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+  }
+
+  template <class ProblemShape>
+  CUTLASS_DEVICE static SeqShape seq_shape(Sequence const& s, ProblemShape const& problem, Params const& p) {
+    return SeqShape{1, get<1>(problem), s.lq, s.lk, get<4>(problem), p.causal};
+  }
+
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_kv_maybe_q(int, BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                      MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
+                                      MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
+                                      SharedStorage& storage, LoadWarpBarrier&, bool) {
+    static_assert(kLoadQ, "Q is loaded by the K/V warp (cooperative, non-persistent kernel)");
+    using X = Underscore;
+    Sequence seq = sequence(blk, params);
+    int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(seq, problem, params));
+    int h = get<2, 1>(blk), hk = h / params.group;
+    int tq = get<2>(problem), tk = get<3>(problem), d = get<4>(problem);
+    auto heads = make_shape(1, get<1>(problem));
+
+    Tensor mQ = domain_offset(make_coord(seq.q0, _0{}, make_coord(_0{}, _0{})),
+                              params.tma_load_q.get_tma_tensor(make_shape(tq, d, heads)));
+    Tensor gQ_all = local_tile(mQ, TileShapeQK{}, make_coord(_, _, _), Step<_1, X, _1>{})(_, _, _, _0{}, make_coord(_0{}, h));
+    Tensor gQ = make_tensor(gQ_all.data() + NumMmaWarpGroups * int(get<0>(blk)) * stride<2>(gQ_all), gQ_all.layout());
+    Tensor mK = domain_offset(make_coord(seq.k0, _0{}, make_coord(_0{}, _0{})),
+                              params.tma_load_k.get_tma_tensor(make_shape(tk, d, heads)));
+    Tensor gK = local_tile(mK, TileShapeQK{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _, _0{}, make_coord(_0{}, hk));
+    Tensor mV = domain_offset(make_coord(_0{}, seq.k0, make_coord(_0{}, _0{})),
+                              params.tma_load_v.get_tma_tensor(make_shape(d, tk, heads)));
+    Tensor gV = local_tile(mV, TileShapePV{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _0{}, _, make_coord(_0{}, hk));
+
+    auto state = [](auto const& tma, auto smem, auto g) {
+      auto slice = tma.get_slice(0);
+      return make_tuple(slice.partition_S(g), slice.partition_D(smem));
+    };
+    auto state_q = state(params.tma_load_q, make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{}), gQ);
+    auto state_k = state(params.tma_load_k, make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{}), gK);
+    auto state_v = state(params.tma_load_v, make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{}), gV);
+
+    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
+    LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
+    int lane_predicate = cute::elect_one_sync();
+    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
+    auto k_iter = make_coord_iterator(trips);
+    int q_count = NumMmaWarpGroups, k_count = 2 * trips;  // K and V tiles share the pipeline
+
+    // First K tile and the first Q tile before V, so the first QK^T starts as early as possible.
+    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    load_k.template step<false>(k_iter, state_k, smem_pipe_write, lane_predicate, k_count);
+    while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    load_v.template step<true>(k_iter, state_v, smem_pipe_write, lane_predicate, k_count);
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (k_count > 0) {
+      load_k.template step<false>(k_iter, state_k, smem_pipe_write, lane_predicate, k_count);
+      load_v.template step<true>(k_iter, state_v, smem_pipe_write, lane_predicate, k_count);
+    }
+  }
+
+  template <class BlkCoord, class ProblemShape, class... Pipes>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg, Params const& params,
+                              ProblemShape const& problem, Pipes&... pipes) {
+    Sequence seq = sequence(blk, params);
+    int h = get<2, 1>(blk);
+    float scale = params.softmax_scale;
+    if (params.q_scale != nullptr) {
+      scale *= params.q_scale[h * params.q_scale_stride] * params.k_scale[(h / params.group) * params.k_scale_stride];
+    }
+    typename Base::Params p = params;
+    p.scale_softmax = scale;
+    p.scale_softmax_log2 = scale * 1.4426950408889634f;
+    return Base::compute(blk, wg, p, seq_shape(seq, problem, params), pipes...);
+  }
+};
+
+// Stores the (unnormalized-by-descale) output and lse of one consumer warpgroup's rows from
+// registers; rows past the sequence's end are not written.
+struct VarlenEpilogue {
+  struct TensorStorage {};
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;  // unused; the kernel constructs one
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  struct Params {
+    void* out;
+    float* lse;
+    int64_t out_row_stride, out_head_stride, lse_row_stride;
+    const int* cu_q;
+    const float* v_scale;  // NULL: 1
+    const float* out_scale;
+    int v_scale_stride, group, out_dtype;
+  };
+
+  template <class Out, class Acc, class Coord>
+  CUTLASS_DEVICE static void store_rows(Out* out, Params const& p, Acc const& acc_mn, Coord const& c_mn,
+                                        int row0, int lq, int q0, int h, float scale) {
+    cutlass::NumericArrayConverter<Out, float, 2> convert;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(acc_mn); i++) {
+      int r = row0 + get<0>(c_mn(i, 0));
+      if (r >= lq) continue;
+      Out* row = out + (q0 + r) * p.out_row_stride + h * p.out_head_stride;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(acc_mn); j += 2) {  // the wgmma accumulator holds column pairs
+        cutlass::Array<float, 2> v;
+        v[0] = acc_mn(i, j) * scale;
+        v[1] = acc_mn(i, j + 1) * scale;
+        if constexpr (std::is_same_v<Out, cutlass::float_e4m3_t>) {
+          v[0] = fminf(fmaxf(v[0], -448.f), 448.f);
+          v[1] = fminf(fmaxf(v[1], -448.f), 448.f);
+        }
+        *reinterpret_cast<cutlass::Array<Out, 2>*>(row + get<1>(c_mn(i, j))) = convert(v);
+      }
+    }
+  }
+
+  template <class Tile, class BlkCoord, class Result, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(Tile const&, BlkCoord const& wg, Result const& result, TiledMma const& mma,
+                                 ProblemShape const&, Params const& p, LoadPipeline, TensorStorage&) {
+    auto acc = get<0>(result);
+    auto lse = get<1>(result);
+    int b = get<2, 0>(wg), h = get<2, 1>(wg);
+    int q0 = p.cu_q[b], lq = p.cu_q[b + 1] - q0;
+    int row0 = int(get<0>(wg)) * int(get<0>(Tile{}));
+
+    auto thr = mma.get_thread_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
+    Tensor cO = thr.partition_C(make_identity_tensor(take<0, 2>(Tile{})));
+    Tensor c_mn = make_tensor(cO.data(), cutlass::fmha::collective::layout_acc_mn(mma, cO.layout()));
+    Tensor acc_mn = make_tensor(acc.data(), cutlass::fmha::collective::layout_acc_mn(mma, acc.layout()));
+
+    float scale = p.v_scale != nullptr ? p.v_scale[(h / p.group) * p.v_scale_stride] : 1.f;
+    if (p.out_dtype == ATTN_OUT_E4M3) {
+      scale /= *p.out_scale;
+      store_rows(static_cast<cutlass::float_e4m3_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+    } else if (p.out_dtype == ATTN_OUT_FP16) {
+      store_rows(static_cast<cutlass::half_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+    } else {
+      store_rows(static_cast<cutlass::bfloat16_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+    }
+    if (get<1>(c_mn(0, 0)) == 0) {  // one thread per row writes its lse
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(acc_mn); i++) {
+        int r = row0 + get<0>(c_mn(i, 0));
+        // the mainloop reports an empty softmax (sum 0) as +inf; the contract says -inf
+        if (r < lq) p.lse[(q0 + r) * p.lse_row_stride + h] = lse(i) == INFINITY ? -INFINITY : lse(i);
+      }
+    }
+  }
+};
+
+// Tiles of sequence b are the "virtual" tiles [floor(cu_q[b] / M) + b, floor(cu_q[b+1] / M) + b + 1):
+// at least ceil(Lq / M) of them, at most one spare (a CTA that finds it past Lq exits). The
+// grid is floor(total_q / M) + B tiles by Hq heads; a CTA finds its sequence by binary search.
+struct VarlenScheduler {
+  struct Params {
+    dim3 grid;
+    const int* cu_q;
+    int num_seqs;
+    bool longest_first;  // causal: start the tiles with the most keys first
+  };
+
+  static constexpr int M = get<0>(TileShape{});
+  int m_block = 0, b = 0, h = 0;
+  bool valid = false;
+
+  CUTLASS_DEVICE VarlenScheduler(Params const& p) {
+    int t = p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      int mid = (lo + hi + 1) / 2;
+      if (p.cu_q[mid] / M + mid <= t) lo = mid; else hi = mid - 1;
+    }
+    b = lo;
+    m_block = t - (p.cu_q[b] / M + b);
+    h = blockIdx.y;
+    valid = m_block * M < p.cu_q[b + 1] - p.cu_q[b];
+  }
+
+  static dim3 get_grid_shape(Params const& p) { return p.grid; }
+  CUTLASS_DEVICE bool is_valid() const { return valid; }
+  CUTLASS_DEVICE auto get_block_coord() const { return make_coord(m_block, _0{}, make_coord(b, h)); }
+  CUTLASS_DEVICE VarlenScheduler& operator++() {
+    valid = false;
+    return *this;
+  }
+};
+
+using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, VarlenScheduler>;
+
+// The kernel's problem shape is (B, Hq, total_q, total_k, D); `causal` rides in the mainloop params.
+static_assert(std::is_same_v<Kernel::ProblemShape, cute::tuple<int, int, int, int, int>>);
+
+template <bool kTransposed = kFp8>
+auto value_stride(AttnFmhaArgs const& a) {
+  if constexpr (kTransposed) {
+    return make_stride(_1{}, int(a.v_dim_stride), make_stride(0, int(a.v_head_stride)));
+  } else {
+    return make_stride(int(a.v_row_stride), _1{}, make_stride(0, int(a.v_head_stride)));
+  }
+}
+
+int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
+  auto fail = [&](char const* what) {
+    snprintf(err, err_len, "%s", what);
+    return 1;
+  };
+  if (a.head_dim != kHeadDim) return fail("head_dim does not match this kernel");
+  if (a.num_seqs < 1 || a.hq % a.hkv != 0) return fail("bad num_seqs or head counts");
+  int tq = a.total_q, tk = a.total_k, d = a.head_dim;
+  auto heads = [](int64_t head_stride) { return make_stride(0, int(head_stride)); };
+  StrideQK dQ{int(a.q_row_stride), _1{}, heads(a.q_head_stride)};
+  StrideQK dK{int(a.k_row_stride), _1{}, heads(a.k_head_stride)};
+  StrideV dV = value_stride(a);
+  // One TMA descriptor per tensor over all packed tokens; the K/V descriptors span Hq "heads" of
+  // which only the first Hkv are ever addressed (a CTA of query head h reads KV head h / group).
+  auto packed = make_shape(1, a.hq, tq, max(tk, 1), d);
+  auto base = Base::to_underlying_arguments(
+      packed, Base::Arguments{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.k), dK,
+                              static_cast<Element const*>(a.v), dV},
+      nullptr);
+  int group = a.hq / a.hkv;
+  VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
+                                  a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale};
+  VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
+                                  a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
+  dim3 grid(tq / VarlenScheduler::M + a.num_seqs, a.hq, 1);
+  VarlenScheduler::Params sched{grid, a.cu_seqlens_q, a.num_seqs, a.causal != 0};
+  Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
+
+  static_assert(sizeof(Kernel::Params) < 4096, "kernel parameters must fit the launch limit");
+  constexpr int smem = Kernel::SharedStorageSize;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return fail(cudaGetErrorString(e));
+    configured = true;
+  }
+  cutlass::device_kernel<Kernel><<<grid, Kernel::get_block_shape(), smem, stream>>>(params);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail(cudaGetErrorString(e));
+}
+
+}  // namespace attn_fmha
+
+#define ATTN_CAT2(a, b, c) attn_fmha_sm90_##a##_d##b
+#define ATTN_CAT(a, b) ATTN_CAT2(a, b, )
+#define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM)
+
+extern "C" int ATTN_ENTRY(AttnFmhaArgs const* args, void* stream, char* err, int err_len) {
+  return attn_fmha::run(*args, static_cast<cudaStream_t>(stream), err, err_len);
+}

@@ -1,0 +1,48 @@
+// C ABI of the Hopper (sm90a) varlen FMHA kernels in fmha_sm90.cu: plain C, no torch headers,
+// so the heavy translation units build without PyTorch and Python calls them through ctypes.
+// torch_ops/cutlass.py mirrors this struct field by field (ctypes.Structure `FmhaArgs`).
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum AttnOutDtype { ATTN_OUT_BF16 = 0, ATTN_OUT_FP16 = 1, ATTN_OUT_E4M3 = 2 };
+
+typedef struct {
+  // query [total_q, hq, head_dim], key [total_k, hkv, head_dim] (row/head strides in elements).
+  const void* q;
+  const void* k;
+  // FP8: value transposed, vt [hkv, head_dim, >= total_k] (v_head_stride, v_dim_stride; tokens
+  // contiguous), as the FP8 wgmma wants the PV reduction dim contiguous. bf16/fp16: value
+  // [total_k, hkv, head_dim] (v_row_stride, v_head_stride).
+  const void* v;
+  void* out;        // [total_q, hq, head_dim] in out_dtype (out_row_stride, out_head_stride)
+  float* lse;       // [total_q, hq] fp32, natural log (lse_row_stride; heads contiguous)
+  const int* cu_seqlens_q;  // [num_seqs + 1]
+  const int* cu_seqlens_k;  // [num_seqs + 1]
+  // fp32 descales (FP8 inputs; NULL for bf16/fp16), per tensor (stride 0) or per head (stride 1)
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+  const float* out_scale;   // FP8 output: out = clamp(o / out_scale, +-448); else NULL
+  int64_t q_row_stride, q_head_stride;
+  int64_t k_row_stride, k_head_stride;
+  int64_t v_row_stride, v_head_stride, v_dim_stride;
+  int64_t out_row_stride, out_head_stride;
+  int64_t lse_row_stride;
+  int32_t total_q, total_k, num_seqs, hq, hkv, head_dim;
+  int32_t causal;           // bottom-right aligned
+  int32_t q_scale_stride, k_scale_stride, v_scale_stride;
+  int32_t out_dtype;        // AttnOutDtype
+  float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
+} AttnFmhaArgs;
+
+// Each instantiation (input dtype x head dim) exports one entry point:
+//   int attn_fmha_sm90_<e4m3|bf16|fp16>_d<D>(const AttnFmhaArgs*, void* stream, char* err, int err_len)
+// returning 0 on success, else nonzero with a message in err.
+
+#ifdef __cplusplus
+}
+#endif

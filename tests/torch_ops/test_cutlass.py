@@ -1,0 +1,308 @@
+"""The `cutlass` backend (torch_ops/cutlass.py, csrc/fmha_sm90.cu).
+
+CPU: build-command construction, the C ABI mirror, the JIT cache, the registry's reasons. GPU
+(marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass wheel; the first call builds the library,
+about a minute on 16 cores): `context_attention` against the float64 reference with the
+error-ratio rule. FP8 kernels round the softmax probabilities P to e4m3 before the PV product
+(as FA3/FlashInfer FP8 do), so their baseline is a PyTorch computation that does the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_ops
+from torch_ops import cutlass, quant, reference
+from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
+
+E4M3, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+HEADER = cutlass.CSRC / "fmha_sm90.h"
+
+
+# ---- build and ABI (CPU) -------------------------------------------------------------------------
+
+
+def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
+    cmd = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")], ("X=1",))
+    assert cmd[0] == "/opt/nvcc"
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cmd
+    assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DX=1", "-I/inc/a", "-I/inc/b", f"-I{cutlass.CSRC}"} <= set(cmd)
+    assert cmd[-4:] == ["-c", str(cutlass.CSRC / "fmha_sm90.cu"), "-o", str(tmp_path / "x.o")]
+    link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
+    assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
+
+
+def test_every_shipped_element_is_defined_in_the_source():
+    source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
+    for element in set(cutlass.KERNELS.values()):
+        assert f"defined(ATTN_ELEMENT_{element.upper()})" in source
+    assert {d for _, d in cutlass.KERNELS} <= {int(d) for d in re.findall(r"kHeadDim == (\d+)", source)}
+
+
+def test_ctypes_struct_mirrors_the_c_header():
+    body = re.search(r"typedef struct \{(.*?)\} AttnFmhaArgs;", HEADER.read_text(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    scalars = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+    fields = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        base, pointer, names = re.match(r"(?:const\s+)?(\w+)\s*(\*?)\s*(.*)", decl).groups()
+        ctype = ctypes.c_void_p if pointer else scalars[base]
+        fields += [(n.strip(), ctype) for n in names.split(",")]
+    assert cutlass.FmhaArgs._fields_ == fields
+
+
+def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
+    monkeypatch.setattr(cutlass, "_cutlass_version", lambda: "4.2.0")
+    monkeypatch.setattr(cutlass, "_nvcc_version", lambda nvcc: "release 13.0")
+    key = cutlass.build_key("nvcc")
+    assert key == cutlass.build_key("nvcc")
+    assert key != cutlass.build_key("nvcc", ("ATTN_SOMETHING=1",))
+    monkeypatch.setattr(cutlass, "_nvcc_version", lambda nvcc: "release 13.1")
+    assert key != cutlass.build_key("nvcc")
+
+
+def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
+    builds = []
+
+    def fake_build(target, nvcc):
+        builds.append(target)
+        target.parent.mkdir(parents=True)
+        target.write_bytes(b"\0" * 1000)
+        return target
+
+    monkeypatch.setattr(cutlass, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setenv("ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cutlass, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(cutlass, "build_key", lambda nvcc: "abc123")
+    monkeypatch.setattr(cutlass, "build", fake_build)
+    with caplog.at_level(logging.WARNING, logger="torch_ops.cutlass"):
+        first = cutlass.library_path()
+        second = cutlass.library_path()
+    assert first == second == tmp_path / "cache" / "fmha_sm90-abc123" / cutlass.LIBRARY_NAME
+    assert builds == [first]
+    assert any("compiling the CUTLASS FMHA kernels" in r.message for r in caplog.records)
+    assert any(re.search(r"built .* in \d+ s", r.message) for r in caplog.records)
+
+
+def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(cutlass, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(cutlass, "find_nvcc", lambda: None)
+    cutlass._build_unavailable.cache_clear()
+    try:
+        assert "no nvcc" in cutlass._build_unavailable()
+        with pytest.raises(RuntimeError, match="no nvcc"):
+            cutlass.library_path()
+    finally:
+        cutlass._build_unavailable.cache_clear()
+
+
+# ---- registry (CPU) ------------------------------------------------------------------------------
+
+
+def _problem(device="cpu", *, dtype=BF16, d=128, tq=5, tk=7, hq=4, hkv=2):
+    q = torch.randn(tq, hq, d, device=device).to(dtype)
+    k = torch.randn(tk, hkv, d, device=device).to(dtype)
+    v = torch.randn(tk, hkv, d, device=device).to(dtype)
+    cu_q = torch.tensor([0, tq], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, tk], dtype=torch.int32, device=device)
+    return q, k, v, cu_q, cu_k
+
+
+def test_backend_is_registered_ahead_of_triton():
+    names = torch_ops.backends.backend_names()
+    assert names.index("cutlass") < names.index("triton")
+
+
+def test_cpu_tensors_are_not_served_and_an_explicit_request_says_why():
+    problem = _problem()
+    assert torch_ops.backend_for("context_attention", *problem) != "cutlass"
+    with torch_ops.use_backend("cutlass"), pytest.raises(ValueError, match="cutlass.*need CUDA tensors"):
+        torch.ops.attn.context_attention(*problem)
+    with torch_ops.use_backend("cutlass"), pytest.raises(ValueError, match="no CUTLASS kernel for attn::merge_states"):
+        out = torch.randn(3, 2, 8)
+        torch.ops.attn.merge_states(out, torch.randn(3, 2), out, torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"alibi_slopes": torch.ones(4)}, "ALiBi"),
+    ({"window_left": 16}, "sliding windows"),
+    ({"sink_tokens": 4}, "sink tokens"),
+    ({"sinks": torch.zeros(4)}, "learned sinks"),
+    ({"softcap": 30.0}, "soft-capping"),
+    ({"out_dtype": torch.float32}, "epilogue writes bf16, fp16 or float8_e4m3fn"),
+])
+def test_unsupported_options_are_named(options, reason):
+    q, k, *_ = _problem()
+    why = cutlass.problem_reasons(q, k, **options)
+    assert len(why) == 1 and reason in why[0]
+    assert cutlass.problem_reasons(q, k, out_scale=torch.tensor(1.0)) == []
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 128), (BF16, 64), (E4M3, 96), (torch.float8_e5m2, 128)])
+def test_unsupported_dtypes_and_head_dims_are_named(dtype, d):
+    q, k, *_ = _problem(dtype=dtype, d=d)
+    (why,) = cutlass.problem_reasons(q, k)
+    assert "no CUTLASS kernel for" in why and f"head dim {d}" in why
+
+
+def test_empty_keys_are_not_served():
+    q, k, *_ = _problem(tk=0)
+    assert cutlass.problem_reasons(q, k) == ["key is empty (total_k == 0)"]
+
+
+# ---- numerics (GPU) ------------------------------------------------------------------------------
+
+
+def cumsum0(lens, device):
+    return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def fp8_problem(device, q_lens, k_lens, hq, hkv, d, per_head):
+    """Quantized packed inputs and their descales: `(q8, k8, v8, cu_q, cu_k), scales`."""
+    def scale(heads):
+        s = torch.rand(heads, device=device) * 0.01 + 0.02 if per_head else torch.tensor(0.025, device=device)
+        return s.float()
+
+    scales = {"q_scale": scale(hq), "k_scale": scale(hkv), "v_scale": scale(hkv)}
+    raw = {"q": torch.randn(sum(q_lens), hq, d, device=device) * 4,
+           "k": torch.randn(sum(k_lens), hkv, d, device=device) * 4,
+           "v": torch.randn(sum(k_lens), hkv, d, device=device) * 4}
+    q8, k8, v8 = (quant.quantize_fp8(raw[n], scales[f"{n}_scale"], E4M3) for n in "qkv")
+    return (q8, k8, v8, cumsum0(q_lens, device), cumsum0(k_lens, device)), scales
+
+
+def fp8_p_baseline(problem, *, causal, q_scale, k_scale, v_scale, scale=None):
+    """What an FP8 attention does in PyTorch: fp32 logits and softmax, probabilities rounded to
+    e4m3 for the product with the e4m3 values of V, the sum taken before rounding, the V descale
+    applied last. Returns `out [Tq, Hq, D]` fp32."""
+    q8, k8, v8, cu_q, cu_k = problem
+    q, k = quant.dequantize_fp8(q8, q_scale, torch.float32), quant.dequantize_fp8(k8, k_scale, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(qs) - 1):
+        lq, lk = qs[b + 1] - qs[b], ks[b + 1] - ks[b]
+        if lq == 0 or lk == 0:
+            continue
+        qb = q[qs[b]:qs[b + 1]].transpose(0, 1)
+        kb, vb = (x[ks[b]:ks[b + 1]].float().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v8))
+        s = qb @ kb.transpose(1, 2) * (scale or q.shape[-1] ** -0.5)
+        if causal:
+            last = torch.arange(lq, device=q.device)[:, None] + lk - lq
+            s = s.masked_fill(torch.arange(lk, device=q.device)[None, :] > last, float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(-1e30))
+        o = (p.to(E4M3).float() @ vb) / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
+    v_scale_per_q_head = v_scale.float().expand(k.shape[1]).repeat_interleave(group)
+    return out * v_scale_per_q_head[:, None]
+
+
+def run_cutlass(problem, out_dtype, **options):
+    out = torch.empty(problem[0].shape, dtype=out_dtype, device=problem[0].device)
+    lse = torch.empty(problem[0].shape[:2], dtype=torch.float32, device=problem[0].device)
+    poison_(out)
+    poison_(lse)
+    with torch_ops.use_backend("cutlass"):
+        torch.ops.attn.context_attention.out(*problem, out=out, lse=lse, **options)
+    return out, lse
+
+
+def check(problem, out, lse, baseline_out, **options):
+    truth_o, truth_l = reference.context_attention(*problem, compute_dtype=torch.float64, **options)
+    low = BF16 if problem[0].dtype == E4M3 else problem[0].dtype   # the Triton FP8 tests' lse baseline too
+    _, base_l = reference.context_attention(*problem, compute_dtype=low, **options)
+    assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
+    assert_error_ratio(out, truth_o, baseline_out)
+    assert_error_ratio(lse, truth_l, base_l, name="lse")
+    empty = torch.isinf(truth_l)
+    assert (out.float()[empty] == 0).all() and (lse[empty] == float("-inf")).all(), "rows with no key: 0 and -inf"
+
+
+# ragged batches: an empty sequence, queries without keys, fewer keys than queries (causal rows
+# that see nothing), lengths off the 128-row / key-tile grid, and one long sequence
+RAGGED = [([300, 0, 17, 129, 64], [300, 0, 700, 129, 0]), ([1000], [1000]), ([5, 200], [3, 1024])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (256, 4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("lens", RAGGED, ids=["ragged", "single", "short-q"])
+def test_fp8_context_attention(d, hq, hkv, causal, per_head, lens):
+    problem, scales = fp8_problem("cuda", *lens, hq, hkv, d, per_head)
+    assert torch_ops.backend_for("context_attention", *problem, causal=causal, **scales) == "cutlass"
+    out, lse = run_cutlass(problem, BF16, causal=causal, **scales)
+    check(problem, out, lse, fp8_p_baseline(problem, causal=causal, **scales), causal=causal, **scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(BF16, 128), (FP16, 128), (BF16, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_16bit_context_attention(dtype, d, causal):
+    q_lens, k_lens = RAGGED[0]
+    problem = (torch.randn(sum(q_lens), 8, d, device="cuda", dtype=dtype),
+               torch.randn(sum(k_lens), 2, d, device="cuda", dtype=dtype),
+               torch.randn(sum(k_lens), 2, d, device="cuda", dtype=dtype),
+               cumsum0(q_lens, "cuda"), cumsum0(k_lens, "cuda"))
+    out, lse = run_cutlass(problem, dtype, causal=causal, scale=0.1, q_scaling=1.5)
+    baseline, _ = reference.context_attention(*problem, compute_dtype=dtype, causal=causal, scale=0.1, q_scaling=1.5)
+    check(problem, out, lse, baseline, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+def test_fp8_output_scale():
+    problem, scales = fp8_problem("cuda", [200, 77], [300, 77], 8, 8, 128, per_head=True)
+    out_scale = torch.tensor(0.05, device="cuda")
+    out, lse = run_cutlass(problem, E4M3, causal=True, out_scale=out_scale, **scales)
+    truth, _ = reference.context_attention(*problem, causal=True, compute_dtype=torch.float64, **scales)
+    t = (truth / 0.05).clamp(-448, 448)
+    base = fp8_p_baseline(problem, causal=True, **scales).double() / 0.05
+    floor = 2 * (t.to(E4M3).double() - t).abs().max().item()
+    assert_error_ratio(out.double(), t, base, floor=floor, name="fp8 out")
+
+
+@pytest.mark.gpu
+def test_strided_inputs_and_outputs():
+    """q/k/v as views of one fused qkv tensor, and an out buffer with a padded head stride."""
+    t, h, d = 333, 4, 128
+    qkv = torch.randn(t, 3 * h, d, device="cuda", dtype=BF16)
+    problem = (qkv[:, :h], qkv[:, h:2 * h], qkv[:, 2 * h:], cumsum0([100, 233], "cuda"), cumsum0([100, 233], "cuda"))
+    out = poison_(torch.empty(t, h, d + 64, device="cuda", dtype=BF16))[..., :d]
+    lse = poison_(torch.empty(t, h, device="cuda"))
+    with torch_ops.use_backend("cutlass"):
+        torch.ops.attn.context_attention.out(*problem, out=out, lse=lse, causal=True)
+    baseline, _ = reference.context_attention(*problem, compute_dtype=BF16, causal=True)
+    check(problem, out, lse, baseline, causal=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_lengths():
+    """Lengths live in device tensors: a captured graph replays new batches without recapture."""
+    d, hq, hkv, cap = 128, 8, 2, 1024
+    problem, scales = fp8_problem("cuda", [cap // 2, cap // 2], [cap // 2, cap // 2], hq, hkv, d, per_head=True)
+    q8, k8, v8, cu_q, cu_k = problem
+    out = torch.empty(cap, hq, d, device="cuda", dtype=BF16)
+    lse = torch.empty(cap, hq, device="cuda")
+
+    def call():
+        with torch_ops.use_backend("cutlass"):
+            torch.ops.attn.context_attention.out(q8, k8, v8, cu_q, cu_k, out=out, lse=lse, causal=True, **scales)
+
+    def fill(step):
+        new, _ = fp8_problem("cuda", [cap // 2, cap // 2], [cap // 2, cap // 2], hq, hkv, d, per_head=True)
+        for dst, src in zip((q8, k8, v8), new[:3]):
+            dst.copy_(src)
+        split = [cap // 2, 100, 300, 1000][step]
+        cu_q.copy_(cumsum0([split, cap - split], "cuda"))
+        cu_k.copy_(cu_q)
+
+    def verify(o, l):
+        check(problem, o, l, fp8_p_baseline(problem, causal=True, **scales), causal=True, **scales)
+
+    assert_replays_match_eager(call, fill, [out, lse], verify)

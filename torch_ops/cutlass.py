@@ -1,0 +1,333 @@
+"""The `cutlass` backend: `attn::context_attention` on Hopper through csrc/fmha_sm90.cu.
+
+The CUDA code is built against the CUTLASS headers of the `nvidia-cutlass` wheel (and the FMHA
+collectives of its example 88), one translation unit per (input dtype, head dim) in `KERNELS`,
+linked into one shared library with a plain C ABI (`csrc/fmha_sm90.h`) that Python calls through
+ctypes: the build never sees torch headers, and a CPU install never needs nvcc.
+
+The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
+`ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
+(default `~/.cache/attn_ops`) in a folder named by a hash of the sources, the CUTLASS version,
+nvcc's version and the flags. `ATTN_NVCC` names the compiler (default: `nvcc` on PATH, then
+`$CUDA_HOME/bin/nvcc`); `MAX_JOBS` caps parallel compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
+PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
+LIBRARY_NAME = "libattn_fmha_sm90.so"
+ARCH = "90a"
+
+# (input dtype, head dim) -> the translation unit's element name; entry `attn_fmha_sm90_<e>_d<D>`.
+KERNELS = {
+    (torch.float8_e4m3fn, 128): "e4m3", (torch.float8_e4m3fn, 256): "e4m3",
+    (torch.bfloat16, 128): "bf16", (torch.bfloat16, 256): "bf16",
+    (torch.float16, 128): "fp16", (torch.float16, 256): "fp16",
+}
+OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
+UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
+    "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
+    "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"),
+}
+
+
+# ---- build ---------------------------------------------------------------------------------------
+
+
+def cutlass_include_dirs() -> list[Path]:
+    """Header folders of the installed nvidia-cutlass wheel (raises ImportError without it)."""
+    import cutlass_library
+
+    root = Path(cutlass_library.__file__).resolve().parent / "source"
+    return [root / "include", root / "tools" / "util" / "include", root / "examples" / "88_hopper_fmha"]
+
+
+def find_nvcc() -> str | None:
+    if os.environ.get("ATTN_NVCC"):
+        return os.environ["ATTN_NVCC"]
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(cuda_home or "/usr/local/cuda") / "bin" / "nvcc"
+    return str(candidate) if candidate.exists() else None
+
+
+def compile_command(nvcc: str, element: str, head_dim: int, output: Path, include_dirs: list[Path],
+                    defines: tuple[str, ...] = ()) -> list[str]:
+    """nvcc command line that compiles the `element` x `head_dim` instantiation to an object."""
+    return [
+        nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
+        "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo",
+        f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}", *(f"-D{d}" for d in defines),
+        *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
+        "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
+    ]
+
+
+def link_command(nvcc: str, objects: list[Path], output: Path) -> list[str]:
+    """Links the objects into one shared library with the CUDA runtime linked statically."""
+    return [nvcc, "-shared", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}", "-cudart=static",
+            *map(str, objects), "-o", str(output)]
+
+
+def _cutlass_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass")
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def build_key(nvcc: str, defines: tuple[str, ...] = ()) -> str:
+    """Hash of what the library depends on: sources, CUTLASS version, nvcc version, flags."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    flags = compile_command("nvcc", "x", 0, Path("o"), [], defines)
+    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags), *sorted(set(KERNELS.values()))):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None) -> Path:
+    """Compile every instantiation in `KERNELS` in parallel and link them into `output`."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (set ATTN_NVCC or CUDA_HOME) to build the CUTLASS kernels")
+    include_dirs = cutlass_include_dirs()
+    jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        units = sorted({(e, d) for (_, d), e in KERNELS.items()})
+        objects = [Path(tmp) / f"{e}_d{d}.o" for e, d in units]
+        commands = [compile_command(nvcc, e, d, o, include_dirs, defines) for (e, d), o in zip(units, objects)]
+        with ThreadPoolExecutor(jobs) as pool:
+            for cmd, result in zip(commands, pool.map(_run_tool, commands)):
+                if result.returncode != 0:
+                    raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        staged = Path(tmp) / LIBRARY_NAME
+        result = _run_tool(link_command(nvcc, objects, staged))
+        if result.returncode != 0:
+            raise RuntimeError(f"linking the CUTLASS kernels failed:\n{result.stderr[-4000:]}")
+        os.replace(staged, output)   # atomic: a concurrent reader sees the old file or the whole new one
+    return output
+
+
+def _run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATTN_CACHE_DIR") or Path.home() / ".cache" / "attn_ops")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def library_path() -> Path:
+    """The prebuilt library, or the cached JIT build (building it on a miss, under a file lock so
+    that concurrent processes build once)."""
+    if PREBUILT.exists():
+        return PREBUILT
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no prebuilt CUTLASS library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
+    target = cache_dir() / f"fmha_sm90-{build_key(nvcc)}" / LIBRARY_NAME
+    with _file_lock(target.parent.with_suffix(".lock")):
+        if not target.exists():
+            log.warning("attn-ops: compiling the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, %d instantiations, "
+                        "sm_%s) with %s into %s", len(KERNELS), ARCH, nvcc, target.parent)
+            start = time.perf_counter()
+            build(target, nvcc=nvcc)
+            log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
+                        target.stat().st_size / 1e6)
+    return target
+
+
+class FmhaArgs(ctypes.Structure):
+    """Mirror of `AttnFmhaArgs` in csrc/fmha_sm90.h (same order, same types)."""
+
+    _fields_ = [
+        *((n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                                        "q_scale", "k_scale", "v_scale", "out_scale")),
+        *((n, ctypes.c_int64) for n in ("q_row_stride", "q_head_stride", "k_row_stride", "k_head_stride",
+                                       "v_row_stride", "v_head_stride", "v_dim_stride", "out_row_stride",
+                                       "out_head_stride", "lse_row_stride")),
+        *((n, ctypes.c_int32) for n in ("total_q", "total_k", "num_seqs", "hq", "hkv", "head_dim", "causal",
+                                       "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype")),
+        ("softmax_scale", ctypes.c_float),
+    ]
+
+
+@functools.cache
+def _entry(element: str, head_dim: int):
+    fn = getattr(ctypes.CDLL(str(library_path())), f"attn_fmha_sm90_{element}_d{head_dim}")
+    fn.argtypes = [ctypes.POINTER(FmhaArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# ---- the backend ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _build_unavailable() -> str | None:
+    """Why the library can be neither loaded nor built here (None: it can)."""
+    if PREBUILT.exists():
+        return None
+    if find_nvcc() is None:
+        return "no prebuilt CUTLASS library (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
+    try:
+        cutlass_include_dirs()
+    except ImportError:
+        return "the nvidia-cutlass wheel is not installed (pip install 'attn-ops[cutlass]')"
+    if not (CSRC / SOURCES[0]).exists():
+        return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
+    return None
+
+
+def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out_dtype=None, out_scale=None, **options) -> list[str]:
+    """Why the CUTLASS kernels cannot run this `context_attention` call (empty: they can)."""
+    if query.device.type != "cuda":
+        return [f"CUTLASS kernels need CUDA tensors, got {query.device.type}"]
+    why = problem_reasons(query, key, out_dtype=out_dtype, out_scale=out_scale, **options)
+    cap = _device_capability(query.device.index if query.device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        why.append(f"CUTLASS kernels are built for Hopper (sm_90a), this GPU is sm_{cap[0]}{cap[1]}")
+    reason = _build_unavailable()
+    if reason:
+        why.append(reason)
+    return why
+
+
+def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) -> list[str]:
+    """The device-independent part of `unsupported`: dtypes, head dim, options, sizes."""
+    why = []
+    d = query.shape[-1]
+    if (query.dtype, d) not in KERNELS:
+        why.append(f"no CUTLASS kernel for {query.dtype} with head dim {d} "
+                   f"(have {sorted({str(t).removeprefix('torch.') for t, _ in KERNELS})} x head dims 128, 256)")
+    out = torch.float8_e4m3fn if out_scale is not None else out_dtype
+    if out is not None and out not in OUT_DTYPES:
+        why.append(f"CUTLASS epilogue writes bf16, fp16 or float8_e4m3fn, not {out}")
+    for name, (off, what) in UNSUPPORTED_OPTIONS.items():
+        value = options.get(name, off)
+        if value is not off and (off is None or value != off):
+            why.append(f"CUTLASS kernels do not implement {what} ({name})")
+    if key.shape[0] == 0:
+        why.append("key is empty (total_k == 0)")
+    if max(query.numel(), key.numel()) >= 2**31:
+        why.append("tensors of 2^31 or more elements (32-bit TMA strides)")
+    return why
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` if TMA can read it (16-byte aligned base and row/head strides), else a contiguous copy."""
+    es = t.element_size()
+    if t.data_ptr() % 16 or any(s * es % 16 for s in t.stride()[:-1]) or t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _scale(s: torch.Tensor | None) -> tuple[int | None, int]:
+    if s is None:
+        return None, 0
+    return s.data_ptr(), 1 if s.dim() == 1 else 0
+
+
+def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
+        out_scale=None, q_scale=None, k_scale=None, v_scale=None, **unused) -> None:
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]`. FP8 value is first transposed to
+    `[Hkv, D, Tk]` (tokens contiguous; one extra pass over V, about 1% of an 8k prefill)."""
+    tq, hq, d = query.shape
+    tk, hkv, _ = key.shape
+    if tq == 0:
+        return
+    fp8 = query.dtype == torch.float8_e4m3fn
+    q, k = _tma_ready(query), _tma_ready(key)
+    if fp8:
+        v = value.new_empty(hkv, d, -(-tk // 16) * 16)[..., :tk]
+        v.copy_(value.permute(1, 2, 0))
+    else:
+        v = _tma_ready(value)
+    target = out if out.stride(-1) == 1 and lse.stride(-1) == 1 else None
+    o, l = (out, lse) if target is not None else (torch.empty_like(out, memory_format=torch.contiguous_format),
+                                                 torch.empty_like(lse, memory_format=torch.contiguous_format))
+    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+    cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+    scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
+    (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
+    args = FmhaArgs(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=o.data_ptr(), lse=l.data_ptr(),
+        cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
+        out_scale=out_scale.data_ptr() if out_scale is not None else None,
+        q_row_stride=q.stride(0), q_head_stride=q.stride(1), k_row_stride=k.stride(0), k_head_stride=k.stride(1),
+        v_row_stride=v.stride(0) if not fp8 else 0, v_head_stride=v.stride(0) if fp8 else v.stride(1),
+        v_dim_stride=v.stride(1) if fp8 else 0, out_row_stride=o.stride(0), out_head_stride=o.stride(1),
+        lse_row_stride=l.stride(0), total_q=tq, total_k=tk, num_seqs=cu_q.shape[0] - 1, hq=hq, hkv=hkv,
+        head_dim=d, causal=int(causal), q_scale_stride=qs_stride, k_scale_stride=ks_stride,
+        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype],
+        softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
+    )
+    err = ctypes.create_string_buffer(256)
+    with torch.cuda.device(query.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        if _entry(KERNELS[(query.dtype, d)], d)(ctypes.byref(args), stream, err, len(err)) != 0:
+            raise RuntimeError(f"CUTLASS context_attention failed: {err.value.decode()}")
+    if target is None:
+        out.copy_(o)
+        lse.copy_(l)
+
+
+class CutlassBackend:
+    """`attn::context_attention` through csrc/fmha_sm90.cu (FP8 e4m3 / bf16 / fp16, D 128 and 256)."""
+
+    name = "cutlass"
+    auto_devices = ("cuda",)
+
+    def reasons(self, op, args, kwargs):
+        if op != "context_attention":
+            return [f"no CUTLASS kernel for attn::{op}"]
+        options = {k: v for k, v in kwargs.items() if k not in ("out", "lse")}
+        return unsupported(*args, **options)
+
+    def run(self, op, args, kwargs):
+        run(*args, **kwargs)
