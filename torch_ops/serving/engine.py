@@ -69,7 +69,8 @@ class Engine:
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
         self.buckets = tuple(sorted(graph_buckets))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its logits output, the captured function, for eager comparisons)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         device = kv.caches[0].k.device
         self._input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         if self.buckets:
@@ -154,7 +155,7 @@ class Engine:
         self._input_ids[:num_tokens].copy_(torch.tensor(tokens), non_blocking=True)
         timer = _GpuTimer(self._input_ids.is_cuda)
         if bucket is not None:
-            graph, logits = self._graphs[bucket]
+            graph, logits, _ = self._graphs[bucket]
             graph.replay()
             logits = logits[:len(batch)]
         else:
@@ -162,6 +163,7 @@ class Engine:
             last = meta.attn.cu_seqlens_q[1:len(batch) + 1] - 1
             logits = self.model.logits(hidden[last])
         gpu_us = timer.stop()
+        self.last_logits = logits
 
         next_tokens = logits.argmax(dim=-1).tolist()
         for (req, n), token in zip(batch, next_tokens):
@@ -193,7 +195,7 @@ class Engine:
             def run():
                 return self.model.logits(self.model(ids, meta))
 
-            self._graphs[bucket] = capture_cuda_graph(run)
+            self._graphs[bucket] = (*capture_cuda_graph(run), run)
 
 
 class _GpuTimer:

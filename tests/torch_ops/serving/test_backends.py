@@ -1,0 +1,127 @@
+"""Model-level backends agree with the reference one step by step (Triton through the
+interpreter on CPU, on the GPU with and without CUDA graphs), and CUDA-graph decode steps equal
+eager calls bit for bit while requests arrive and leave."""
+
+import random
+
+import pytest
+import torch
+
+from torch_ops.serving.attention import BACKENDS, AttentionConfig, get_backend
+from torch_ops.serving.cache_manager import KVCacheManager
+
+from .helpers import CONFIG, build_engine, random_requests
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def fresh_rng():
+    return random.Random(int(torch.randint(0, 2**31, ())))
+
+
+def lockstep(backend, rng, *, device, steps_min=0, **kw):
+    """Run the reference engine and a `backend` engine on the same requests and arrivals, step
+    by step. Every step's logits must agree within bf16 tolerance and the sampled tokens must be
+    equal except after a near tie (top-2 margin within twice the logit difference), where the
+    comparison stops because the sequences diverge. Returns the number of steps compared."""
+    engines = [build_engine(b, dtype=torch.bfloat16, device=device, **kw.get(b, {}), **kw["common"])
+               for b in ("vanilla", backend)]
+    requests = random_requests(rng, kw.get("num_requests", 6), CONFIG.vocab_size, max_prompt=12, max_new=6)
+    arrivals = sorted(rng.randint(0, kw.get("spread", 4)) for _ in requests)
+    copies = [[type(r)(r.id, list(r.prompt), r.max_new_tokens) for r in requests] for _ in engines]
+    step = 0
+    while step == 0 or engines[0].has_work:
+        for engine, reqs in zip(engines, copies):
+            for req, arrival in zip(reqs, arrivals):
+                if arrival == step:
+                    engine.add_request(req)
+        stats = [engine.step() for engine in engines]
+        step += 1
+        if stats[0] is None:
+            continue
+        ref, got = (e.last_logits.float() for e in engines)
+        diff = (ref - got).abs().max().item()
+        assert diff <= 0.05 * ref.abs().max().item() + 0.02, f"step {step}: logits differ by {diff}"
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        same = ref.argmax(-1) == got.argmax(-1)
+        assert bool((same | ~clear).all()), f"step {step}: a clear argmax differs"
+        if not bool(same.all()):
+            break
+    assert step >= steps_min
+    return step
+
+
+def test_triton_backend_matches_reference_in_the_interpreter():
+    if HAS_CUDA:
+        pytest.skip("covered on the GPU by test_triton_backend_matches_reference_on_gpu")
+    lockstep("triton", fresh_rng(), device="cpu", num_requests=3, common=dict(max_num_tokens=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_backend_matches_reference_on_gpu(backend):
+    if get_backend(backend).unsupported(*_probe("cuda")):
+        pytest.skip(f"{backend}: " + "; ".join(get_backend(backend).unsupported(*_probe("cuda"))))
+    lockstep(backend, fresh_rng(), device="cuda", num_requests=12, common=dict(max_num_tokens=24))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_steps_equal_eager_calls():
+    """Capture decode graphs for 4 buckets, serve requests arriving and leaving for 100+ graph
+    steps; after every replay, the eager call of the captured function on the same inputs must
+    give the same logits bit for bit, and the engine must agree with the reference engine."""
+    engine = build_engine("triton", dtype=torch.bfloat16, device="cuda", max_num_tokens=32,
+                          graph_buckets=(1, 2, 4, 8), num_blocks=256)
+    replays = []
+    for bucket, (graph, logits, run) in list(engine._graphs.items()):
+        engine._graphs[bucket] = (_Checked(graph, logits, run, replays), logits, run)
+    rng = fresh_rng()
+    requests = random_requests(rng, 40, CONFIG.vocab_size, max_prompt=12, max_new=24)
+    arrivals = sorted(rng.randint(0, 120) for _ in requests)
+    from torch_ops.serving.engine import generate
+
+    generate(engine, requests, arrivals)
+    assert len(replays) >= 100 and len(set(replays)) > 1
+    lockstep("triton", rng, device="cuda", steps_min=20, num_requests=16, spread=30,
+             common=dict(max_num_tokens=32, num_blocks=256),
+             triton=dict(graph_buckets=(1, 2, 4, 8)))
+
+
+class _Checked:
+    """A CUDA graph whose every replay is followed by the eager call it captured."""
+
+    def __init__(self, graph, logits, run, log):
+        self.graph, self.logits, self.run, self.log = graph, logits, run, log
+
+    def replay(self):
+        from torch_ops.testing import poison_
+
+        poison_(self.logits)
+        self.graph.replay()
+        replayed = self.logits.clone()
+        eager = self.run()
+        assert torch.equal(replayed, eager), f"replay {len(self.log)} differs from the eager call"
+        self.log.append(self.logits.shape[0])
+
+
+def _probe(device):
+    kv = KVCacheManager(1, 4, 16, 2, 64, torch.bfloat16, device=device)
+    return AttentionConfig(4, 2, 64), kv
+
+
+def test_backend_registry_and_bad_configuration():
+    assert set(BACKENDS) == {"vanilla", "triton", "flashinfer"}
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        get_backend("nope")
+    cfg, kv = _probe("cpu")
+    if get_backend("flashinfer").unsupported(cfg, kv):
+        with pytest.raises(ValueError, match="'flashinfer' cannot serve this model"):
+            get_backend("flashinfer")(cfg, kv, max_num_seqs=2, max_num_tokens=8, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="the KV cache has 2 KV heads of dim 64, the model 1 of dim 64"):
+        get_backend("vanilla")(AttentionConfig(4, 1, 64), kv, max_num_seqs=2, max_num_tokens=8,
+                               max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="num_heads \\(4\\) must be a multiple of num_kv_heads \\(3\\)"):
+        AttentionConfig(4, 3, 64)
+    with pytest.raises(ValueError, match="graph_buckets need a graph-safe backend on CUDA"):
+        build_engine("vanilla", graph_buckets=(1, 2))
