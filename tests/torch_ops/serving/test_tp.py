@@ -1,0 +1,46 @@
+"""Tensor parallelism: 2 gloo processes on CPU, heads and MLP columns sharded; greedy outputs
+equal the single-process engine's, and bad sizes are rejected."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torch_ops.serving.engine import generate
+from torch_ops.serving.tp import check_divisible
+
+from .helpers import CONFIG, build_engine, random_requests
+
+
+def _requests(seed):
+    return random_requests(random.Random(seed), 6, CONFIG.vocab_size, max_prompt=14, max_new=6)
+
+
+def _worker(rank, world, port, seed, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        engine = build_engine(tp_group=dist.group.WORLD, tp_size=world, seed=seed)
+        assert engine.kv.caches[0].num_kv_heads == CONFIG.num_kv_heads // world
+        outputs = generate(engine, _requests(seed), [0, 0, 1, 2, 2, 4])
+        results[rank] = outputs
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_greedy_equals_single_process():
+    seed = int(torch.randint(0, 2**31, ()))
+    port = random.Random(seed).randint(20000, 40000)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(2, port, seed, results), nprocs=2, join=True)
+        sharded = dict(results)
+    single = generate(build_engine(seed=seed), _requests(seed), [0, 0, 1, 2, 2, 4])
+    assert sharded[0] == sharded[1] == single
+
+
+def test_sizes_must_divide():
+    with pytest.raises(ValueError, match="num_kv_heads=2 must be divisible by the tensor-parallel size 4"):
+        check_divisible(CONFIG, 4)
