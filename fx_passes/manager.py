@@ -3,12 +3,15 @@
 Order (`PASSES`):
 
 1. `sdpa_to_attn`: attention (SDPA, matmul-softmax-matmul) onto `attn::context_attention`.
-2. `qkv_fusion`: the q, k, v projections of one input into one GEMM and a split (only under
+2. `rope_fusion`: RoPE of q and k into that op, or into `attn::kv_cache_write` before a paged
+   attention (reads the attention nodes the first pass made).
+3. `fp8_output`: static FP8 quantization of an attention's output into its `out_scale`.
+4. `qkv_fusion`: the q, k, v projections of one input into one GEMM and a split (only under
    `torch._inductor.config.freezing`, which folds the weight concatenation at compile time).
 
 A pass is a module with `apply(graph: torch.fx.Graph) -> int` that rewrites Dynamo's torch-level
 graph in place and returns its number of rewrites; it logs why it declined a candidate on a child
-of the `fx_passes` logger.
+of the `fx_passes` logger and counts it in `counters["attn"]["<pass>_declined"]`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import qkv_fusion, sdpa_to_attn
+from . import fp8_output, qkv_fusion, rope_fusion, sdpa_to_attn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +32,15 @@ class PassConfig:
     """One switch per pass, named after its module."""
 
     sdpa_to_attn: bool = True
+    rope_fusion: bool = True
+    fp8_output: bool = True
     qkv_fusion: bool = True
 
 
 PASSES: dict[str, Callable[[fx.Graph], int]] = {
     "sdpa_to_attn": sdpa_to_attn.apply,
+    "rope_fusion": rope_fusion.apply,
+    "fp8_output": fp8_output.apply,
     "qkv_fusion": qkv_fusion.apply,
 }
 

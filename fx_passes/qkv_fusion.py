@@ -32,7 +32,7 @@ import torch._inductor.config as inductor_config
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .torch_ir import call, is_tensor, source_line, value
+from .torch_ir import call, declined, is_tensor, value
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def apply(graph: fx.Graph) -> int:
             continue
         reason = _decline_reason(x, linears)
         if reason is not None:
-            log.debug("%s declined %s at %s: %s", NAME, [n.name for n in linears], source_line(linears[0]), reason)
+            declined(log, NAME, linears[0], reason)
             continue
         _fuse(graph, x, linears)
         fused += 1

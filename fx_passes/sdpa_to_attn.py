@@ -44,10 +44,9 @@ import logging
 import torch
 import torch.fx as fx
 
-import torch_ops  # noqa: F401  (registers torch.ops.attn)
-
 from . import index_mask
-from .torch_ir import Call, call, erase_unused, is_tensor, known_equal, source_line, value
+from .replacements import context_attention_bhsd
+from .torch_ir import Call, Decline, call, declined, erase_unused, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +54,6 @@ NAME = "sdpa_to_attn"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEVICES = ("cpu", "cuda")
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "contiguous"}
-
-
-def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None):
-    """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
-    `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`)."""
-    b, hq, sq, d = query.shape
-    sk = key.shape[2]
-
-    def pack(x):
-        return x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], d)
-
-    def cu_seqlens(s):
-        return torch.arange(b + 1, dtype=torch.int32, device=query.device) * s
-
-    out, _ = torch.ops.attn.context_attention(
-        pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale)
-    return out.view(b, sq, hq, d).transpose(1, 2)
-
-
-class Decline(Exception):
-    """An attention the op cannot serve exactly; the message is the reason."""
 
 
 @dataclasses.dataclass
@@ -105,7 +83,7 @@ def apply(graph: fx.Graph) -> int:
                 continue
             example = _example_output(attention)
         except Decline as reason:
-            log.debug("%s declined %s at %s: %s", NAME, node.name, source_line(node), reason)
+            declined(log, NAME, node, reason)
             continue
         _replace(graph, attention, example)
         rewritten += 1

@@ -11,11 +11,13 @@ tensor (or SymInt) Dynamo recorded for a node, with symbolic sizes under dynamic
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _NAMESPACES = (torch, torch.nn.functional, torch.Tensor, operator)
@@ -74,6 +76,17 @@ def known_equal(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
+class Decline(Exception):
+    """A candidate a pass cannot rewrite exactly; the message is the reason."""
+
+
+def declined(log: logging.Logger, pass_name: str, node: fx.Node, reason: Any) -> None:
+    """Log why `pass_name` left the candidate at `node` alone (DEBUG) and count it in
+    `counters["attn"]["<pass>_declined"]`."""
+    counters["attn"][f"{pass_name}_declined"] += 1
+    log.debug("%s declined %s at %s: %s", pass_name, node.name, source_line(node), reason)
+
+
 def source_line(node: fx.Node) -> str:
     """Where the user's code made `node` (`File "model.py", line 12, in forward`), for logs."""
     frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
@@ -87,3 +100,28 @@ def erase_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
     for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
+
+
+def insert_call(graph: fx.Graph, before: fx.Node, target: Any, args: tuple = (), kwargs: dict | None = None,
+                *, method: bool = False, meta_from: fx.Node | None = None) -> fx.Node:
+    """A new `call_function` (or `call_method` if `method`) node before `before`, with the
+    example value its target computes on the arguments' example values (so later passes and
+    Dynamo's metadata see its fake tensor) and the user-code location of `meta_from`."""
+    kwargs = kwargs or {}
+    with graph.inserting_before(before):
+        node = (graph.call_method if method else graph.call_function)(target, args, kwargs)
+    node.meta["example_value"] = fake_eval(node)
+    source = meta_from if meta_from is not None else before
+    node.meta.update({k: v for k, v in source.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    return node
+
+
+def fake_eval(node: fx.Node) -> Any:
+    """Run `node`'s call on its arguments' example values (fake tensors): its example value."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs)) + [value(n) for n in node.graph.nodes]
+    fake_mode = next(x.fake_mode for x in leaves if hasattr(x, "fake_mode"))  # the graph's, if no argument has one
+    with fake_mode:
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)

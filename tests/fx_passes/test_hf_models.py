@@ -3,8 +3,8 @@
 attention layer is rewritten onto `attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
 
-Models run with `use_cache=False` (prefill without a KV cache; the cache write is another
-issue). Under torch.compile, transformers before torch 2.14 always materializes the causal mask
+Models run with `use_cache=False` (prefill without a KV cache), so RoPE moves into
+`context_attention` (`rope=<style>/<rotary dim>` in the expectations). Under torch.compile, transformers before torch 2.14 always materializes the causal mask
 (`masking_utils._ignore_causal_mask_sdpa` cannot skip it while compiling), so these tests also
 cover `index_mask`, which proves that mask is plain causal. GPT-J has no SDPA implementation in
 transformers ("does not support an attention implementation through SDPA"): eager only.
@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fx_passes
-from fx_passes import sdpa_to_attn
+from fx_passes.replacements import context_attention_bhsd
 from torch_ops.testing import assert_error_ratio
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
@@ -51,6 +51,10 @@ def gpt_j(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
+def _style(neox: bool) -> str:
+    return "neox" if neox else "gptj"
+
+
 class AttnOpRecorder(CustomGraphPass):
     """A post-grad pass that records the `attn` ops of the graph Inductor lowers, and every
     ATen attention or batched matmul left in it."""
@@ -63,8 +67,10 @@ class AttnOpRecorder(CustomGraphPass):
             name = str(node.target)
             if name.startswith("attn."):
                 q, k = (a.meta["val"] for a in node.args[:2])
+                table = node.kwargs.get("cos_sin_cache")
+                rope = f" rope={_style(node.kwargs.get('rope_neox', True))}/{table.meta['val'].shape[1]}" if table else ""
                 self.ops.append(f"{name} q[*, {q.shape[1]}, {q.shape[2]}] k[*, {k.shape[1]}, {k.shape[2]}] "
-                                f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}")
+                                f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}{rope}")
             elif "scaled_dot_product" in name or name.startswith("aten.bmm"):
                 self.ops.append(name)
 
@@ -82,10 +88,12 @@ def passes_then_eager(ops):
         gm.recompile()
         for node in gm.graph.nodes:
             name = getattr(node.target, "__name__", str(node.target))
-            if node.target is sdpa_to_attn.context_attention_bhsd:
+            if node.target is context_attention_bhsd:
                 q, k = (a.meta["example_value"] for a in node.args[:2])
+                cos = node.kwargs.get("cos")
+                rope = f" rope={_style(node.kwargs['rope_neox'])}/{cos.meta['example_value'].shape[-1]}" if cos else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
-                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}")
+                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{rope}")
             elif name in ("scaled_dot_product_attention", "matmul", "softmax"):
                 ops.append(name)
         return gm.forward
@@ -122,25 +130,26 @@ class TestHFModels(expecttest.TestCase):
                 assert_error_ratio(out, model64(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
                                    name=f"logits (S={s})")
         self.assertEqual(counters["attn"]["sdpa_to_attn_matched"], model.config.num_hidden_layers)
+        self.assertEqual(counters["attn"]["rope_fusion_matched"], model.config.num_hidden_layers)
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         return "\n".join(recorder.ops if inductor else ops)
 
     def test_llama_sdpa_gqa_inductor(self):
         self.assertExpectedInline(self.compile_and_check(llama("sdpa"), inductor=True), """\
-attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25
-attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25""")
+attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25 rope=neox/16
+attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25 rope=neox/16""")
 
     def test_llama_eager_gqa(self):
         self.assertExpectedInline(self.compile_and_check(llama("eager"), specialize_float=True), """\
-context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25
-context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25""")
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25 rope=neox/16""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa"), specialize_float=True), """\
-context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25
-context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25""")
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25 rope=neox/8
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25 rope=neox/8""")
 
     def test_gpt_j_eager_interleaved_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_j("eager"), specialize_float=True), """\
-context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25
-context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25""")
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25 rope=gptj/8
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=0.25 rope=gptj/8""")

@@ -1,0 +1,47 @@
+"""The functions the passes call in rewritten graphs. AOTAutograd traces through them, so their
+packing and table-building ops reach Inductor as ordinary ops (fused into neighbouring kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+import torch_ops  # noqa: F401  (registers torch.ops.attn)
+
+
+def rope_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(positions [N], cos_sin_cache [N, R])` for the ops' RoPE from per-token tables: `cos`/`sin`
+    broadcastable to `(*tokens, R)` (N = prod(tokens)), each value repeated for both elements of
+    its rotated pair (`cat([c, c], -1)` for NeoX, `repeat_interleave(c, 2, -1)` for GPT-J, as the
+    rope pass has proven). Token n's row is n: `positions = arange(N)`."""
+    rot = cos.shape[-1]
+    pick = (lambda t: t[..., : rot // 2]) if neox else (lambda t: t[..., ::2])
+    table = torch.cat([pick(cos), pick(sin)], dim=-1).float().expand(*tokens, rot).reshape(-1, rot)
+    positions = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
+    return positions, table
+
+
+def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, out_scale=None,
+                           cos=None, sin=None, rope_neox: bool = True):
+    """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
+    `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
+
+    `out_scale` (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin`
+    (broadcastable to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated
+    (RoPE, partial when R < D) inside the op."""
+    b, hq, sq, d = query.shape
+    sk = key.shape[2]
+
+    def pack(x):
+        return x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], d)
+
+    def cu_seqlens(s):
+        return torch.arange(b + 1, dtype=torch.int32, device=query.device) * s
+
+    rope = {}
+    if cos is not None:
+        positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)
+        rope = dict(positions=positions, cos_sin_cache=table, rope_neox=rope_neox)
+    out, _ = torch.ops.attn.context_attention(
+        pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
+        out_scale=out_scale, **rope)
+    return out.view(b, sq, hq, d).transpose(1, 2)
