@@ -115,16 +115,19 @@ def check(problem, expect_kernel=None, monkeypatch=None):
     """Run the Triton path and the references on copies of the cache; compare caches and output."""
     args, kwargs = problem
     used = []
-    if expect_kernel is not None:
-        for module in (ca.paged_decode, ca.paged_prefill):
-            monkeypatch.setattr(module, "run", lambda *a, _run=module.run, _m=module, **kw: (used.append(_m), _run(*a, **kw))[1])
+    for module in (ca.paged_decode, ca.paged_prefill) if expect_kernel is not None else ():
+        def spy(*a, _module=module, _run=module.run, **kw):
+            used.append(_module)
+            return _run(*a, **kw)
+
+        monkeypatch.setattr(module, "run", spy)
     ours = _with_cache(args)
     with torch_ops.use_backend("triton"):
         out = torch.ops.attn.cache_attention(*ours, **kwargs)
     truth_args = _with_cache(args, args[0].double())
     truth = reference.cache_attention(*truth_args, **kwargs, compute_dtype=F64)
     base = reference.cache_attention(*_with_cache(args), **kwargs, compute_dtype=args[0].dtype)
-    assert torch.equal(ours[10].view(torch.uint8), truth_args[10].view(torch.uint8)), "cache differs from the reference's"
+    assert torch.equal(ours[10].view(torch.uint8), truth_args[10].view(torch.uint8)), "cache differs from the reference"
     if ours[11] is not None:
         assert torch.equal(ours[11], truth_args[11]), "scale cache differs from the reference's"
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
