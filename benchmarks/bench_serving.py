@@ -1,0 +1,155 @@
+"""Serving benchmark (GPU): decode throughput and per-step latency of the engine (triton
+backend, CUDA-graph decode steps) at batch 1..128 vs transformers' generate with a static cache
+and torch.compile(mode="reduce-overhead") on the same random-weight Llama, plus the metadata
+build CPU time at 256 sequences (target <= 50 us). JSON under benchmarks/results/.
+
+    python benchmarks/bench_serving.py            # full grid
+    python benchmarks/bench_serving.py --quick    # smoke run: small model, batch 1 and 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch_ops  # noqa: E402,F401
+from common import environment, table, write_json, write_partial  # noqa: E402
+from torch_ops.metadata import MetadataBuilder  # noqa: E402
+from torch_ops.serving.attention import get_backend  # noqa: E402
+from torch_ops.serving.cache_manager import KVCacheManager  # noqa: E402
+from torch_ops.serving.engine import Engine, Request  # noqa: E402
+from torch_ops.serving.model import Llama, LlamaConfig, attention_config  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results"
+MODEL = LlamaConfig(vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                    head_dim=64, intermediate_size=5632, max_position=8192)
+QUICK_MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=64, intermediate_size=512)
+
+
+def metadata_build_us(num_seqs=256, context=2048, block_size=16, reps=2000) -> dict:
+    """CPU µs of `MetadataBuilder.build` for a decode step of `num_seqs` sequences, with ragged
+    lists and with a 2-D block-table array."""
+    rng = np.random.default_rng(0)
+    max_blocks = context // block_size
+    builder = MetadataBuilder(num_seqs, num_seqs, max_blocks, block_size, "cuda")
+    seq_lens = rng.integers(context // 2, context, num_seqs).tolist()
+    lists = [rng.integers(0, 100000, -(-s // block_size)).tolist() for s in seq_lens]
+    array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    result = {}
+    for name, tables in (("lists", lists), ("array", array)):
+        for _ in range(50):
+            builder.build(seq_lens, [1] * num_seqs, tables)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            builder.build(seq_lens, [1] * num_seqs, tables)
+            times.append((time.perf_counter() - t0) * 1e6)
+        result[f"{name}_median_us"] = statistics.median(times)
+    torch.cuda.synchronize()
+    return result
+
+
+def ours(config, batch, prompt_len, new_tokens) -> dict:
+    """Engine decode steps of `batch` requests (prefill excluded from the decode timing)."""
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    block_size = 16
+    blocks = batch * (-(-(prompt_len + new_tokens) // block_size)) + 8
+    kv = KVCacheManager(config.num_layers, blocks, block_size, config.num_kv_heads, config.head_dim,
+                        dtype, device=device)
+    attention = get_backend("triton")(attention_config(config, device), kv, max_num_seqs=batch,
+                                      max_num_tokens=max(batch, prompt_len * batch),
+                                      max_blocks_per_seq=blocks)
+    model = Llama(config, attention).init_random_(0).to(device, dtype)
+    engine = Engine(model, kv, max_num_seqs=batch, max_num_tokens=max(batch, prompt_len * batch),
+                    graph_buckets=(batch,))
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(Request(i, torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist(),
+                                   new_tokens))
+    steps = []
+    while engine.has_work:
+        t0 = time.perf_counter()
+        stats = engine.step()
+        steps.append((stats, (time.perf_counter() - t0) * 1e6))
+    decode = [(s, wall) for s, wall in steps if s.graph and s.num_seqs == batch]
+    wall = sum(w for _, w in decode)
+    return {"decode_steps": len(decode), "tokens_per_s": batch * len(decode) / (wall / 1e6),
+            "step_wall_us": statistics.median(w for _, w in decode),
+            "step_gpu_us": statistics.median(s.gpu_us for s, _ in decode),
+            "metadata_us": statistics.median(s.metadata_us for s, _ in decode)}
+
+
+def transformers_static(config, batch, prompt_len, new_tokens) -> dict:
+    """transformers' greedy generate, static cache, compiled with mode="reduce-overhead"; the
+    decode rate is (new_tokens - 1) tokens over (time(new_tokens) - time(1 token))."""
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                                      intermediate_size=config.intermediate_size,
+                                      num_hidden_layers=config.num_layers,
+                                      num_attention_heads=config.num_heads,
+                                      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                      max_position_embeddings=config.max_position)
+    model = transformers.LlamaForCausalLM(hf_cfg).to("cuda", torch.bfloat16).eval()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, config.vocab_size, (batch, prompt_len), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(2):  # compile and warm up both shapes
+        run(new_tokens), run(1)
+    decode_s = statistics.median(run(new_tokens) - run(1) for _ in range(3))
+    return {"tokens_per_s": batch * (new_tokens - 1) / decode_s,
+            "step_wall_us": decode_s / (new_tokens - 1) * 1e6}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    config = QUICK_MODEL if args.quick else MODEL
+    batches = (1, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128)
+    prompt_len, new_tokens = (32, 16) if args.quick else (512, 128)
+    payload = {"env": environment(), "model": config.__dict__, "prompt_len": prompt_len,
+               "new_tokens": new_tokens, "metadata_256": metadata_build_us(reps=200 if args.quick else 2000),
+               "rows": []}
+    print("metadata build at 256 sequences:", payload["metadata_256"], flush=True)
+    for batch in batches:
+        row = {"batch": batch, **{f"ours_{k}": v for k, v in ours(config, batch, prompt_len, new_tokens).items()}}
+        if not args.no_transformers:
+            try:
+                row.update({f"hf_{k}": v for k, v in
+                            transformers_static(config, batch, prompt_len, new_tokens).items()})
+                row["speedup"] = row["ours_tokens_per_s"] / row["hf_tokens_per_s"]
+            except Exception as e:  # noqa: BLE001 - a failing peer is recorded, not fatal
+                row["hf_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        payload["rows"].append(row)
+        write_partial(OUT, "serving", payload)
+        torch.cuda.empty_cache()
+    print(table(payload["rows"], [("batch", "batch", "d"), ("ours_tokens_per_s", "ours tok/s", ".0f"),
+                                  ("ours_step_wall_us", "step us", ".1f"), ("ours_step_gpu_us", "gpu us", ".1f"),
+                                  ("ours_metadata_us", "meta us", ".1f"), ("hf_tokens_per_s", "hf tok/s", ".0f"),
+                                  ("speedup", "x hf", ".2f")]))
+    if not args.quick:
+        print("wrote", write_json(OUT, "serving", payload))
+
+
+if __name__ == "__main__":
+    main()
