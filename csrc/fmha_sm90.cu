@@ -26,7 +26,10 @@
 
 #include "fmha_sm90.h"
 
+// Anonymous: every type here (and so the kernel instantiated from it) has internal linkage, so the
+// per-configuration objects, which reuse these names, link into one library without clashing.
 namespace attn_fmha {
+namespace {
 
 using namespace cute;
 
@@ -47,10 +50,15 @@ constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 static_assert(kHeadDim == 128 || kHeadDim == 256, "head dims 128 and 256 are instantiated");
 
-// (query rows per CTA, keys per tile, head dim): the example's best-measured shapes.
+// (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, unless
+// -DATTN_BLOCK_N overrides the key tile (for tuning runs).
+#ifdef ATTN_BLOCK_N
+using TileShape = Shape<_128, Int<ATTN_BLOCK_N>, Int<kHeadDim>>;
+#else
 using TileShape = std::conditional_t<kHeadDim == 128,
     std::conditional_t<kFp8, Shape<_128, _256, _128>, Shape<_128, _128, _128>>,
     std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>;
+#endif
 
 // Strides of (tokens, head dim, (batch, head)); FP8 V is transposed (tokens contiguous).
 using StrideQK = cute::tuple<int, _1, cute::tuple<int, int>>;
@@ -370,6 +378,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   return e == cudaSuccess ? 0 : fail(cudaGetErrorString(e));
 }
 
+}  // namespace
 }  // namespace attn_fmha
 
 #define ATTN_CAT2(a, b, c) attn_fmha_sm90_##a##_d##b

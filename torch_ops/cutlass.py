@@ -9,7 +9,8 @@ The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install wi
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
 (default `~/.cache/attn_ops`) in a folder named by a hash of the sources, the CUTLASS version,
 nvcc's version and the flags. `ATTN_NVCC` names the compiler (default: `nvcc` on PATH, then
-`$CUDA_HOME/bin/nvcc`); `MAX_JOBS` caps parallel compiles.
+`$CUDA_HOME/bin/nvcc`); `MAX_JOBS` caps parallel compiles; `ATTN_CUTLASS_LIBRARY` points at a
+library built elsewhere (e.g. a tuning variant).
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def build_key(nvcc: str, defines: tuple[str, ...] = ()) -> str:
     return h.hexdigest()[:16]
 
 
-def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None) -> Path:
-    """Compile every instantiation in `KERNELS` in parallel and link them into `output`."""
+def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None,
+          kernels: dict = KERNELS) -> Path:
+    """Compile the instantiations in `kernels` in parallel and link them into `output`."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise RuntimeError("no nvcc found (set ATTN_NVCC or CUDA_HOME) to build the CUTLASS kernels")
@@ -121,7 +123,7 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        units = sorted({(e, d) for (_, d), e in KERNELS.items()})
+        units = sorted({(e, d) for (_, d), e in kernels.items()})
         objects = [Path(tmp) / f"{e}_d{d}.o" for e, d in units]
         commands = [compile_command(nvcc, e, d, o, include_dirs, defines) for (e, d), o in zip(units, objects)]
         with ThreadPoolExecutor(jobs) as pool:
@@ -158,8 +160,10 @@ def _file_lock(path: Path):
 
 
 def library_path() -> Path:
-    """The prebuilt library, or the cached JIT build (building it on a miss, under a file lock so
-    that concurrent processes build once)."""
+    """`ATTN_CUTLASS_LIBRARY` if set (a library built with `build`), the prebuilt library, or the
+    cached JIT build (building it on a miss, under a file lock so that concurrent processes build once)."""
+    if os.environ.get("ATTN_CUTLASS_LIBRARY"):
+        return Path(os.environ["ATTN_CUTLASS_LIBRARY"])
     if PREBUILT.exists():
         return PREBUILT
     nvcc = find_nvcc()

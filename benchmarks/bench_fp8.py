@@ -1,0 +1,179 @@
+"""FP8 (and bf16) context attention: the `cutlass` backend against FlashInfer fa3 (FP8 and bf16),
+cuDNN SDPA (bf16) and our Triton path, on packed varlen batches of 16k tokens.
+
+Each row times every implementation on the same inputs (CUDA graphs, common.time_us), reports
+TFLOP/s (4 * sum(Lq * Lk_visible) * H * D), the ratio of each peer's time to ours, and the RMSE
+against an fp32 reference on the same FP8 inputs (heads 0-1, for ours and FlashInfer's FP8).
+
+    python benchmarks/bench_fp8.py [--quick] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch_ops  # noqa: E402
+from torch_ops import quant, reference  # noqa: E402
+
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+TOKENS = 16384
+SHAPES = [(128, 32, 8192), (256, 16, 8192), (128, 32, 2048)]   # (head dim, heads, sequence length)
+
+
+def lengths(seqlen: int, ragged: bool) -> list[int]:
+    if not ragged:
+        return [seqlen] * (TOKENS // seqlen)
+    rng, lens = random.Random(seqlen), []
+    while sum(lens) < TOKENS:
+        lens.append(min(rng.randint(seqlen // 8, 2 * seqlen), TOKENS - sum(lens)))
+    return lens
+
+
+class Case:
+    """Random bf16 q/k/v `[T, H, D]`, their per-tensor FP8 quantization, and the FLOP count."""
+
+    def __init__(self, lens, d, heads, causal):
+        self.lens, self.d, self.heads, self.causal = lens, d, heads, causal
+        t = sum(lens)
+        self.cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to("cuda", torch.int32)
+        self.q, self.k, self.v = (torch.randn(t, heads, d, device="cuda", dtype=BF16) for _ in range(3))
+        self.scales = {f"{n}_scale": (x.abs().amax().float() / 448) for n, x in zip("qkv", (self.q, self.k, self.v))}
+        self.q8, self.k8, self.v8 = (quant.quantize_fp8(x, self.scales[f"{n}_scale"], E4M3)
+                                     for n, x in zip("qkv", (self.q, self.k, self.v)))
+        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+        self.flops = 4 * pairs * heads * d
+
+    def ours(self, fp8: bool, backend: str):
+        args = (self.q8, self.k8, self.v8) if fp8 else (self.q, self.k, self.v)
+        out = torch.empty(self.q.shape, dtype=BF16, device="cuda")
+        lse = torch.empty(self.q.shape[:2], device="cuda")
+        scales = self.scales if fp8 else {}
+
+        def fn():
+            with torch_ops.use_backend(backend):
+                torch.ops.attn.context_attention.out(*args, self.cu, self.cu, causal=self.causal, out=out, lse=lse, **scales)
+        fn()
+        return fn, out
+
+    def flashinfer(self, fp8: bool):
+        import flashinfer
+
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD", backend="fa3")
+        dtype = E4M3 if fp8 else BF16
+        w.plan(self.cu, self.cu, self.heads, self.heads, self.d, causal=self.causal, q_data_type=dtype,
+               kv_data_type=dtype, o_data_type=BF16)
+        args = (self.q8, self.k8, self.v8, self.scales["q_scale"], self.scales["k_scale"], self.scales["v_scale"]) \
+            if fp8 else (self.q, self.k, self.v)
+        out = torch.empty(self.q.shape, dtype=BF16, device="cuda")
+
+        def fn():
+            w.run(*args, out=out)
+        fn()
+        return fn, out
+
+    def cudnn(self):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if len(set(self.lens)) != 1:
+            raise RuntimeError("SDPA has no varlen input")
+        b, s = len(self.lens), self.lens[0]
+        q, k, v = (x.view(b, s, self.heads, self.d).transpose(1, 2) for x in (self.q, self.k, self.v))
+
+        def fn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        fn()
+        return fn, None
+
+    def rmse(self, out: torch.Tensor, heads: int = 2) -> float:
+        """RMSE of `out` (heads 0..heads-1) against the fp32 reference on the dequantized FP8 inputs."""
+        sl = slice(0, heads)
+        s = self.scales
+        truth, _ = reference.context_attention(self.q8[:, sl], self.k8[:, sl], self.v8[:, sl], self.cu, self.cu,
+                                               causal=self.causal, compute_dtype=torch.float32, **s)
+        return ((out[:, sl].float() - truth.float()) ** 2).mean().sqrt().item()
+
+
+_WS = None
+
+
+def workspace():
+    global _WS
+    if _WS is None:
+        _WS = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    return _WS
+
+
+def time_us(fn) -> tuple[float, str]:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e6
+    return common.time_us([fn], calls=int(max(1, min(20, 40_000 // max(one, 1.0)))), replays=7)
+
+
+def bench_row(case: Case, peers: list[str], label: str) -> dict:
+    row = {"case": label, "d": case.d, "heads": case.heads, "causal": case.causal, "num_seqs": len(case.lens),
+           "max_len": max(case.lens), "tflop": case.flops / 1e12}
+    impls = {"cutlass_fp8": lambda: case.ours(True, "cutlass"), "cutlass_bf16": lambda: case.ours(False, "cutlass")}
+    if "triton" in peers:
+        impls.update(triton_fp8=lambda: case.ours(True, "triton"), triton_bf16=lambda: case.ours(False, "triton"))
+    if "flashinfer_fa3" in peers:
+        impls.update(flashinfer_fa3_fp8=lambda: case.flashinfer(True), flashinfer_fa3_bf16=lambda: case.flashinfer(False))
+    if "cudnn_sdpa" in peers:
+        impls["cudnn_sdpa_bf16"] = case.cudnn
+    for name, make in impls.items():
+        try:
+            fn, out = make()
+            us, how = time_us(fn)
+            row[f"{name}_us"], row[f"{name}_tflops"], row[f"{name}_timing"] = us, case.flops / us / 1e6, how
+            if out is not None and name.endswith("fp8"):
+                row[f"{name}_rmse"] = case.rmse(out)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded with the reason
+            row[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+        torch.cuda.synchronize()
+    for name in impls:
+        if f"{name}_us" in row and "cutlass_fp8_us" in row and name != "cutlass_fp8":
+            row[f"{name}_vs_cutlass_fp8"] = row[f"{name}_us"] / row["cutlass_fp8_us"]
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="D=128 S=8k only")
+    p.add_argument("--peers", default="flashinfer_fa3,cudnn_sdpa,triton")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args()
+    peers = args.peers.split(",") if args.peers else []
+    rows = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for d, heads, seqlen in shapes:
+        for causal in (False, True):
+            for ragged in ((False, True) if seqlen == 8192 and d == 128 else (False,)):
+                label = f"S={seqlen}{' ragged' if ragged else ''} D={d} H={heads}"
+                rows.append(bench_row(Case(lengths(seqlen, ragged), d, heads, causal), peers, label))
+                r = rows[-1]
+                cells = [f"{k.removesuffix('_tflops')}={r[k]:.0f}" for k in r if k.endswith("_tflops")]
+                rm = [f"{k.removesuffix('_rmse')} rmse={r[k]:.2e}" for k in r if k.endswith("_rmse")]
+                print(f"{label:28} causal={causal!s:5} " + " ".join(cells) + " | " + " ".join(rm), flush=True)
+                for k in r:
+                    if isinstance(r[k], str) and r[k].startswith("unavailable"):
+                        print(f"   {k}: {r[k]}", flush=True)
+    path = common.write_json(args.out, "fp8", {"env": common.environment(), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
