@@ -32,7 +32,7 @@ FAR_PAGE = 2**30   # page-table entries past a sequence's pages
 def make_problem(device, *, seqlens, start_pos, hq=4, hkv=2, d=16, cache_mode=0, cache_layout=0, quant_bit=0,
                  page_size=4, page_shift=0, is_causal=True, is_alibi=False, decoding_batches=None,
                  dtype=torch.float16, scale_dtype=torch.float16, int4_dtype=torch.int8, group=8, num_layer=3,
-                 layer_idx=1, max_kvlen=None):
+                 layer_idx=1, max_kvlen=None, index_dtype=torch.int32):
     """(args, kwargs) of one cache_attention call. Offset mode: each sequence gets a region of its
     kv length plus a random gap, in random order. Page mode: random pages, their starts shifted by
     `page_shift` rows (unaligned pages)."""
@@ -68,11 +68,11 @@ def make_problem(device, *, seqlens, start_pos, hq=4, hkv=2, d=16, cache_mode=0,
     cache = cache.permute(order).contiguous().to(device)
 
     t = sum(seqlens)
-    idx = dict(dtype=torch.int32, device=device)
+    idx = dict(dtype=index_dtype, device=device)
     args = (torch.randn(t, hq, d, dtype=dtype, device=device),
             torch.randn(t, hkv, d, dtype=dtype, device=device), torch.randn(t, hkv, d, dtype=dtype, device=device),
-            torch.tensor([0] + seqlens, **idx).cumsum(0, dtype=torch.int32),
-            torch.tensor([0] + kvlens, **idx).cumsum(0, dtype=torch.int32),
+            torch.tensor([0] + seqlens, **idx).cumsum(0, dtype=index_dtype),
+            torch.tensor([0] + kvlens, **idx).cumsum(0, dtype=index_dtype),
             cachestarts.to(**idx), torch.tensor(start_pos, **idx),
             torch.tensor([_leading_decodes(seqlens) if decoding_batches is None else decoding_batches], **idx),
             max(seqlens + [0]), max_kvlen or max(kvlens + [0]), cache, scale, None)
@@ -159,6 +159,7 @@ CPU_CASES = {
     "unaligned-pages": dict(cache_mode=1, page_shift=1, page_size=3, quant_bit=4),
     "padding-sequence": dict(seqlens=[1, 0, 4], start_pos=[3, 0, 2]),
     "max-bounds-above-lengths": dict(max_kvlen=40),
+    "int64-metadata-paged": dict(index_dtype=torch.int64, cache_mode=1, quant_bit=8),
 }
 
 
