@@ -193,6 +193,7 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     graph_safe = False
     WORKSPACE_BYTES = 128 << 20
+    HEAD_DIMS = (64, 128, 256)
 
     @classmethod
     def unsupported(cls, config, kv):
@@ -210,6 +211,8 @@ class FlashInferAttention(AttentionBackend):
             why.append("this adapter needs separate contiguous NHD k/v caches")
         if config.sink_tokens:
             why.append("FlashInfer has no sink tokens")
+        if config.head_dim not in cls.HEAD_DIMS:
+            why.append(f"FlashInfer's paged kernels take head dims {cls.HEAD_DIMS}, got {config.head_dim}")
         return why
 
     def __init__(self, config, kv, **kwargs):

@@ -7,6 +7,7 @@ length 0) when the attention backend is graph-safe.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -190,12 +191,11 @@ class Engine:
         for bucket in self.buckets:
             meta = self.attention.step_metadata(
                 self.attention.builder.build([1] * bucket, [1] * bucket, [[0]] * bucket))
-            ids = self._input_ids[:bucket]
-
-            def run():
-                return self.model.logits(self.model(ids, meta))
-
+            run = functools.partial(self._decode_logits, self._input_ids[:bucket], meta)
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
+
+    def _decode_logits(self, ids: torch.Tensor, meta) -> torch.Tensor:
+        return self.model.logits(self.model(ids, meta))
 
 
 class _GpuTimer:
