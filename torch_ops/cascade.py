@@ -4,7 +4,9 @@ Parallel sampling, beam search and a common system prompt give many sequences th
 blocks. Plain paged attention reads those blocks once per sequence; here each group's queries
 attend to the shared prefix in one `paged_prefill` (the group's queries are the rows of one
 non-causal "sequence", so the prefix is read once and feeds tensor-core tiles), each sequence
-attends to its own blocks as usual, and `merge_states` combines the two partial states.
+attends to its own blocks as usual, and `merge_states` combines the two partial states. A few
+groups over a long prefix would leave most SMs idle, so the prefix is cut into chunks (each a
+pseudo-sequence with the group's queries, merged in fp32), a count chosen from shapes only.
 
     out, lse = shared_prefix_attention(query, k_cache, v_cache,
                                        shared_block_tables, shared_lens, cu_group_tokens,
@@ -18,15 +20,19 @@ equals `paged_prefill`/`paged_decode` over each sequence's full block table
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .checks import INDEX_DTYPES, check_tensor, check_vector, debug_checks_enabled, expect
 
 # options that need each key's absolute position, which the shared pass does not know per row
 _POSITIONAL = ("alibi_slopes", "window_left", "sink_tokens")
+MIN_CHUNK_TOKENS = 512   # a prefix chunk still streams enough keys to hide its setup and merge
+ROWS_PER_PROGRAM = 128   # query rows (tokens x heads of a KV head) of one prefill program
 
 
 def shared_prefix_attention(query, k_cache, v_cache, shared_block_tables, shared_lens, cu_group_tokens,
-                            block_tables, seq_lens, cu_seqlens_q=None, *, scale=None, q_scaling=1.0,
+                            block_tables, seq_lens, cu_seqlens_q=None, *, prefix_chunks=None,
+                            scale=None, q_scaling=1.0,
                             softcap=0.0, sinks=None, k_scale=None, v_scale=None, **positional):
     """Attention of each sequence over `[its group's shared prefix, its own blocks]`.
 
@@ -41,6 +47,7 @@ def shared_prefix_attention(query, k_cache, v_cache, shared_block_tables, shared
     seq_lens            [B] own tokens of each sequence (its keys past the prefix)
     cu_seqlens_q        [B + 1] query-token offsets of the sequences; None for decode steps,
                         where every sequence has T / B tokens (the own part runs `paged_decode`)
+    prefix_chunks       pieces each shared prefix is cut into (None: from the shapes and SMs)
     Returns `(out [T, Hq, D], lse [T, Hq])` as the paged ops do. Learned `sinks` are added
     once (in the own part); ALiBi, sliding windows and sink tokens are not served here.
     """
@@ -58,8 +65,9 @@ def shared_prefix_attention(query, k_cache, v_cache, shared_block_tables, shared
     if debug_checks_enabled():
         _check_groups_align(query.shape[0], cu_group_tokens, seq_lens.shape[0], cu_seqlens_q)
     common = dict(scale=scale, q_scaling=q_scaling, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    shared_out, shared_lse = torch.ops.attn.paged_prefill(
-        query, k_cache, v_cache, shared_block_tables, cu_group_tokens, shared_lens, causal=False, **common)
+    chunks = prefix_chunks or _prefix_chunks(query, k_cache, shared_block_tables)
+    shared_out, shared_lse = _shared_pass(query, k_cache, v_cache, shared_block_tables, shared_lens,
+                                          cu_group_tokens, chunks, common)
     if cu_seqlens_q is None:
         own_out, own_lse = torch.ops.attn.paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens, sinks=sinks, **common)
@@ -67,6 +75,44 @@ def shared_prefix_attention(query, k_cache, v_cache, shared_block_tables, shared
         own_out, own_lse = torch.ops.attn.paged_prefill(
             query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, causal=True, sinks=sinks, **common)
     return torch.ops.attn.merge_states(shared_out, shared_lse, own_out, own_lse)
+
+
+def _prefix_chunks(query, k_cache, shared_block_tables) -> int:
+    """Chunks per shared prefix so that the shared pass fills about two waves of programs."""
+    groups, max_blocks = shared_block_tables.shape
+    tokens, hq = query.shape[0], query.shape[1]
+    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    rows = -(-tokens * hq // max(1, groups * hkv))
+    programs = max(1, groups * hkv * -(-rows // ROWS_PER_PROGRAM))
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+    most = max(1, max_blocks * block_size // MIN_CHUNK_TOKENS)
+    return max(1, min(most, -(-2 * sms // programs)))
+
+
+def _shared_pass(query, k_cache, v_cache, tables, lens, cu_group_tokens, chunks, common):
+    """`(out, lse)` of every query over its group's prefix, the prefix cut into `chunks` pieces
+    of whole blocks: chunk-major pseudo-sequences `(c, g)` over all T query tokens, run in one
+    `paged_prefill`, then merged in fp32."""
+    causal = dict(causal=False, **common)
+    if chunks <= 1:
+        return torch.ops.attn.paged_prefill(query, k_cache, v_cache, tables, cu_group_tokens, lens, **causal)
+    groups, max_blocks = tables.shape
+    per = -(-max_blocks // chunks)
+    chunks = -(-max_blocks // per)
+    t, block_size = query.shape[0], k_cache.shape[1]
+    tables = F.pad(tables, (0, chunks * per - max_blocks)).view(groups, chunks, per).transpose(0, 1)
+    first = torch.arange(chunks, device=lens.device, dtype=lens.dtype)[:, None]
+    chunk_lens = (lens[None, :] - first * (per * block_size)).clamp(0, per * block_size)
+    cu = (cu_group_tokens[None, :-1] + first.to(cu_group_tokens.dtype) * t).reshape(-1)
+    cu = torch.cat([cu, cu.new_full((1,), chunks * t)])
+    out, lse = torch.ops.attn.paged_prefill(query.repeat(chunks, 1, 1), k_cache, v_cache,
+                                            tables.reshape(chunks * groups, per), cu, chunk_lens.reshape(-1),
+                                            **causal)
+    lse = lse.view(chunks, t, -1)
+    total = torch.logsumexp(lse, dim=0)
+    weight = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).unsqueeze(-1)
+    merged = (weight * out.view(chunks, t, *out.shape[1:]).float()).sum(0)
+    return merged.to(out.dtype), total
 
 
 def _check_groups_align(num_tokens, cu_group_tokens, num_seqs, cu_seqlens_q) -> None:

@@ -53,10 +53,11 @@ def make_cascade(device, *, groups, own_lens, q_lens, hq, hkv, d, bs, dtype=torc
     return args, as_dev(full), as_dev(full_lens)
 
 
-def check_against_full(args, full, full_lens, decode, **options):
+def check_against_full(args, full, full_lens, decode, prefix_chunks=None, **options):
     q, cache, shared, shared_lens, cu_group, own, own_lens, cu_q = args
     out, lse = shared_prefix_attention(q, cache.k, cache.v, shared, shared_lens, cu_group, own, own_lens,
-                                       None if decode else cu_q, **cache.scale_kwargs(), **options)
+                                       None if decode else cu_q, prefix_chunks=prefix_chunks,
+                                       **cache.scale_kwargs(), **options)
     kw = dict(cache.scale_kwargs(), **options)
     truth = reference.paged_prefill(q, cache.k, cache.v, full, cu_q, full_lens, compute_dtype=torch.float64, **kw)
     base = reference.paged_prefill(q, cache.k, cache.v, full, cu_q, full_lens, compute_dtype=q.dtype, **kw)
@@ -65,8 +66,8 @@ def check_against_full(args, full, full_lens, decode, **options):
 
 
 @pytest.mark.parametrize("backend", ["vanilla", "triton"])
-@pytest.mark.parametrize("decode", [True, False])
-def test_shared_prefix_matches_full_tables(kernel_device, backend, decode):
+@pytest.mark.parametrize("decode,chunks", [(True, 1), (False, 1), (True, 2)])
+def test_shared_prefix_matches_full_tables(kernel_device, backend, decode, chunks):
     device = kernel_device if backend == "triton" else torch.device("cpu")
     groups = [(3, 2), (0, 1), (2, 3)]                  # a group without a shared prefix too
     own_lens = [5, 17, 9, 1, 30, 8]
@@ -75,13 +76,13 @@ def test_shared_prefix_matches_full_tables(kernel_device, backend, decode):
                                          hq=4, hkv=2, d=32, bs=8)
     sinks = torch.randn(4, device=device)
     with torch_ops.use_backend(backend):
-        check_against_full(args, full, full_lens, decode, softcap=20.0, sinks=sinks)
+        check_against_full(args, full, full_lens, decode, chunks, softcap=20.0, sinks=sinks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_shared_prefix_gpu(cache_dtype):
-    groups = [(random.randint(1, 40), random.randint(1, 16)) for _ in range(4)]
+    groups = [(random.randint(1, 400), random.randint(1, 16)) for _ in range(random.randint(1, 4))]
     n = sum(m for _, m in groups)
     own_lens = [random.randint(1, 300) for _ in range(n)]
     args, full, full_lens = make_cascade(torch.device("cuda"), groups=groups, own_lens=own_lens, q_lens=[1] * n,
