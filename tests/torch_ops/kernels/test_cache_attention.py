@@ -237,7 +237,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("batch", list(GPU_LENGTHS))
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_features_gpu(kernel_device, poisoned, case, batch):
-    options = dict(hq=32, hkv=8, d=128, page_size=64, **GPU_CASES[case])
+    options = {**dict(hq=32, hkv=8, d=128, page_size=64), **GPU_CASES[case]}   # a case overrides the defaults
     check(make_problem(kernel_device, **GPU_LENGTHS[batch], **options))
 
 
