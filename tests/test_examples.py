@@ -15,3 +15,9 @@ def test_quickstart(kv_dtype):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "paged_decode" in result.stdout and "paged_prefill" in result.stdout
+
+
+def test_llama_paged():
+    result = subprocess.run([sys.executable, "examples/llama_paged.py", "--steps", "2"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "logits match the plain formulation" in result.stdout, result.stderr
