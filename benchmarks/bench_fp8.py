@@ -101,7 +101,10 @@ class Case:
         s = self.scales
         truth, _ = reference.context_attention(self.q8[:, sl], self.k8[:, sl], self.v8[:, sl], self.cu, self.cu,
                                                causal=self.causal, compute_dtype=torch.float32, **s)
-        return ((out[:, sl].float() - truth.float()) ** 2).mean().sqrt().item()
+        diff = out[:, sl].float() - truth.float()
+        if not torch.isfinite(diff).all():
+            raise RuntimeError(f"{(~torch.isfinite(diff)).float().mean().item():.1%} of the output is not finite")
+        return (diff ** 2).mean().sqrt().item()
 
 
 _WS = None
@@ -140,7 +143,10 @@ def bench_row(case: Case, peers: list[str], label: str) -> dict:
             us, how = time_us(fn)
             row[f"{name}_us"], row[f"{name}_tflops"], row[f"{name}_timing"] = us, case.flops / us / 1e6, how
             if out is not None and name.endswith("fp8"):
-                row[f"{name}_rmse"] = case.rmse(out)
+                try:
+                    row[f"{name}_rmse"] = case.rmse(out)
+                except RuntimeError as e:
+                    row[f"{name}_rmse"] = f"error: {e}"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded with the reason
             row[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
         torch.cuda.synchronize()
@@ -166,7 +172,8 @@ def main():
                 rows.append(bench_row(Case(lengths(seqlen, ragged), d, heads, causal), peers, label))
                 r = rows[-1]
                 cells = [f"{k.removesuffix('_tflops')}={r[k]:.0f}" for k in r if k.endswith("_tflops")]
-                rm = [f"{k.removesuffix('_rmse')} rmse={r[k]:.2e}" for k in r if k.endswith("_rmse")]
+                rm = [f"{k.removesuffix('_rmse')} rmse={r[k]:.2e}" if isinstance(r[k], float) else f"{k}: {r[k]}"
+                      for k in r if k.endswith("_rmse")]
                 print(f"{label:28} causal={causal!s:5} " + " ".join(cells) + " | " + " ".join(rm), flush=True)
                 for k in r:
                     if isinstance(r[k], str) and r[k].startswith("unavailable"):

@@ -385,6 +385,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 #define ATTN_CAT(a, b) ATTN_CAT2(a, b, )
 #define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM)
 
-extern "C" int ATTN_ENTRY(AttnFmhaArgs const* args, void* stream, char* err, int err_len) {
+// the library is built with -fvisibility=hidden: only the entry points are exported
+extern "C" __attribute__((visibility("default"))) int ATTN_ENTRY(AttnFmhaArgs const* args, void* stream, char* err, int err_len) {
   return attn_fmha::run(*args, static_cast<cudaStream_t>(stream), err, err_len);
 }
