@@ -136,7 +136,7 @@ def _scale_tensor(graph: fx.Graph, op: fx.Node, scale) -> fx.Node:
                       f"element on {device}")
     order = {n: i for i, n in enumerate(graph.nodes)}
     if order[scale] > order[op]:
-        if scale.op != "get_attr":
-            raise Decline(f"scale {scale.name} is computed after the attention")
-        op.prepend(scale)  # Dynamo puts a get_attr at its first use
+        if any(order[i] > order[op] for i in scale.all_input_nodes):
+            raise Decline(f"scale {scale.name} is computed from values made after the attention")
+        op.prepend(scale)  # a get_attr or constant Dynamo placed at its first use
     return scale

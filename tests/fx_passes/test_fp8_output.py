@@ -45,6 +45,12 @@ def explicit_op(q, k, v, scale):
     return (out.view(B, S, H * D) / scale).clip(-448, 448).to(E4M3)
 
 
+def scale_made_inline(q, k, v, scale):
+    """The scale tensor made after the attention (Dynamo records it at its first use)."""
+    o = attention(q, k, v)
+    return (o / torch.tensor(SCALE)).clamp(-448, 448).to(E4M3)
+
+
 def also_used_unquantized(q, k, v, scale):
     o = attention(q, k, v)
     return (o / scale).clamp(-448, 448).to(E4M3), o.sum()
@@ -84,7 +90,8 @@ def check_fp8(out, args):
     assert_error_ratio(out.double(), truth, eager, floor=floor, name="fp8 out")
 
 
-@pytest.mark.parametrize("fn", [div_clamp_to, torch_clamp_float_scale, clamp_min_max_finfo, explicit_op])
+@pytest.mark.parametrize("fn", [div_clamp_to, torch_clamp_float_scale, clamp_min_max_finfo, scale_made_inline,
+                                explicit_op])
 def test_fused(fn):
     args = inputs()
     check_fp8(run(fn, args), args)

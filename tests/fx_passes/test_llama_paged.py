@@ -49,10 +49,12 @@ def test_prefill_compiles_once_with_rope_in_the_cache_write(model):
     assert counters["attn"]["rope_fusion_declined"] == 0
 
 
-def test_decode_steps_after_a_prefill(model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_steps_after_a_prefill(model, device):
+    model = model.to(device)
     model64 = copy.deepcopy(model).double()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    server = llama_paged.Server(model, "cpu", num_blocks=16, block_size=4)
+    server = llama_paged.Server(model, torch.device(device), num_blocks=16, block_size=4)
     new = random_prompts((6, 2, 9))
     with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(**DYNAMO_CONFIG):
         for _ in range(3):
