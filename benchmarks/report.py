@@ -98,7 +98,40 @@ def kvwrite_section(data: dict, name: str) -> list[str]:
     return lines + [""]
 
 
-SECTIONS = {"decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section}
+def cascade_section(data: dict, name: str) -> list[str]:
+    hq, hkv = data["heads"]
+    lines = _header(data, "cascade decode over shared prefixes", name) + [
+        f"B sequences in G groups, each group sharing a `prefix`-token prefix, each sequence owning "
+        f"`own` more tokens; Hq/Hkv = {hq}/{hkv}, D = {data['head_dim']}, block {data['block_size']}, bf16. "
+        "`full` = our paged_decode over each sequence's whole block table, FI = FlashInfer's "
+        "tensor-core decode over the same tables; `GB/s` = the KV bytes the cascade must read / its time.", "",
+        "| B | G | prefix | own | full µs | FI µs | cascade µs | ×full | ×FI | GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['batch']} | {r['groups']} | {r['prefix']} | {r['own']} | {r['full_us']:.1f} | "
+                     f"{_us(r, 'flashinfer')} | {r['cascade_us']:.1f} | {_fmt_ratio(r.get('speedup_vs_full'))} | "
+                     f"{_fmt_ratio(r.get('speedup_vs_flashinfer'))} | {r['cascade_GBps']:.0f} |")
+    return lines + [""]
+
+
+def cache_attention_section(data: dict, name: str) -> list[str]:
+    lines = _header(data, "cache_attention (PPL contract) vs our separate ops", name) + [
+        "`ours` = one cache_attention call (its metadata kernel, kv_cache_write, then paged_decode or one "
+        "paged_prefill); `w+dec`/`w+pre` = kv_cache_write + paged_decode/paged_prefill on an equivalent NHD "
+        "paged cache; `w+split` = the mixed batch's decode and prefill parts as separate calls. "
+        "`ours/best` > 1: slower than the best separate composition. Hq/Hkv = 32/8, D = 128.", "",
+        "| case | quant bits | cache mode | ours µs | meta µs | w+dec µs | w+pre µs | w+split µs | ours/best | err ok |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        cells = [f"{r[k]:.1f}" if r.get(k) else "-" for k in ("meta_us", "write_decode_us", "write_prefill_us", "write_split_us")]
+        lines.append(f"| {r['kind']} {r['params']} | {r['quant_bit']} | {('offset', 'paged')[r['cache_mode']]} | "
+                     f"{r['ours_us']:.1f} | " + " | ".join(cells) + f" | {r['ratio']:.2f} | "
+                     f"{'yes' if r.get('check', {}).get('ok') else '-'} |")
+    return lines + [""]
+
+
+SECTIONS = {"decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
+            "cascade": cascade_section, "cache_attention": cache_attention_section}
 
 
 def main() -> None:
@@ -107,8 +140,8 @@ def main() -> None:
            "table is one run on one GPU, peers measured in the same run.", ""]
     notes = ROOT / "docs" / "performance_notes.md"
     for path in sorted(RESULTS.glob("*.json")):
-        kind = path.stem.split("_")[0]
-        if kind in SECTIONS:
+        kind = next((k for k in SECTIONS if path.stem.startswith(k + "_")), None)
+        if kind is not None:
             out += SECTIONS[kind](json.loads(path.read_text()), path.name)
     if notes.exists():
         out += [notes.read_text()]
