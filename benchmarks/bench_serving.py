@@ -3,8 +3,9 @@ backend, CUDA-graph decode steps) at batch 1..128 vs transformers' generate with
 and torch.compile(mode="reduce-overhead") on the same random-weight Llama, plus the metadata
 build CPU time at 256 sequences (target <= 50 us). JSON under benchmarks/results/.
 
-    python benchmarks/bench_serving.py            # full grid
-    python benchmarks/bench_serving.py --quick    # smoke run: small model, batch 1 and 8
+    python benchmarks/bench_serving.py                  # full grid
+    python benchmarks/bench_serving.py --quick          # smoke run: small model, batch 1 and 8
+    python benchmarks/bench_serving.py --metadata-only  # CPU or GPU: per-step metadata µs only
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch_ops  # noqa: E402,F401
 from common import environment, table, write_json, write_partial  # noqa: E402
-from torch_ops.metadata import MetadataBuilder  # noqa: E402
 from torch_ops.serving.attention import get_backend  # noqa: E402
 from torch_ops.serving.cache_manager import KVCacheManager  # noqa: E402
 from torch_ops.serving.engine import Engine, Request  # noqa: E402
@@ -36,27 +36,56 @@ QUICK_MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_he
                           head_dim=64, intermediate_size=512)
 
 
-def metadata_build_us(num_seqs=256, context=2048, block_size=16, reps=2000) -> dict:
-    """CPU µs of `MetadataBuilder.build` for a decode step of `num_seqs` sequences, with ragged
-    lists and with a 2-D block-table array."""
-    rng = np.random.default_rng(0)
-    max_blocks = context // block_size
-    builder = MetadataBuilder(num_seqs, num_seqs, max_blocks, block_size, "cuda")
-    seq_lens = rng.integers(context // 2, context, num_seqs).tolist()
-    lists = [rng.integers(0, 100000, -(-s // block_size)).tolist() for s in seq_lens]
-    array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    result = {}
-    for name, tables in (("lists", lists), ("array", array)):
-        for _ in range(50):
-            builder.build(seq_lens, [1] * num_seqs, tables)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            builder.build(seq_lens, [1] * num_seqs, tables)
-            times.append((time.perf_counter() - t0) * 1e6)
-        result[f"{name}_median_us"] = statistics.median(times)
-    torch.cuda.synchronize()
-    return result
+def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, steps=400,
+                     device="cpu") -> dict:
+    """CPU µs per step of the engine's metadata path (`AttentionBackend.prepare`: cache-manager
+    queries + `MetadataBuilder.build` + the host-to-device copy) for `num_seqs` sequences of
+    `context / 2 .. context` cached tokens, median over `steps` steps. `kind`: "decode" (one new
+    token each), "prefill" (4096 new tokens split evenly) or "mixed" (half decode, half prefill
+    chunks of 2048 tokens in all). Each step first appends the new tokens in the cache manager
+    (the scheduler's work, timed apart as `append_us`), so tables grow across block boundaries.
+    """
+    rng = np.random.default_rng(num_seqs)
+    chunk = {"decode": 1, "prefill": 4096 // num_seqs, "mixed": 4096 // num_seqs}[kind]
+    max_blocks = (2 * context + chunk) // block_size
+    query_lens = [1 if kind == "mixed" and i % 2 else chunk for i in range(num_seqs)]
+    num_tokens = sum(query_lens)
+    kv = KVCacheManager(1, num_seqs * max_blocks + 1, block_size, 1, 8, torch.float16, device=device)
+    config = attention_config(LlamaConfig(num_heads=1, num_kv_heads=1, head_dim=8), device)
+    attention = get_backend("vanilla")(config, kv, max_num_seqs=num_seqs, max_num_tokens=num_tokens,
+                                       max_blocks_per_seq=max_blocks)
+    ids = list(range(num_seqs))
+    for i, n in zip(ids, rng.integers(context // 2, context, num_seqs).tolist()):
+        kv.add(i)
+        kv.append(i, n)
+    prepare_us, append_us = [], []
+    for _ in range(steps):
+        if max(map(kv.seq_len, ids)) + chunk > max_blocks * block_size:  # keep within the table
+            for i in ids:
+                kv.free(i)
+                kv.add(i)
+                kv.append(i, context // 2)
+        t0 = time.perf_counter()
+        for i, n in zip(ids, query_lens):
+            kv.append(i, n)
+        t1 = time.perf_counter()
+        attention.prepare(ids, query_lens)
+        t2 = time.perf_counter()
+        append_us.append((t1 - t0) * 1e6)
+        prepare_us.append((t2 - t1) * 1e6)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return {"kind": kind, "num_seqs": num_seqs, "num_tokens": num_tokens,
+            "prepare_us": statistics.median(prepare_us), "append_us": statistics.median(append_us)}
+
+
+def metadata_grid(device: str, steps: int) -> list[dict]:
+    rows = [metadata_step_us(n, kind, steps=steps, device=device)
+            for kind in ("decode", "prefill", "mixed") for n in (1, 64, 256)]
+    print(table(rows, [("kind", "kind", "s"), ("num_seqs", "seqs", "d"), ("num_tokens", "tokens", "d"),
+                       ("prepare_us", "metadata us/step", ".1f"),
+                       ("append_us", "append us/step (scheduler)", ".1f")]), flush=True)
+    return rows
 
 
 def ours(config, batch, prompt_len, new_tokens) -> dict:
@@ -123,14 +152,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--metadata-only", action="store_true",
+                        help="only the per-step metadata CPU time (runs on CPU too)")
     args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.metadata_only:
+        metadata_grid(device, steps=100 if args.quick else 400)
+        return
     config = QUICK_MODEL if args.quick else MODEL
     batches = (1, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128)
     prompt_len, new_tokens = (32, 16) if args.quick else (512, 128)
     payload = {"env": environment(), "model": config.__dict__, "prompt_len": prompt_len,
-               "new_tokens": new_tokens, "metadata_256": metadata_build_us(reps=200 if args.quick else 2000),
+               "new_tokens": new_tokens, "metadata": metadata_grid(device, steps=100 if args.quick else 400),
                "rows": []}
-    print("metadata build at 256 sequences:", payload["metadata_256"], flush=True)
     for batch in batches:
         row = {"batch": batch, **{f"ours_{k}": v for k, v in ours(config, batch, prompt_len, new_tokens).items()}}
         if not args.no_transformers:

@@ -24,6 +24,7 @@ from torch_ops.serving.attention import get_backend
 from torch_ops.serving.cache_manager import KVCacheManager
 from torch_ops.serving.engine import Engine, Request, generate
 from torch_ops.serving.model import Llama, LlamaConfig, attention_config
+from torch_ops.serving.tp import shard_state_dict
 
 GPU_MODEL = LlamaConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4,
                         head_dim=128, intermediate_size=5632)
@@ -31,14 +32,21 @@ CPU_MODEL = LlamaConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=
                         head_dim=16, intermediate_size=128)
 
 
-def build(config, backend, device, dtype, args, graphs):
-    attn_cfg = attention_config(config, device)
-    kv = KVCacheManager(config.num_layers, args.num_blocks, args.block_size, config.num_kv_heads,
+def build(config, backend, device, dtype, args, graphs, tp_group=None):
+    """An engine over `config` with the random weights of `args.seed`; with `tp_group`, this
+    rank's shard of them (heads and MLP columns split across the group)."""
+    tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+    attn_cfg = attention_config(config, device, tp_size)
+    kv = KVCacheManager(config.num_layers, args.num_blocks, args.block_size, attn_cfg.num_kv_heads,
                         config.head_dim, dtype, device=device, prefix_caching=args.prefix_caching)
     attention = get_backend(backend)(attn_cfg, kv, max_num_seqs=args.max_num_seqs,
                                      max_num_tokens=args.max_num_tokens,
-                                     max_blocks_per_seq=args.num_blocks)
-    model = Llama(config, attention).init_random_(args.seed).to(device, dtype)
+                                     max_blocks_per_seq=-(-(args.max_prompt + args.max_new) // args.block_size))
+    model = Llama(config, attention, tp_group=tp_group)
+    full = Llama(config).init_random_(args.seed).state_dict()
+    model.load_state_dict(shard_state_dict(full, config, rank, tp_size))
+    model.to(device, dtype)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs) if graphs else ()
     return Engine(model, kv, max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
                   graph_buckets=buckets)
@@ -71,9 +79,9 @@ class Progress:
                   f"{stats.num_seqs} seqs", end=end, flush=True)
 
 
-def main():
-    cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arg_parser(cuda: bool, description: str) -> argparse.ArgumentParser:
+    """The workload and engine options (also those of examples/serve_tp.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--backend", default="triton" if cuda else "vanilla")
     parser.add_argument("--num-requests", type=int, default=256 if cuda else 12)
     parser.add_argument("--max-prompt", type=int, default=1024 if cuda else 24)
@@ -88,7 +96,12 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="the CPU model size on any device")
     parser.add_argument("--check", action="store_true", help="rerun on the vanilla backend and compare outputs")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    cuda = torch.cuda.is_available()
+    args = arg_parser(cuda, __doc__.splitlines()[0]).parse_args()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = GPU_MODEL if cuda and not args.tiny else CPU_MODEL

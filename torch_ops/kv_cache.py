@@ -11,6 +11,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from torch_ops import quant
@@ -357,13 +358,20 @@ class BlockAllocator:
 
 
 class BlockTables:
-    """Per-sequence block lists over a `BlockAllocator`. Token `p` of a sequence sits in slot
+    """Per-sequence block tables over a `BlockAllocator`. Token `p` of a sequence sits in slot
     `table[p // block_size] * block_size + p % block_size`.
 
     Blocks may be shared between sequences (`fork`, prefix caching). Writes are copy-on-write: a
     shared block about to receive new tokens is replaced in the writer's table by a fresh block,
     and the pair `(src, dst)` is queued; the owner of the device caches must copy those blocks
     (`take_copies`) before the next cache write.
+
+    Storage is one row per sequence of host numpy arrays, so that a step's metadata gathers a
+    batch with a few vectorized reads (`rows`, then `array[rows]`, `lens[rows]`, ...): `array
+    [rows, cols]` int32 block ids, 0 past each sequence's blocks; `num_blocks [rows]`; `lens
+    [rows]` tokens in the table; `offsets [rows]` tokens dropped before its first block
+    (`drop_blocks`). Rows are reused after `free`; both dimensions double when full, so keep
+    no views of these arrays across calls that add sequences or blocks.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
@@ -371,14 +379,48 @@ class BlockTables:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.allocator = allocator
         self.block_size = block_size
-        self._tables: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
+        self.array = np.zeros((8, 8), dtype=np.int32)
+        self.num_blocks = np.zeros(8, dtype=np.int64)
+        self.lens = np.zeros(8, dtype=np.int64)
+        self.offsets = np.zeros(8, dtype=np.int64)
+        self._rows: dict = {}
+        self._free_rows = list(range(7, -1, -1))  # pop() hands out low rows first
         self._copies: list[tuple[int, int]] = []
 
-    def _table(self, seq_id: int) -> list[int]:
-        if seq_id not in self._tables:
+    def _row(self, seq_id) -> int:
+        if seq_id not in self._rows:
             raise KeyError(f"unknown sequence {seq_id!r}")
-        return self._tables[seq_id]
+        return self._rows[seq_id]
+
+    def rows(self, seq_ids) -> np.ndarray:
+        """Row index of each sequence in `seq_ids` (the batch order), `[B]` intp."""
+        try:
+            return np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.intp,
+                               count=len(seq_ids))
+        except KeyError as e:
+            raise KeyError(f"unknown sequence {e.args[0]!r}") from None
+
+    def _new_row(self, seq_id) -> int:
+        if seq_id in self._rows:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not self._free_rows:
+            n = len(self.lens)
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            for name in ("num_blocks", "lens", "offsets"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n, np.int64)]))
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        row = self._free_rows.pop()
+        self._rows[seq_id] = row
+        return row
+
+    def _set_blocks(self, row: int, start: int, blocks: list[int]) -> None:
+        """Write `blocks` at columns `start..` of `row` (its block count becomes their end)."""
+        end = start + len(blocks)
+        if end > self.array.shape[1]:
+            cols = max(end, 2 * self.array.shape[1])
+            self.array = np.pad(self.array, ((0, 0), (0, cols - self.array.shape[1])))
+        self.array[row, start:end] = blocks
+        self.num_blocks[row] = end
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -388,11 +430,11 @@ class BlockTables:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
 
-    def add(self, seq_id: int, num_tokens: int, shared_blocks: list[int] = ()) -> list[int]:
+    def add(self, seq_id, num_tokens: int, shared_blocks: list[int] = ()) -> list[int]:
         """A new sequence of `num_tokens` tokens; returns their slots. Its table starts with
         `shared_blocks` (full blocks already holding its first tokens, e.g. a cached prefix;
         their refcount + 1), then fresh blocks."""
-        if seq_id in self._tables:
+        if seq_id in self._rows:
             raise ValueError(f"sequence {seq_id!r} already exists")
         self._check_count("num_tokens", num_tokens)
         shared = list(shared_blocks)
@@ -402,38 +444,41 @@ class BlockTables:
             )
         fresh = self.allocator.allocate(self._blocks_for(num_tokens) - len(shared))
         self.allocator.share(shared)
-        self._tables[seq_id] = shared + fresh
-        self._lens[seq_id] = num_tokens
+        row = self._new_row(seq_id)
+        self._set_blocks(row, 0, shared + fresh)
+        self.lens[row] = num_tokens
+        self.offsets[row] = 0
         return self.slots(seq_id, 0, num_tokens)
 
-    def append(self, seq_id: int, num_tokens: int = 1) -> list[int]:
+    def append(self, seq_id, num_tokens: int = 1) -> list[int]:
         """Grow a sequence by `num_tokens`, allocating blocks past its last block's end and
         copies of shared blocks it writes into; returns the new tokens' slots. On
         `OutOfBlocksError` the sequence is unchanged."""
-        table = self._table(seq_id)
+        row = self._row(seq_id)
         self._check_count("num_tokens", num_tokens)
-        start = self._lens[seq_id]
-        first = start // self.block_size if num_tokens else len(table)
-        new = self._own(seq_id, range(first, len(table)),
-                        self._blocks_for(start + num_tokens) - len(table))
-        table += new
-        self._lens[seq_id] = start + num_tokens
+        start, have = int(self.lens[row]), int(self.num_blocks[row])
+        first = start // self.block_size if num_tokens else have
+        new = self._own(row, range(first, have), self._blocks_for(start + num_tokens) - have)
+        if new:
+            self._set_blocks(row, have, new)
+        self.lens[row] = start + num_tokens
         return self.slots(seq_id, start, num_tokens)
 
-    def make_writable(self, seq_id: int, block_indices) -> None:
+    def make_writable(self, seq_id, block_indices) -> None:
         """Give the sequence its own copy of each shared block among `table[i]`, `i` in
         `block_indices` (before rewriting tokens in place)."""
-        self._own(seq_id, block_indices, 0)
+        self._own(self._row(seq_id), block_indices, 0)
 
-    def _own(self, seq_id: int, block_indices, extra: int) -> list[int]:
-        """Replace the shared blocks among `block_indices` by fresh copies and return `extra`
-        more fresh blocks, allocating all of them at once (all or nothing)."""
-        table = self._table(seq_id)
-        shared = [i for i in block_indices if self.allocator.refcount(table[i]) > 1]
+    def _own(self, row: int, block_indices, extra: int) -> list[int]:
+        """Replace the shared blocks among `block_indices` of `row` by fresh copies and return
+        `extra` more fresh blocks, allocating all of them at once (all or nothing)."""
+        table = self.array[row]
+        shared = [i for i in block_indices if self.allocator.refcount(int(table[i])) > 1]
         fresh = self.allocator.allocate(len(shared) + extra)
         for i, dst in zip(shared, fresh):
-            self._copies.append((table[i], dst))
-            self.allocator.free([table[i]])
+            src = int(table[i])
+            self._copies.append((src, dst))
+            self.allocator.free([src])
             table[i] = dst
         return fresh[len(shared):]
 
@@ -442,53 +487,70 @@ class BlockTables:
         copies, self._copies = self._copies, []
         return copies
 
-    def fork(self, parent_id: int, child_id: int) -> None:
+    def fork(self, parent_id, child_id) -> None:
         """`child_id` starts as a copy of `parent_id`, sharing its blocks (refcount + 1); either
         may then grow (copy-on-write)."""
-        table = self._table(parent_id)
-        if child_id in self._tables:
-            raise ValueError(f"sequence {child_id!r} already exists")
-        self.allocator.share(table)
-        self._tables[child_id] = list(table)
-        self._lens[child_id] = self._lens[parent_id]
+        parent = self._row(parent_id)
+        blocks = self.block_table(parent_id)
+        child = self._new_row(child_id)
+        self.allocator.share(blocks)
+        self._set_blocks(child, 0, blocks)
+        self.lens[child] = self.lens[parent]
+        self.offsets[child] = self.offsets[parent]
 
-    def drop_blocks(self, seq_id: int, first: int, n: int) -> None:
+    def drop_blocks(self, seq_id, first: int, n: int) -> None:
         """Remove `n` full blocks from a sequence's table starting at index `first` (tokens that
-        left a sliding window) and release them; later tokens move `n * block_size` down."""
-        table = self._table(seq_id)
+        left a sliding window) and release them; later tokens move `n * block_size` down and the
+        sequence's `position_offset` grows by as many."""
+        row = self._row(seq_id)
         self._check_count("first", first)
         self._check_count("n", n)
-        if (first + n) * self.block_size > self._lens[seq_id]:
+        if (first + n) * self.block_size > self.lens[row]:
             raise ValueError(
                 f"blocks {first}..{first + n - 1} are not all full in sequence {seq_id!r} "
-                f"of length {self._lens[seq_id]}"
+                f"of length {int(self.lens[row])}"
             )
+        table = self.block_table(seq_id)
         self.allocator.free(table[first:first + n])
-        del table[first:first + n]
-        self._lens[seq_id] -= n * self.block_size
+        self.array[row, :len(table)] = 0
+        self._set_blocks(row, 0, table[:first] + table[first + n:])
+        self.lens[row] -= n * self.block_size
+        self.offsets[row] += n * self.block_size
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id) -> None:
         """Drop a sequence, releasing its references to its blocks."""
-        self.allocator.free(self._table(seq_id))
-        del self._tables[seq_id], self._lens[seq_id]
+        row = self._row(seq_id)
+        self.allocator.free(self.block_table(seq_id))
+        self.array[row] = 0
+        self.num_blocks[row] = self.lens[row] = self.offsets[row] = 0
+        del self._rows[seq_id]
+        self._free_rows.append(row)
 
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._rows
 
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self._table(seq_id))
+    def block_table(self, seq_id) -> list[int]:
+        row = self._row(seq_id)
+        return self.array[row, :self.num_blocks[row]].tolist()
 
-    def seq_len(self, seq_id: int) -> int:
-        self._table(seq_id)
-        return self._lens[seq_id]
+    def seq_len(self, seq_id) -> int:
+        return int(self.lens[self._row(seq_id)])
 
-    def slots(self, seq_id: int, start: int, n: int) -> list[int]:
+    def position_offset(self, seq_id) -> int:
+        """Tokens dropped from the front by `drop_blocks`: absolute position = position in the
+        table + this."""
+        return int(self.offsets[self._row(seq_id)])
+
+    def slots(self, seq_id, start: int, n: int) -> list[int]:
         """Slots of tokens `start .. start + n - 1` of a sequence."""
-        table = self._table(seq_id)
-        if start < 0 or n < 0 or start + n > self._lens[seq_id]:
+        row = self._row(seq_id)
+        length = int(self.lens[row])
+        if start < 0 or n < 0 or start + n > length:
             raise ValueError(
                 f"tokens {start}..{start + n - 1} are outside sequence {seq_id!r} "
-                f"of length {self._lens[seq_id]}"
+                f"of length {length}"
             )
         bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        first = start // bs
+        table = self.array[row, first:self._blocks_for(start + n)].tolist()
+        return [table[p // bs - first] * bs + p % bs for p in range(start, start + n)]

@@ -77,34 +77,45 @@ class MetadataBuilder:
             size += n
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
         cuda = self.device.type == "cuda"
+        self._device_np = self._device_buf.numpy() if self.device.type == "cpu" else None
         # Two staging buffers used in turn: build N waits only for the copy of build N - 2.
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._copy_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staging_np = [buf.numpy() for buf in self._staging]
         self._turn = 0
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
 
     def _host(self, staging: np.ndarray, name: str, n: int) -> np.ndarray:
         start = self._offsets[name]
         return staging[start:start + n]
 
     def _dev(self, name: str, n: int) -> torch.Tensor:
-        start = self._offsets[name]
-        return self._device_buf[start:start + n]
+        """The first `n` elements of a device buffer; views are cached (slicing a tensor costs
+        microseconds of CPU, a large share of a step's budget)."""
+        view = self._views.get((name, n))
+        if view is None:
+            start = self._offsets[name]
+            view = self._device_buf[start:start + n]
+            if name == "block_tables":
+                view = view.view(-1, self.max_blocks_per_seq)
+            self._views[name, n] = view
+        return view
 
     def build(
         self,
-        seq_lens: Sequence[int],
-        query_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | np.ndarray,
+        query_lens: Sequence[int] | np.ndarray,
+        block_tables: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
         *,
+        num_blocks: Sequence[int] | np.ndarray | None = None,
         pad_to: int | None = None,
-        position_offsets: Sequence[int] | None = None,
+        position_offsets: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
         """Metadata for `B` sequences from host data: `seq_lens[b]` keys (new tokens included),
         `query_lens[b]` new tokens (the last ones), `block_tables[b]` the block ids of sequence
-        `b` (ragged lists; `seq_lens[b] <= len(block_tables[b]) * block_size`). A 2-D host array
-        `[B, n]` (numpy or CPU tensor) of block ids is accepted too, and is much faster for long
-        tables: each row then has `n` blocks, all of them valid ids (pad rows with 0).
+        `b`, with `seq_lens[b] <= (blocks of b) * block_size`. Block tables are ragged lists, or
+        a 2-D host array `[B, n]` (numpy or CPU tensor; the fast form): row `b` then holds
+        `num_blocks[b]` block ids followed by zeros, or `n` ids when `num_blocks` is None.
 
         `pad_to` pads the batch to that many sequences (CUDA-graph buckets) with `seq_len 0`
         sequences and zero block-table rows. Their query length is 0, except when the real batch
@@ -116,12 +127,12 @@ class MetadataBuilder:
         tokens a sliding-window cache dropped before its first cached token, so that RoPE sees
         absolute positions while the ops see positions within the cache.
         """
-        seq, qlen, num_blocks, flat_blocks = self._parse(seq_lens, query_lens, block_tables, pad_to)
+        seq, qlen, table, num_blocks = self._parse(seq_lens, query_lens, block_tables, num_blocks,
+                                                   pad_to)
         num_real = len(seq)
         offsets = None if position_offsets is None else self._offsets_array(position_offsets, num_real)
         # Uniform batches keep query rows in padding sequences (see the docstring).
-        uniform = num_real > 0 and qlen[0] > 0 and bool(np.all(qlen == qlen[0]))
-        q_per_seq = int(qlen[0]) if uniform else 0
+        q_per_seq = int(qlen[0]) if num_real and qlen[0] > 0 and (qlen == qlen[0]).all() else 0
         batch = num_real if pad_to is None else pad_to
         real_tokens = int(qlen.sum())
         num_tokens = real_tokens + (batch - num_real) * q_per_seq
@@ -141,31 +152,37 @@ class MetadataBuilder:
 
         h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
         h_cu[0] = 0
-        np.cumsum(np.concatenate([qlen, np.full(batch - num_real, q_per_seq)]), out=h_cu[1:])
+        np.cumsum(qlen, out=h_cu[1:num_real + 1])
+        h_cu[num_real + 1:] = real_tokens + q_per_seq * np.arange(1, batch - num_real + 1)
 
         h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
-        h_bt[:] = 0
-        h_bt[:num_real][np.arange(m) < num_blocks[:, None]] = flat_blocks  # row-major order
+        width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
+        h_bt[:num_real, :width] = table[:, :width]
+        h_bt[:num_real, width:] = 0
+        h_bt[num_real:] = 0
 
-        # Token t of the real batch: sequence tok_seq[t], position seq - qlen + (index in seq).
+        # Token t of the real batch: sequence tok_seq[t] at position pos[t] (within the cache).
         tok_seq = np.repeat(np.arange(num_real), qlen)
-        pos = np.arange(real_tokens) - np.repeat(np.cumsum(qlen) - qlen, qlen)
-        pos += np.repeat(seq - qlen, qlen)
-        h_pos = self._host(staging, "positions", num_tokens)
+        pos = np.repeat(seq - h_cu[1:num_real + 1], qlen)
+        pos += np.arange(real_tokens)
+        block, offset = np.divmod(pos, self.block_size)
+        block += tok_seq * m
         h_slot = self._host(staging, "slot_mapping", num_tokens)
-        h_pos[:real_tokens] = pos
-        if offsets is not None:
-            h_pos[:real_tokens] += np.repeat(offsets, qlen)
-        h_pos[real_tokens:] = 0
-        h_slot[:real_tokens] = h_bt[tok_seq, pos // self.block_size] * self.block_size
-        h_slot[:real_tokens] += pos % self.block_size
+        np.take(h_bt[:num_real], block, out=h_slot[:real_tokens])
+        h_slot[:real_tokens] *= self.block_size
+        h_slot[:real_tokens] += offset
         h_slot[real_tokens:] = -1
+        if offsets is not None:
+            pos += np.repeat(offsets, qlen)
+        h_pos = self._host(staging, "positions", num_tokens)
+        h_pos[:real_tokens] = pos
+        h_pos[real_tokens:] = 0
 
         self._copy_to_device(self._offsets["block_tables"] + batch * m)
         return AttentionMetadata(
             seq_lens=self._dev("seq_lens", batch),
             cu_seqlens_q=self._dev("cu_seqlens_q", batch + 1),
-            block_tables=self._dev("block_tables", batch * m).view(batch, m),
+            block_tables=self._dev("block_tables", batch * m),
             slot_mapping=self._dev("slot_mapping", num_tokens),
             positions=self._dev("positions", num_tokens),
             num_seqs=batch,
@@ -175,8 +192,8 @@ class MetadataBuilder:
             q_per_seq=q_per_seq,
         )
 
-    def _parse(self, seq_lens, query_lens, block_tables, pad_to):
-        """Validated host arrays: `(seq_lens, query_lens, blocks per sequence, all block ids)`."""
+    def _parse(self, seq_lens, query_lens, block_tables, num_blocks, pad_to):
+        """Validated host arrays: `(seq_lens, query_lens, block table [B, n], blocks per row)`."""
         seq = np.asarray(seq_lens, dtype=np.int64)
         qlen = np.asarray(query_lens, dtype=np.int64)
         if seq.ndim != 1 or qlen.shape != seq.shape or len(block_tables) != len(seq):
@@ -192,22 +209,41 @@ class MetadataBuilder:
                 f"the batch has {batch} sequences (padding included), more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-        bad = (seq < 0) | (qlen < 0) | (qlen > seq)
+        if isinstance(block_tables, (np.ndarray, torch.Tensor)) and block_tables.ndim == 2:
+            table = np.asarray(block_tables)
+            if num_blocks is None:
+                num_blocks = np.full(len(seq), table.shape[1], dtype=np.int64)
+            num_blocks = np.asarray(num_blocks)
+            if num_blocks.shape != seq.shape:
+                raise ValueError(f"num_blocks must hold one count per sequence, got shape "
+                                 f"{num_blocks.shape} for {len(seq)} sequences")
+        elif num_blocks is not None:
+            raise ValueError("num_blocks goes with a 2-D block_tables array, not ragged lists")
+        else:
+            num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(seq))
+            table = np.zeros((len(seq), int(num_blocks.max(initial=0))), dtype=np.int64)
+            table[np.arange(table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(block_tables), dtype=np.int64,
+                count=int(num_blocks.sum()))
+        # One combined test on the fast path (qlen <= seq with qlen >= 0 implies seq >= 0).
+        if ((qlen < 0) | (qlen > seq) | (num_blocks > self.max_blocks_per_seq)
+                | (seq > num_blocks * self.block_size)).any():
+            self._raise_bad_lengths(seq, qlen, num_blocks)
+        if table.size and (table.min() < 0 or (int(table.max()) + 1) * self.block_size > _INT32_MAX):
+            raise ValueError(
+                "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
+                f"{int(table.min())}..{int(table.max())}"
+            )
+        return seq, qlen, table, num_blocks
+
+    def _raise_bad_lengths(self, seq: np.ndarray, qlen: np.ndarray, num_blocks: np.ndarray):
+        bad = (qlen < 0) | (qlen > seq)
         if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(
                 f"need 0 <= query_lens[b] <= seq_lens[b], got query_lens[{b}]={int(qlen[b])}, "
                 f"seq_lens[{b}]={int(seq[b])}"
             )
-        if isinstance(block_tables, (np.ndarray, torch.Tensor)) and block_tables.ndim == 2:
-            # Fast path, same meaning as a list of equally long rows.
-            table = np.asarray(block_tables, dtype=np.int64)
-            num_blocks = np.full(len(seq), table.shape[1], dtype=np.int64)
-            flat_blocks = table.reshape(-1)
-        else:
-            num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(seq))
-            flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables),
-                                      dtype=np.int64, count=int(num_blocks.sum()))
         too_long = num_blocks > self.max_blocks_per_seq
         if too_long.any():
             b = int(np.argmax(too_long))
@@ -215,20 +251,11 @@ class MetadataBuilder:
                 f"block_tables[{b}] has {int(num_blocks[b])} blocks, more than "
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
-        over = seq > num_blocks * self.block_size
-        if over.any():
-            b = int(np.argmax(over))
-            raise ValueError(
-                f"seq_lens[{b}]={int(seq[b])} exceeds the capacity of block_tables[{b}]: "
-                f"{int(num_blocks[b])} blocks * block_size {self.block_size}"
-            )
-        if flat_blocks.size and (flat_blocks.min() < 0
-                                 or (flat_blocks.max() + 1) * self.block_size > _INT32_MAX):
-            raise ValueError(
-                "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
-                f"{int(flat_blocks.min())}..{int(flat_blocks.max())}"
-            )
-        return seq, qlen, num_blocks, flat_blocks
+        b = int(np.argmax(seq > num_blocks * self.block_size))
+        raise ValueError(
+            f"seq_lens[{b}]={int(seq[b])} exceeds the capacity of block_tables[{b}]: "
+            f"{int(num_blocks[b])} blocks * block_size {self.block_size}"
+        )
 
     @staticmethod
     def _offsets_array(position_offsets, num_seqs: int) -> np.ndarray:
@@ -248,7 +275,10 @@ class MetadataBuilder:
 
     def _copy_to_device(self, n: int) -> None:
         """One host-to-device copy of the staging prefix `[:n]`, then switch staging buffers."""
-        self._device_buf[:n].copy_(self._staging[self._turn][:n], non_blocking=True)
+        if self._device_np is not None:  # a CPU "device": torch's copy_ would use intra-op threads
+            self._device_np[:n] = self._staging_np[self._turn][:n]
+        else:
+            self._device_buf[:n].copy_(self._staging[self._turn][:n], non_blocking=True)
         event = self._copy_done[self._turn]
         if event is not None:
             event.record()

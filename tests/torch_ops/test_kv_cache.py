@@ -1,6 +1,7 @@
 """KV-cache number formats (`torch_ops.quant`), layouts, allocation and block management
 (`torch_ops.kv_cache`)."""
 
+import random
 import pytest
 import torch
 
@@ -604,3 +605,47 @@ def test_block_tables_errors():
     tables.free(0)
     with pytest.raises(KeyError):
         tables.free(0)
+
+
+def test_block_tables_host_arrays_follow_every_change():
+    """The numpy rows the metadata path gathers equal `block_table`/`seq_len`, zero-padded,
+    through growth past the initial capacity, forks, drops and row reuse after `free`."""
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    tables = BlockTables(BlockAllocator(400), block_size=2)
+    live = []
+    for step in range(60):
+        op = rng.random()
+        if op < 0.35 or not live:
+            seq = f"s{step}"
+            tables.add(seq, rng.randint(0, 9))
+            live.append(seq)
+        elif op < 0.5:
+            child = f"f{step}"
+            tables.fork(rng.choice(live), child)
+            live.append(child)
+        elif op < 0.6:
+            seq = live.pop(rng.randrange(len(live)))
+            tables.free(seq)
+        elif op < 0.7:
+            seq = rng.choice(live)
+            if tables.seq_len(seq) >= 4:
+                tables.drop_blocks(seq, 0, 1)
+        else:
+            tables.append(rng.choice(live), rng.randint(0, 20))
+    rows = tables.rows(live)
+    assert len(set(rows.tolist())) == len(live)
+    for seq, row in zip(live, rows):
+        table = tables.block_table(seq)
+        assert tables.array[row].tolist() == table + [0] * (tables.array.shape[1] - len(table))
+        assert (tables.num_blocks[row], tables.lens[row]) == (len(table), tables.seq_len(seq))
+        assert tables.offsets[row] == tables.position_offset(seq)
+    with pytest.raises(KeyError, match="unknown sequence 'nope'"):
+        tables.rows(["nope"])
+
+
+def test_block_tables_drop_blocks_counts_the_offset():
+    tables = BlockTables(BlockAllocator(8), block_size=2)
+    tables.add(0, 7)
+    tables.drop_blocks(0, 1, 2)
+    tables.fork(0, 1)
+    assert tables.position_offset(0) == tables.position_offset(1) == 4

@@ -213,3 +213,24 @@ def test_position_offsets_shift_positions_not_slots():
     assert md.positions.tolist()[:cu[-1]] == shifted and md.slot_mapping.tolist()[:cu[-1]] == slots
     with pytest.raises(ValueError, match="position_offsets must hold 5 ints >= 0"):
         builder().build(seq_lens, query_lens, tables, position_offsets=[1, 2])
+
+
+def test_block_table_array_with_num_blocks():
+    """A zero-padded `[B, n]` array with per-row counts (the serving layer's form, `n` larger
+    or smaller than max_blocks_per_seq) gives the same metadata as ragged lists."""
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 6)
+    counts = [len(t) for t in tables]
+    for width in (max(counts), MAX_BLOCKS + 5):
+        table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+        md = builder().build(seq_lens, query_lens, table, num_blocks=counts, pad_to=8)
+        want = builder().build(seq_lens, query_lens, tables, pad_to=8)
+        for name in ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions"):
+            assert torch.equal(getattr(md, name), getattr(want, name))
+    with pytest.raises(ValueError, match="num_blocks must hold one count per sequence"):
+        builder().build(seq_lens, query_lens, table, num_blocks=counts[:2])
+    with pytest.raises(ValueError, match="num_blocks goes with a 2-D block_tables array"):
+        builder().build(seq_lens, query_lens, tables, num_blocks=counts)
+    too_many = np.zeros((1, MAX_BLOCKS + 1), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"block_tables\[0\] has 13 blocks"):
+        builder().build([4], [1], too_many, num_blocks=[MAX_BLOCKS + 1])

@@ -104,11 +104,11 @@ class AttentionBackend(abc.ABC):
                 pad_to: int | None = None) -> StepMetadata:
         """Metadata of one step for the sequences `seq_ids`, each with `query_lens[i]` new
         tokens already appended in the cache manager. The new tokens are packed in this order."""
-        kv = self.kv
-        offsets = [kv.position_offset(s) for s in seq_ids] if kv.window_left >= 0 else None
-        md = self.builder.build([kv.seq_len(s) for s in seq_ids], query_lens,
-                                [kv.block_table(s) for s in seq_ids], pad_to=pad_to,
-                                position_offsets=offsets)
+        tables = self.kv.tables
+        rows = tables.rows(seq_ids)
+        md = self.builder.build(tables.lens[rows], query_lens, tables.array[rows],
+                                num_blocks=tables.num_blocks[rows], pad_to=pad_to,
+                                position_offsets=tables.offsets[rows] if self.kv.window_left >= 0 else None)
         return self.step_metadata(md)
 
     def step_metadata(self, md: AttentionMetadata) -> StepMetadata:

@@ -82,7 +82,6 @@ class KVCacheManager:
         self.sink_tokens = sink_tokens
         self.cos_sin_cache = cos_sin_cache
         self.rope_neox = rope_neox
-        self._offsets: dict = {}
         self._tokens: dict = {}       # seq -> token ids written so far (prefix caching)
         self._hashes: dict = {}       # seq -> hash of each of its full blocks
         self._prefix = collections.OrderedDict()  # hash -> block, least recently used first
@@ -107,7 +106,6 @@ class KVCacheManager:
                 hashes.append(h)
         cached = len(shared) * self.block_size
         self.tables.add(seq_id, cached, shared_blocks=shared)
-        self._offsets[seq_id] = 0
         self._tokens[seq_id] = list(prompt[:cached])
         self._hashes[seq_id] = hashes
         return cached
@@ -131,13 +129,12 @@ class KVCacheManager:
         """`child_id` continues `parent_id` (parallel sampling, beam search): all blocks
         shared, copied on the first write into a shared one."""
         self.tables.fork(parent_id, child_id)
-        self._offsets[child_id] = self._offsets[parent_id]
         self._tokens[child_id] = list(self._tokens[parent_id])
         self._hashes[child_id] = list(self._hashes[parent_id])
 
     def free(self, seq_id) -> None:
         self.tables.free(seq_id)
-        del self._offsets[seq_id], self._tokens[seq_id], self._hashes[seq_id]
+        del self._tokens[seq_id], self._hashes[seq_id]
 
     def seq_len(self, seq_id) -> int:
         """Tokens in the cache (dropped window tokens excluded)."""
@@ -148,7 +145,7 @@ class KVCacheManager:
 
     def position_offset(self, seq_id) -> int:
         """Tokens dropped from the window: absolute position = position in the cache + this."""
-        return self._offsets[seq_id]
+        return self.tables.position_offset(seq_id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -200,7 +197,6 @@ class KVCacheManager:
         if n <= 0:
             return
         self.tables.drop_blocks(seq_id, sink_blocks, n)
-        self._offsets[seq_id] += n * bs
         if self.sink_tokens and self.cos_sin_cache is not None:
             self.tables.make_writable(seq_id, range(sink_blocks))
             self._sink_shifts.append((self.tables.slots(seq_id, 0, self.sink_tokens), n * bs))

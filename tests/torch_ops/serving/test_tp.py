@@ -1,7 +1,12 @@
 """Tensor parallelism: 2 gloo processes on CPU, heads and MLP columns sharded; greedy outputs
-equal the single-process engine's, and bad sizes are rejected."""
+equal the single-process engine's (also through examples/serve_tp.py), and bad sizes are
+rejected."""
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,3 +49,14 @@ def test_two_rank_greedy_equals_single_process():
 def test_sizes_must_divide():
     with pytest.raises(ValueError, match="num_kv_heads=2 must be divisible by the tensor-parallel size 4"):
         check_divisible(CONFIG, 4)
+
+
+def test_serve_tp_example_on_cpu():
+    """examples/serve_tp.py spawns 2 gloo processes and checks itself against 1 process."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "examples/serve_tp.py", "--nproc", "2", "--num-requests", "6"],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "2 ranks (gloo)" in result.stdout
+    assert "6/6 requests have the same greedy output as the single-device run" in result.stdout
