@@ -45,7 +45,8 @@ NAME = "rope_fusion"
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "contiguous"}
 _ELEMENTWISE = _CASTS | {"cos", "sin", "neg", "clone"}
 _SCALAR_OPS = {"mul", "div", "add", "sub", "rmul", "radd", "rsub", "rtruediv"}
-_PAGED_ATTENTION = (torch.ops.attn.paged_decode, torch.ops.attn.paged_prefill)
+_PAGED_ATTENTION = (torch.ops.attn.paged_decode, torch.ops.attn.paged_decode.default,
+                    torch.ops.attn.paged_prefill, torch.ops.attn.paged_prefill.default)
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ def apply(graph: fx.Graph) -> int:
             if node.target is context_attention_bhsd and node.kwargs.get("cos") is None:
                 fused += _into_context_attention(graph, node)
             elif node.target in (torch.ops.attn.kv_cache_write, torch.ops.attn.kv_cache_write.default) \
-                    and _arg(node, 7, "positions") is None:
+                    and node.kwargs.get("positions") is None:
                 fused += _into_kv_cache_write(graph, node)
         except Decline as reason:
             declined(log, NAME, node, reason)

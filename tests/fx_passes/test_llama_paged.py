@@ -8,11 +8,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import expecttest
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
+from fx_passes import PassManager
 
 _spec = importlib.util.spec_from_file_location(
     "llama_paged", Path(__file__).resolve().parents[2] / "examples" / "llama_paged.py")
@@ -63,3 +65,41 @@ def test_decode_steps_after_a_prefill(model, device):
             new = [[t] for t in torch.randint(0, CONFIG.vocab, (3,)).tolist()]
     assert counters["stats"]["unique_graphs"] == 2     # prefill and decode
     assert counters["attn"]["rope_query_into_kv_cache_write"] == 2 * CONFIG.layers
+
+
+def attn_calls(graph) -> str:
+    """The `attn` ops of a graph, one per line, with what feeds their query and RoPE arguments."""
+    lines = []
+    for node in graph.nodes:
+        if str(node.target).startswith("attn."):
+            query = node.kwargs.get("query") if "kv_cache_write" in str(node.target) else node.args[0]
+            feeds = ""
+            if query is not None:
+                feeds = f" query<-{query.target if isinstance(query.target, str) else query.target.__name__}"
+            table = node.kwargs.get("cos_sin_cache")
+            rope = f" rope={'neox' if node.kwargs['rope_neox'] else 'gptj'}/{table.meta['example_value'].shape[1]}" \
+                if table is not None else ""
+            lines.append(f"{node.target}{rope}{feeds}")
+    return "\n".join(lines)
+
+
+class TestRewrittenGraph(expecttest.TestCase):
+    def test_op_sequence(self):
+        """Per layer: one cache write that rotates the key and the query, then the paged
+        attention reading the rotated query it returned."""
+        graphs = []
+
+        def backend(gm, example_inputs):
+            PassManager()(gm.graph)
+            graphs.append(attn_calls(gm.graph))
+            return gm.forward
+
+        model = llama_paged.Llama(CONFIG).to(torch.bfloat16).eval()
+        server = llama_paged.Server(model, "cpu", num_blocks=16, block_size=4)
+        with torch.no_grad(), torch._dynamo.config.patch(**DYNAMO_CONFIG):
+            server.step(random_prompts((5, 3)), torch.compile(model, backend=backend, fullgraph=True, dynamic=True))
+        self.assertExpectedInline(graphs[-1], """\
+attn.kv_cache_write rope=neox/16 query<-view
+attn.paged_prefill query<-kv_cache_write
+attn.kv_cache_write rope=neox/16 query<-view
+attn.paged_prefill query<-kv_cache_write""")
