@@ -10,6 +10,11 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   sequence by a binary search over `cu_q[b] // TOK + b` (no prologue kernel, no host sync: CUDA-
   graph safe); programs past their sequence's last tile exit at once. Slots run heaviest first
   (the last tile of a causal sequence sees the most keys), the KV heads fastest.
+- **Short sequences get their own launch.** In a mixed batch a decode fills 1 x group rows of a
+  128-row tile and pays for all of them over its whole context. So a batch of several sequences
+  launches twice: the work list skips sequences of at most `SHORT_BLOCK_M // group` tokens, and a
+  second grid of one program per (sequence, KV head) serves exactly those with 16-row tiles.
+  Which launch takes a sequence is decided on the device; both grids come from shapes.
 - **GQA: the group's query heads are packed into M.** Row `m` of a BLOCK_M tile is token
   `m // HPT`, head `m % HPT` of the KV head's group (HPT = min(group, BLOCK_M) heads per tile,
   TOK = BLOCK_M // HPT tokens). Each K/V tile is read once per group instead of once per query
@@ -62,6 +67,7 @@ from . import interpreting
 from .interpreter import round_to_bf16, round_to_fp8
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
 LAST_KERNEL = None
 
 MAX_HEAD_DIM = 256
@@ -241,7 +247,7 @@ def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,
     QScale, KScale, VScale, Alibi, Sinks, OutScale,
-    qk_scale, softcap2, window_left, sink_tokens, num_seqs,
+    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btp,
@@ -254,19 +260,29 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SHORT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // HPT
     HEAD_PROGS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
     pid = tl.program_id(0)
-    slot = tl.num_programs(0) // HEAD_PROGS - 1 - pid // HEAD_PROGS   # heaviest tiles first
     kh = (pid % HEAD_PROGS) // HEAD_CHUNKS
     chunk = pid % HEAD_CHUNKS
-
-    b = _find_sequence(CuQ, num_seqs, slot, TOK)
+    if SHORT:   # one program per (sequence, head): only sequences of at most TOK tokens
+        b = pid // HEAD_PROGS
+        slot = b   # unused
+    else:
+        slot = tl.num_programs(0) // HEAD_PROGS - 1 - pid // HEAD_PROGS   # heaviest tiles first
+        b = _find_sequence(CuQ, num_seqs, slot, TOK)
     q_start = tl.load(CuQ + b).to(tl.int32)
     q_len = tl.load(CuQ + b + 1).to(tl.int32) - q_start
-    tok0 = (slot - (q_start // TOK + b)) * TOK
+    if SHORT:
+        tok0 = q_len * 0
+        if q_len > TOK:
+            return
+    else:
+        tok0 = (slot - (q_start // TOK + b)) * TOK
+        if q_len <= short_tokens:   # served by the short launch (short_tokens = 0: none)
+            return
     if tok0 >= q_len:
         return
     if PAGED:   # KvLens: seq_lens [B]
@@ -483,10 +499,9 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
     cfg = config(d, op_dtype, causal, paged, -(-t // num_seqs) * group, group_scaled=kv_fmt >= 3)
-    block_m = cfg["BLOCK_M"]
-    hpt = min(group, block_m)
-    head_chunks = -(-group // hpt)
-    grid = ((t // (block_m // hpt) + num_seqs) * hkv * head_chunks,)
+    short_cfg = None
+    if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
+        short_cfg = {**cfg, "BLOCK_M": SHORT_BLOCK_M, "num_warps": 4}
 
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
     qk_scale = scale_eff / softcap if softcap > 0 else scale_eff * LOG2E
@@ -525,14 +540,14 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         out_scale if out_scale is not None else dummy,
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
+        SHORT_BLOCK_M // group if short_cfg else 0,
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         stride_qs, stride_ks, *group_strides,
     )
     constants = dict(
-        GROUP=group, HPT=hpt, HEAD_CHUNKS=head_chunks, NUM_KV_HEADS=hkv,
-        HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), BLOCK_M=block_m,
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)),
         PAGED=paged, PAGE=page,
         Q_FP8=q_fp8, KV_FMT=kv_fmt, QGROUP=qgroup,
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
@@ -540,18 +555,32 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
         ROUND_P_BF16=round_p_bf16, INTERPRET=interpret,
     )
+    _launch(args, constants, cfg, t, num_seqs, hkv, short=False, device=query.device)
+    if short_cfg:
+        _launch(args, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device)
+
+
+def _launch(args, constants, cfg, t, num_seqs, hkv, *, short, device) -> None:
+    """One launch of the kernel with tile config `cfg`: over the work list (`short=False`), or one
+    program per sequence and head for the sequences that fit one tile (`short=True`)."""
+    block_m = cfg["BLOCK_M"]
+    hpt = min(constants["GROUP"], block_m)
+    head_chunks = -(-constants["GROUP"] // hpt)
+    slots = num_seqs if short else t // (block_m // hpt) + num_seqs
+    constants = dict(constants, HPT=hpt, HEAD_CHUNKS=head_chunks, BLOCK_M=block_m, SHORT=short)
     requested = cfg
     if _FITTED:
-        cfg = _FITTED.get(_launch_key(constants, requested, query.device), cfg)
+        cfg = _FITTED.get(_launch_key(constants, requested, device), cfg)
     global LAST_KERNEL
     while True:
         try:
-            LAST_KERNEL = _prefill_kernel[grid](
-                *args, **constants, BLOCK_N=cfg["BLOCK_N"], ONE_PAGE=paged and page % cfg["BLOCK_N"] == 0,
+            LAST_KERNEL = _prefill_kernel[(slots * hkv * head_chunks,)](
+                *args, **constants, BLOCK_N=cfg["BLOCK_N"],
+                ONE_PAGE=constants["PAGED"] and constants["PAGE"] % cfg["BLOCK_N"] == 0,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             return
         except OutOfResources:
             cfg = _smaller(cfg)
             if cfg is None:
                 raise
-            _FITTED[_launch_key(constants, requested, query.device)] = cfg
+            _FITTED[_launch_key(constants, requested, device)] = cfg
