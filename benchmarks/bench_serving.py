@@ -47,7 +47,7 @@ def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, s
     """
     rng = np.random.default_rng(num_seqs)
     chunk = {"decode": 1, "prefill": 4096 // num_seqs, "mixed": 4096 // num_seqs}[kind]
-    max_blocks = (2 * context + chunk) // block_size
+    max_blocks = (context + chunk) // block_size + 1  # a model length of context + chunk
     query_lens = [1 if kind == "mixed" and i % 2 else chunk for i in range(num_seqs)]
     num_tokens = sum(query_lens)
     kv = KVCacheManager(1, num_seqs * max_blocks + 1, block_size, 1, 8, torch.float16, device=device)

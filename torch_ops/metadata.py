@@ -132,7 +132,8 @@ class MetadataBuilder:
         num_real = len(seq)
         offsets = None if position_offsets is None else self._offsets_array(position_offsets, num_real)
         # Uniform batches keep query rows in padding sequences (see the docstring).
-        q_per_seq = int(qlen[0]) if num_real and qlen[0] > 0 and (qlen == qlen[0]).all() else 0
+        max_query_len = int(qlen.max(initial=0))
+        q_per_seq = max_query_len if num_real and qlen.min() == max_query_len else 0
         batch = num_real if pad_to is None else pad_to
         real_tokens = int(qlen.sum())
         num_tokens = real_tokens + (batch - num_real) * q_per_seq
@@ -148,18 +149,18 @@ class MetadataBuilder:
 
         h_seq = self._host(staging, "seq_lens", batch)
         h_seq[:num_real] = seq
-        h_seq[num_real:] = 0
-
         h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
         h_cu[0] = 0
         np.cumsum(qlen, out=h_cu[1:num_real + 1])
-        h_cu[num_real + 1:] = real_tokens + q_per_seq * np.arange(1, batch - num_real + 1)
-
         h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
         width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
         h_bt[:num_real, :width] = table[:, :width]
-        h_bt[:num_real, width:] = 0
-        h_bt[num_real:] = 0
+        if width < m:
+            h_bt[:num_real, width:] = 0
+        if batch > num_real:
+            h_seq[num_real:] = 0
+            h_cu[num_real + 1:] = real_tokens + q_per_seq * np.arange(1, batch - num_real + 1)
+            h_bt[num_real:] = 0
 
         # Token t of the real batch: sequence tok_seq[t] at position pos[t] (within the cache).
         tok_seq = np.repeat(np.arange(num_real), qlen)
@@ -171,12 +172,13 @@ class MetadataBuilder:
         np.take(h_bt[:num_real], block, out=h_slot[:real_tokens])
         h_slot[:real_tokens] *= self.block_size
         h_slot[:real_tokens] += offset
-        h_slot[real_tokens:] = -1
         if offsets is not None:
             pos += np.repeat(offsets, qlen)
         h_pos = self._host(staging, "positions", num_tokens)
         h_pos[:real_tokens] = pos
-        h_pos[real_tokens:] = 0
+        if num_tokens > real_tokens:
+            h_slot[real_tokens:] = -1
+            h_pos[real_tokens:] = 0
 
         self._copy_to_device(self._offsets["block_tables"] + batch * m)
         return AttentionMetadata(
@@ -187,7 +189,7 @@ class MetadataBuilder:
             positions=self._dev("positions", num_tokens),
             num_seqs=batch,
             num_tokens=num_tokens,
-            max_query_len=int(qlen.max(initial=0)),
+            max_query_len=max_query_len,
             max_seq_len=int(seq.max(initial=0)),
             q_per_seq=q_per_seq,
         )

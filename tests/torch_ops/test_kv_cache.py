@@ -2,6 +2,7 @@
 (`torch_ops.kv_cache`)."""
 
 import random
+
 import pytest
 import torch
 
