@@ -23,8 +23,9 @@ def fresh_rng():
 def lockstep(backend, rng, *, device, steps_min=0, dtype=torch.bfloat16, **kw):
     """Run the reference engine and a `backend` engine on the same requests and arrivals, step
     by step. Every step's logits must agree within bf16 tolerance and the sampled tokens must be
-    equal except after a near tie (top-2 margin within twice the logit difference), where the
-    comparison stops because the sequences diverge. Returns the number of steps compared."""
+    equal except after a near tie (top-2 margin within twice the logit difference); there the
+    backend engine is given the reference's token (teacher forcing), so both keep serving the
+    same sequences. Returns the number of steps compared."""
     engines = [build_engine(b, dtype=dtype, device=device, **kw.get(b, {}), **kw["common"])
                for b in ("vanilla", backend)]
     requests = random_requests(rng, kw.get("num_requests", 6), CONFIG.vocab_size, max_prompt=12, max_new=6)
@@ -47,8 +48,8 @@ def lockstep(backend, rng, *, device, steps_min=0, dtype=torch.bfloat16, **kw):
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
         same = ref.argmax(-1) == got.argmax(-1)
         assert bool((same | ~clear).all()), f"step {step}: a clear argmax differs"
-        if not bool(same.all()):
-            break
+        for ref_req, req in zip(*copies):
+            req.output[:] = ref_req.output
     assert step >= steps_min
     return step
 
@@ -86,8 +87,7 @@ def test_cuda_graph_decode_steps_equal_eager_calls():
 
     generate(engine, requests, arrivals)
     assert len(replays) >= 100 and len(set(replays)) > 1
-    # fp16: bf16's coarser logits make near ties (where the comparison must stop) frequent
-    lockstep("triton", rng, device="cuda", steps_min=20, dtype=torch.float16, num_requests=16, spread=30,
+    lockstep("triton", rng, device="cuda", steps_min=20, num_requests=16, spread=30,
              common=dict(max_num_tokens=32, num_blocks=256),
              triton=dict(graph_buckets=(1, 2, 4, 8)))
 
