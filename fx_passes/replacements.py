@@ -20,12 +20,13 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple, neox: bool) 
     return positions, table
 
 
-def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, out_scale=None,
-                           cos=None, sin=None, rope_neox: bool = True):
+def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
+                           out_scale=None, cos=None, sin=None, rope_neox: bool = True):
     """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
     `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
 
-    `out_scale` (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin`
+    `q_factor` (a symbolic number): the query is multiplied by it first (a scale known only at
+    run time; the op's `scale` is a float). `out_scale` (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin`
     (broadcastable to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated
     (RoPE, partial when R < D) inside the op."""
     b, hq, sq, d = query.shape
@@ -37,6 +38,8 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     def cu_seqlens(s):
         return torch.arange(b + 1, dtype=torch.int32, device=query.device) * s
 
+    if q_factor is not None:
+        query = query * q_factor
     rope = {}
     if cos is not None:
         positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)

@@ -18,12 +18,15 @@ un-repeated: GQA. The rewrite packs `[B, H, S, D]` to `[B*S, H, D]` with
 `cu_seqlens = arange(B + 1) * S` and returns a `[B, H, S, D]` view of the packed output (the
 layout flash SDPA returns on CUDA).
 
+Scales that are not constants (`/ math.sqrt(q.size(-1))` under `dynamic=True` is symbolic, and
+`dynamic=True` lifts float module attributes such as Hugging Face's `scaling` to graph inputs,
+read with `.item()`) multiply the query instead (`q_factor`; RoPE, which the op may apply, is
+linear, so scaling before it is the same), and the op's `scale` keeps the constant part.
+
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
 other mask (padding, sliding window, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
 attention that autograd records (the op has no autograd formula: compile under no_grad),
-q/k/v head dims that differ, non-constant scales (`/ math.sqrt(q.size(-1))` under
-`dynamic=True` is symbolic, as are float module attributes that `dynamic=True` lifts to graph
-inputs), attention weights used elsewhere, and causal attention unless
+q/k/v head dims that differ, attention weights used elsewhere, and causal attention unless
 Sq == Sk is guaranteed: SDPA's `is_causal` (and a `triu` mask) is aligned top-left, the op's
 causal mask bottom-right.
 
@@ -40,13 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 
 import torch
 import torch.fx as fx
 
 from . import index_mask
 from .replacements import context_attention_bhsd
-from .torch_ir import Call, Decline, call, declined, erase_unused, is_tensor, known_equal, value
+from .torch_ir import Call, Decline, call, declined, erase_unused, insert_call, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class Attention:
     causal: bool
     scale: float | None
     nodes: list[fx.Node]
+    q_factors: list[tuple[fx.Node, bool]] = dataclasses.field(default_factory=list)  # (factor, divides)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -109,10 +114,13 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
             raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
                           "(only is_causal and a bool mask provably equal to k <= q are served)")
         causal = True
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise Decline("scale is not a constant")
+    factors = []
+    if _is_scalar_node(scale):
+        factors, scale = [(scale, False)], 1.0
+    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise Decline(f"scale {scale} is not a number")
     return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
-                      scale=None if scale is None else float(scale), nodes=[node, *mask_nodes])
+                      scale=None if scale is None else float(scale), nodes=[node, *mask_nodes], q_factors=factors)
 
 
 def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
@@ -128,7 +136,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     chain.append(x)
     if cx.arg(1, "dim") not in (-1, 3):
         raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
-    scale, causal, mask_nodes = 1.0, False, []
+    scale, causal, mask_nodes, factors = 1.0, False, [], []
     x = cx.input
     while (cx := call(x)) is not None and cx.name != "matmul":
         chain.append(x)
@@ -136,7 +144,10 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
             x = cx.input
         elif cx.name in ("mul", "div"):
             x, factor = _scaling(cx)
-            scale = scale * factor if cx.name == "mul" else scale / factor
+            if isinstance(factor, fx.Node):
+                factors.append((factor, cx.name == "div"))
+            else:
+                scale = scale * factor if cx.name == "mul" else scale / factor
         elif cx.name == "masked_fill" and not causal:
             x, causal = _causal_fill(cx, mask_nodes), True
         elif cx.name == "add" and not causal:
@@ -154,13 +165,13 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         raise Decline(f"scale {scale} is not positive")
     kt = cx.arg(1, "other")
     return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
-                      nodes=[node, *chain, kt, *mask_nodes])
+                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors)
 
 
 _MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
 
 
-def _attention(node, q, k, v, *, causal, scale, nodes) -> Attention:
+def _attention(node, q, k, v, *, causal, scale, nodes, q_factors) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -185,25 +196,33 @@ def _attention(node, q, k, v, *, causal, scale, nodes) -> Attention:
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
         raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
                       "aligns the mask top-left, context_attention bottom-right")
-    return Attention(node, q, k, v, causal, scale, nodes)
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
     """The replacement's output on the example values; the op's own checks run here."""
     a = attention
     args = (value(a.query), value(a.key), value(a.value))
+    factor = None
+    for node, divides in a.q_factors:
+        term = 1.0 / value(node) if divides else value(node)
+        factor = term if factor is None else factor * term
     try:
         with args[0].fake_mode:
-            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale)
+            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor)
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
 
 def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
     a = attention
+    factor = None
+    for node, divides in a.q_factors:
+        term = insert_call(graph, a.node, operator.truediv, (1.0, node)) if divides else node
+        factor = term if factor is None else insert_call(graph, a.node, operator.mul, (factor, term))
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
-                                  {"causal": a.causal, "scale": a.scale})
+                                  {"causal": a.causal, "scale": a.scale, "q_factor": factor})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example
     a.node.replace_all_uses_with(new)
@@ -222,14 +241,23 @@ def _check_eval_dropout(c: Call) -> None:
         raise Decline(f"dropout (p={p}, training={training}) on the attention probabilities")
 
 
-def _scaling(c: Call) -> tuple[fx.Node, float]:
-    """(scores, factor) of `scores * factor`, `factor * scores` or `scores / factor`."""
+def _scaling(c: Call) -> tuple[fx.Node, float | fx.Node]:
+    """(scores, factor) of `scores * factor`, `factor * scores` or `scores / factor`; the factor
+    is a number or a node of a symbolic number."""
     a, b = c.input, c.arg(1, "other")
     if c.name == "mul" and not is_tensor(a):
         a, b = b, a
+    if _is_scalar_node(b) and c.kwargs.get("rounding_mode") is None:
+        return a, b
     if c.kwargs.get("rounding_mode") is not None or isinstance(b, bool) or not isinstance(b, (int, float)):
-        raise Decline(f"scores {c.name} by {getattr(b, 'name', b)}, not by a constant")
+        raise Decline(f"scores {c.name} by {getattr(b, 'name', b)}, not by a number")
     return a, float(b)
+
+
+def _is_scalar_node(x) -> bool:
+    """A node computing a (symbolic) Python number, e.g. `t.item()` of a lifted float attribute."""
+    return isinstance(x, fx.Node) and isinstance(value(x), (torch.SymFloat, torch.SymInt, float, int)) \
+        and not isinstance(value(x), bool)
 
 
 def _causal_fill(c: Call, nodes: list) -> fx.Node:

@@ -298,3 +298,34 @@ def test_cuda_half_precision(spelling):
     assert counters["attn"]["sdpa_to_attn_matched"] == 1
     assert OP in code
     check_close(model, (x,), out)
+
+
+class ScaledByAttribute(torch.nn.Module):
+    """A float attribute as the scale: `dynamic=True` lifts it to a graph input (read by `.item()`)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling, self.scaling = spelling, 0.3
+
+    def forward(self, q, k, v):
+        if self.spelling == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scaling, dim=-1) @ v
+
+
+@pytest.mark.parametrize("spelling", ["sdpa", "matmul"])
+def test_symbolic_scale_multiplies_the_query(spelling):
+    model = ScaledByAttribute(spelling)
+    factors = []
+
+    def backend(gm, example_inputs):
+        assert sdpa_to_attn.apply(gm.graph) == 1
+        gm.recompile()
+        factors.extend(n.kwargs["q_factor"] for n in gm.graph.nodes if n.target is context_attention_bhsd)
+        return gm.forward
+
+    inputs = qkv()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*inputs)
+    assert len(factors) == 1   # torch 2.13 lifts the attribute (a q_factor); a version that specializes it, not
+    check_close(model, inputs, out)
