@@ -9,6 +9,6 @@ from .cutlass import CutlassBackend
 from .kernels import TritonBackend
 
 register_backend(TritonBackend())
-register_backend(CutlassBackend())  # ahead of Triton for the context_attention calls it serves
+register_backend(CutlassBackend())  # explicit requests only for now (docs/cutlass.md)
 
 __all__ = ["backend_for", "register_backend", "use_backend"]

@@ -325,7 +325,10 @@ class CutlassBackend:
     """`attn::context_attention` through csrc/fmha_sm90.cu (FP8 e4m3 / bf16 / fp16, D 128 and 256)."""
 
     name = "cutlass"
-    auto_devices = ("cuda",)
+    # Explicit requests only (use_backend("cutlass") / ATTN_BACKEND=cutlass): on an H200 the kernels
+    # were right on uniform 8k batches but hit "illegal instruction" on ragged batches
+    # (docs/cutlass.md), which no shape-only reason can exclude. Add "cuda" once that is fixed.
+    auto_devices = ()
 
     def reasons(self, op, args, kwargs):
         if op != "context_attention":

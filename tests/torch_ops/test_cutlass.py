@@ -114,9 +114,10 @@ def _problem(device="cpu", *, dtype=BF16, d=128, tq=5, tk=7, hq=4, hkv=2):
     return q, k, v, cu_q, cu_k
 
 
-def test_backend_is_registered_ahead_of_triton():
+def test_backend_is_registered_for_explicit_requests_only():
     names = torch_ops.backends.backend_names()
     assert names.index("cutlass") < names.index("triton")
+    assert cutlass.CutlassBackend.auto_devices == ()   # until ragged batches pass on the GPU
 
 
 def test_cpu_tensors_are_not_served_and_an_explicit_request_says_why():
@@ -236,7 +237,7 @@ RAGGED = [([300, 0, 17, 129, 64], [300, 0, 700, 129, 0]), ([1000], [1000]), ([5,
 @pytest.mark.parametrize("lens", RAGGED, ids=["ragged", "single", "short-q"])
 def test_fp8_context_attention(d, hq, hkv, causal, per_head, lens):
     problem, scales = fp8_problem("cuda", *lens, hq, hkv, d, per_head)
-    assert torch_ops.backend_for("context_attention", *problem, causal=causal, **scales) == "cutlass"
+    assert cutlass.unsupported(*problem, causal=causal, **scales) == []
     out, lse = run_cutlass(problem, BF16, causal=causal, **scales)
     check(problem, out, lse, fp8_p_baseline(problem, causal=causal, **scales), causal=causal, **scales)
 
