@@ -30,7 +30,7 @@ def rotate_every_two(x):
 
 def neox_tables(positions, rot, scaling=1.0):
     """Hugging Face Llama's rotary embedding: `[B, S, rot]` cos and sin, each half repeated."""
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=positions.device) / rot)
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -38,8 +38,8 @@ def neox_tables(positions, rot, scaling=1.0):
 
 def gptj_tables(positions, rot):
     """GPT-J's: sin/cos `[B, S, rot/2]` gathered from one table, repeated pairwise at use."""
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
-    table = torch.arange(64, dtype=torch.float32)[:, None] * inv_freq
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=positions.device) / rot)
+    table = torch.arange(64, dtype=torch.float32, device=positions.device)[:, None] * inv_freq
     sincos = torch.cat([table.sin(), table.cos()], dim=-1)[positions]
     return torch.split(sincos, rot // 2, dim=-1)
 

@@ -81,7 +81,7 @@ def test_cuda_graph_decode_steps_equal_eager_calls():
     for bucket, (graph, logits, run) in list(engine._graphs.items()):
         engine._graphs[bucket] = (_Checked(graph, logits, run, replays), logits, run)
     rng = fresh_rng()
-    requests = random_requests(rng, 40, CONFIG.vocab_size, max_prompt=12, max_new=24)
+    requests = random_requests(rng, 64, CONFIG.vocab_size, max_prompt=12, max_new=32)
     arrivals = sorted(rng.randint(0, 120) for _ in requests)
     from torch_ops.serving.engine import generate
 
