@@ -130,7 +130,24 @@ def cache_attention_section(data: dict, name: str) -> list[str]:
     return lines + [""]
 
 
-SECTIONS = {"decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
+def e2e_compile_section(data: dict, name: str) -> list[str]:
+    lines = _header(data, "torch.compile end to end (random 1B Llama)", name) + [
+        "Model: {num_hidden_layers} layers, hidden {hidden_size}, {num_attention_heads}/{num_key_value_heads} "
+        "heads of dim {head_dim}, bf16. ".format(**data["model"]) + "`passes` = `torch.compile` after `fx_passes.enable()`; "
+        "`×compile` = stock compile time / this time (> 1: faster); compile time in seconds.", "",
+        "| case | variant | mode | µs | ×compile | compile s | breaks | recompiles | passes |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        passes = ", ".join(f"{k} {v}" for k, v in r.get("passes", {}).items())
+        lines.append(f"| {r['case']} {r['shape']} | {r['variant']} | {r['mode']} | {r['time_us']:.0f} | "
+                     f"{_fmt_ratio(r.get('speedup_vs_compile'))} | "
+                     f"{r['compile_s']:.1f} | " if r.get("compile_s") else
+                     f"| {r['case']} {r['shape']} | {r['variant']} | {r['mode']} | {r['time_us']:.0f} | - | - | ")
+        lines[-1] += f"{r.get('graph_breaks', '-')} | {r.get('recompiles', '-')} | {passes or '-'} |"
+    return lines + [""]
+
+
+SECTIONS = {"e2e_compile": e2e_compile_section, "decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
             "cascade": cascade_section, "cache_attention": cache_attention_section}
 
 
