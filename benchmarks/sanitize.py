@@ -78,7 +78,16 @@ def run_kv_cache_write():
     print("kv_cache_write: ok")
 
 
-OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write}
+def run_merge_states():
+    for t, h, d in ((7, 5, 80), (1, 32, 128)):
+        out_a, out_b = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse_a, lse_b = (torch.randn(t, h, device="cuda") for _ in range(2))
+        torch.ops.attn.merge_states(out_a, lse_a, out_b, lse_b)
+    print("merge_states: ok")
+
+
+OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write,
+       "merge_states": run_merge_states}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
