@@ -5,6 +5,9 @@
 // consumer warpgroups run QK^T -> online softmax -> PV with wgmma. What this file adds:
 //   * varlen: TMA coordinates offset by cu_seqlens (domain_offset), so one descriptor covers
 //     the packed tensor; keys past a sequence's end are masked, query rows past it not stored;
+//     FP8 V is read transposed (tokens innermost), where TMA traps on a box start that is not
+//     16-byte aligned: a sequence's key tiles then start at its first key rounded down to 16
+//     and the keys before it are masked (the "key offset");
 //   * a tile scheduler over "virtual" tiles (floor(cu_q[b] / M) + b), found by binary search
 //     on cu_seqlens_q: no host sync, no pre-pass, CUDA-graph safe;
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
@@ -64,20 +67,26 @@ using TileShape = std::conditional_t<kHeadDim == 128,
 using StrideQK = cute::tuple<int, _1, cute::tuple<int, int>>;
 using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, int>>, StrideQK>;
 
-// Problem shape of one sequence as the mainloop sees it: (1, Hq, Lq, Lk, D, causal).
-using SeqShape = cute::tuple<int, int, int, int, int, int>;
+// Keys of a sequence are read from its first key rounded down to this many (see the header).
+constexpr int kKeyAlign = kFp8 ? 16 : 1;
 
-// Which key tiles a CTA visits and which logits are masked: keys past the sequence's Lk, and
-// (causal) keys after the query's position Lk - Lq + i. Trip counts are per CTA (both consumer
-// warpgroups consume the same K/V tiles); the masked tiles come last. At least one tile is
-// visited so that a row with nothing to attend to ends with sum 0 (out 0, lse -inf).
+// Problem shape of one sequence as the mainloop sees it: (1, Hq, Lq, Lk, D, causal, key offset);
+// key tile positions count from the sequence's first key minus the key offset.
+using SeqShape = cute::tuple<int, int, int, int, int, int, int>;
+
+// Which key tiles a CTA visits and which logits are masked: the key offset's leading keys, keys
+// past the sequence's Lk, and (causal) keys after the query's position Lk - Lq + i. Trip counts
+// are per CTA (both consumer warpgroups consume the same K/V tiles). The mainloop always masks
+// its first tile and then runs the unmasked tiles before the masked ones, so the key offset
+// (< 16 keys, inside tile 0) never needs a masked tile of its own. At least one tile is visited
+// so that a row with nothing to attend to ends with sum 0 (out 0, lse -inf).
 struct VarlenMask {
   template <class BlkCoord, class Tile>
   CUTLASS_DEVICE int get_trip_count(BlkCoord const& blk, Tile const& tile, SeqShape const& s) {
-    int lq = get<2>(s), lk = get<3>(s), n = get<1>(tile);
-    int tiles = ceil_div(lk, n);
+    int lq = get<2>(s), lk = get<3>(s), off = get<6>(s), n = get<1>(tile);
+    int tiles = ceil_div(lk + off, n);
     if (get<5>(s)) {
-      int keys = (int(get<0>(blk)) + 1) * int(get<0>(tile)) + lk - lq;  // past the CTA's last row's last key
+      int keys = (int(get<0>(blk)) + 1) * int(get<0>(tile)) + lk - lq + off;  // past the CTA's last row's last key
       tiles = min(tiles, ceil_div(max(keys, 0), n));
     }
     return max(tiles, 1);
@@ -85,10 +94,10 @@ struct VarlenMask {
 
   template <class BlkCoord, class Tile>
   CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const& blk, Tile const& tile, SeqShape const& s) {
-    int lq = get<2>(s), lk = get<3>(s), n = get<1>(tile);
-    int full = lk / n;
+    int lq = get<2>(s), lk = get<3>(s), off = get<6>(s), n = get<1>(tile);
+    int full = (lk + off) / n;
     if (get<5>(s)) {  // tiles whose every key is visible to the CTA's first row
-      full = min(full, max(int(get<0>(blk)) * int(get<0>(tile)) + lk - lq + 1, 0) / n);
+      full = min(full, max(int(get<0>(blk)) * int(get<0>(tile)) + lk - lq + off + 1, 0) / n);
     }
     return min(full, get_trip_count(blk, tile, s));
   }
@@ -100,13 +109,13 @@ struct VarlenMask {
 
   template <class AccQK, class IndexQK>
   CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, SeqShape const& s) {
-    int lk = get<3>(s), shift = get<3>(s) - get<2>(s);
+    int lk = get<3>(s), diagonal = get<3>(s) - get<2>(s), off = get<6>(s);
     bool causal = get<5>(s);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i++) {
       auto pos = index(i);
-      int q = get<0>(pos), k = get<1>(pos);
-      if (k >= lk || (causal && k > q + shift)) acc(i) = -INFINITY;
+      int q = get<0>(pos), k = get<1>(pos) - off;
+      if (k < 0 || k >= lk || (causal && k > q + diagonal)) acc(i) = -INFINITY;
     }
   }
 };
@@ -114,8 +123,9 @@ struct VarlenMask {
 using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
     Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask>;
 
+// A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
-  int q0, k0, lq, lk;
+  int q0, k0, lq, lk, off;
 };
 
 // The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
@@ -134,13 +144,13 @@ struct VarlenMainloop : Base {
   template <class BlkCoord>
   CUTLASS_DEVICE static Sequence sequence(BlkCoord const& blk, Params const& p) {
     int b = get<2, 0>(blk);
-    int q0 = p.cu_q[b], k0 = p.cu_k[b];
-    return {q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+    int q0 = p.cu_q[b], k0 = p.cu_k[b], off = k0 % kKeyAlign;
+    return {q0, k0 - off, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0, off};
   }
 
   template <class ProblemShape>
   CUTLASS_DEVICE static SeqShape seq_shape(Sequence const& s, ProblemShape const& problem, Params const& p) {
-    return SeqShape{1, get<1>(problem), s.lq, s.lk, get<4>(problem), p.causal};
+    return SeqShape{1, get<1>(problem), s.lq, s.lk, get<4>(problem), p.causal, s.off};
   }
 
   template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>

@@ -226,15 +226,17 @@ def check(problem, out, lse, baseline_out, **options):
 
 
 # ragged batches: an empty sequence, queries without keys, fewer keys than queries (causal rows
-# that see nothing), lengths off the 128-row / key-tile grid, and one long sequence
-RAGGED = [([300, 0, 17, 129, 64], [300, 0, 700, 129, 0]), ([1000], [1000]), ([5, 200], [3, 1024])]
+# that see nothing), lengths off the 128-row / key-tile grid, one long sequence, and key starts
+# off the 16-key grid (FP8 V is read transposed, where TMA needs 16-byte aligned box starts)
+RAGGED = [([300, 0, 17, 129, 64], [300, 0, 700, 129, 0]), ([1000], [1000]), ([5, 200], [3, 1024]),
+          ([1, 3, 40], [301, 7, 290])]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (256, 4, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("lens", RAGGED, ids=["ragged", "single", "short-q"])
+@pytest.mark.parametrize("lens", RAGGED, ids=["ragged", "single", "short-q", "key-offsets"])
 def test_fp8_context_attention(d, hq, hkv, causal, per_head, lens):
     problem, scales = fp8_problem("cuda", *lens, hq, hkv, d, per_head)
     assert cutlass.unsupported(*problem, causal=causal, **scales) == []

@@ -32,7 +32,7 @@ def lockstep(backend, rng, *, device, steps_min=0, dtype=torch.bfloat16, **kw):
     arrivals = sorted(rng.randint(0, kw.get("spread", 4)) for _ in requests)
     copies = [[type(r)(r.id, list(r.prompt), r.max_new_tokens) for r in requests] for _ in engines]
     step = 0
-    while step == 0 or engines[0].has_work:
+    while step <= arrivals[-1] or engines[0].has_work:
         for engine, reqs in zip(engines, copies):
             for req, arrival in zip(reqs, arrivals):
                 if arrival == step:
