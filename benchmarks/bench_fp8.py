@@ -71,12 +71,12 @@ class Case:
         dtype = E4M3 if fp8 else BF16
         w.plan(self.cu, self.cu, self.heads, self.heads, self.d, causal=self.causal, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=BF16)
-        args = (self.q8, self.k8, self.v8, self.scales["q_scale"], self.scales["k_scale"], self.scales["v_scale"]) \
-            if fp8 else (self.q, self.k, self.v)
+        args = (self.q8, self.k8, self.v8) if fp8 else (self.q, self.k, self.v)
+        scales = self.scales if fp8 else {}   # keywords: run()'s positional *args are custom-kernel arguments
         out = torch.empty(self.q.shape, dtype=BF16, device="cuda")
 
         def fn():
-            w.run(*args, out=out)
+            w.run(*args, out=out, **scales)
         fn()
         return fn, out
 

@@ -48,7 +48,7 @@ KERNELS = {
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
-    "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"),
+    "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "positions": (None, "fused RoPE"),
 }
 
 

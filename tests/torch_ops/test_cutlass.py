@@ -136,6 +136,7 @@ def test_cpu_tensors_are_not_served_and_an_explicit_request_says_why():
     ({"sink_tokens": 4}, "sink tokens"),
     ({"sinks": torch.zeros(4)}, "learned sinks"),
     ({"softcap": 30.0}, "soft-capping"),
+    ({"positions": torch.arange(5), "cos_sin_cache": torch.ones(8, 128)}, "fused RoPE"),
     ({"out_dtype": torch.float32}, "epilogue writes bf16, fp16 or float8_e4m3fn"),
 ])
 def test_unsupported_options_are_named(options, reason):
