@@ -71,12 +71,13 @@ class Case:
         dtype = E4M3 if fp8 else BF16
         w.plan(self.cu, self.cu, self.heads, self.heads, self.d, causal=self.causal, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=BF16)
-        args = (self.q8, self.k8, self.v8) if fp8 else (self.q, self.k, self.v)
-        scales = self.scales if fp8 else {}   # keywords: run()'s positional *args are custom-kernel arguments
+        # fa3 FP8 takes per-head descale tensors [H] positionally (a 0-d tensor is read out of bounds)
+        descales = tuple(self.scales[f"{n}_scale"].expand(self.heads).contiguous() for n in "qkv")
+        args = (self.q8, self.k8, self.v8, *descales) if fp8 else (self.q, self.k, self.v)
         out = torch.empty(self.q.shape, dtype=BF16, device="cuda")
 
         def fn():
-            w.run(*args, out=out, **scales)
+            w.run(*args, out=out)
         fn()
         return fn, out
 
