@@ -114,14 +114,21 @@ class ContextCase:
         pairs = sum(n * n for n in self.lens)
         return 4 * self.heads * self.d * pairs * (0.5 if self.causal else 1.0)
 
-    def ours(self):
+    def ours(self, backend: str | None = None):
+        """Our context_attention on `backend` (None: the automatic choice, CUTLASS on Hopper where
+        it serves the call, else Triton)."""
         import torch_ops
 
         def fn():
-            with torch_ops.use_backend("triton"):
+            with torch_ops.use_backend(backend):
                 torch.ops.attn.context_attention.out(self.q, self.k, self.v, self.cu, self.cu, causal=self.causal,
                                                      out=self.out, lse=self.lse)
         return fn
+
+    def backend(self) -> str:
+        import torch_ops
+
+        return torch_ops.backend_for("context_attention", self.q, self.k, self.v, self.cu, self.cu, causal=self.causal)
 
 
 class PagedCase:
@@ -423,11 +430,14 @@ class Runner:
         row = {"section": "context", "seqlen": seqlen, "d": d, "causal": causal,
                "batch": "ragged" if ragged else "uniform", "num_seqs": len(lens), "heads": HEADS}
         case = ContextCase(lens, d, causal)
-        row["tflop"] = case.flops / 1e12
+        row["tflop"], row["backend"] = case.flops / 1e12, case.backend()
         us = self.ours(row, case.ours(), case.flops, lambda: check_context(case))
         if us is None:
             return row
         peers = self.args.peers
+        if row["backend"] != "triton":
+            row["kernel"] = {"backend": row["backend"]}   # kernel_report() describes Triton kernels only
+            self.peer(row, "ours_triton", lambda: case.ours("triton"), case.flops, us)
         if "flash_sdpa" in peers:
             self.peer(row, "flash_sdpa", lambda: sdpa_fn(case, "FLASH_ATTENTION"), case.flops, us)
         if "cudnn_sdpa" in peers:

@@ -24,6 +24,9 @@ class Backend(Protocol):
     def reasons(self, op: str, args: tuple, kwargs: dict) -> list[str]:
         """Why this backend cannot run `attn::op(*args, **kwargs)`; empty if it can."""
 
+    # Optional: `auto_declines(op, args, kwargs) -> list[str]`, why the automatic choice passes
+    # this backend over for a call it could run (another backend is faster there, measured).
+
     def run(self, op: str, args: tuple, kwargs: dict):
         """Run the op. Attention ops get `out`/`lse` buffers in `kwargs` and fill them."""
 
@@ -75,8 +78,7 @@ def use_backend(name: str | None):
 def select(op: str, args: tuple, kwargs: dict) -> Backend:
     requested = _requested.get() or os.environ.get("ATTN_BACKEND") or None
     if requested is None:
-        device = args[0].device.type
-        return next(b for b in _BACKENDS if device in b.auto_devices and not b.reasons(op, args, kwargs))
+        return next(b for b in _BACKENDS if _automatic(b, op, args, kwargs))
     backend = next((b for b in _BACKENDS if b.name == requested), None)
     if backend is None:
         raise ValueError(f"unknown backend {requested!r} (ATTN_BACKEND or use_backend); available: {backend_names()}")
@@ -84,6 +86,13 @@ def select(op: str, args: tuple, kwargs: dict) -> Backend:
     if why:
         raise ValueError(f"backend {requested!r} cannot run attn::{op}: " + "; ".join(why))
     return backend
+
+
+def _automatic(backend: Backend, op: str, args: tuple, kwargs: dict) -> bool:
+    if args[0].device.type not in backend.auto_devices or backend.reasons(op, args, kwargs):
+        return False
+    declines = getattr(backend, "auto_declines", None)
+    return not (declines and declines(op, args, kwargs))
 
 
 # --- the real implementations registered for the ops -------------------------------------------
