@@ -1,4 +1,5 @@
-"""KV-cache number formats: FP8 with per-tensor/per-head scales, group-wise symmetric INT8/INT4.
+"""KV-cache number formats: FP8 with per-tensor/per-head scales, group-wise symmetric INT8/INT4;
+dynamic FP8 quantization of attention inputs, optionally after a Hadamard rotation of q and k.
 
 Pure PyTorch, device-agnostic. `docs/ops.md` ("KV cache") is the contract these functions
 implement; kernels must agree with them bit for bit on the quantized side.
@@ -7,6 +8,7 @@ implement; kernels must agree with them bit for bit on the quantized side.
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 
@@ -146,3 +148,68 @@ def quantize(
             raise ValueError("an FP8 KV cache needs k_scale/v_scale")
         return quantize_fp8(x, scale, cache_dtype), None
     return quantize_groupwise(x, fmt.bits, group, scale_dtype)
+
+
+def quantize_fp8_amax(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_head: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization of `x [T, H, D]` scaled so that its amax maps to the FP8 max.
+
+    Returns `(x8 [T, H, D], scale)`, `scale` fp32 0-d (or `[H]` with `per_head`): the descale
+    that `context_attention`'s `q_scale`/`k_scale`/`v_scale` take (`x ~= x8 * scale`).
+    An all-zero tensor (or head) gets the smallest normal fp32 scale rather than 0.
+    """
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [T, H, D], got shape {tuple(x.shape)}")
+    amax = x.abs().amax(dim=(0, 2)) if per_head else x.abs().amax()
+    scale = (amax.float() / fp8_max(dtype)).clamp_min(torch.finfo(torch.float32).tiny)
+    return quantize_fp8(x, scale, dtype), scale
+
+
+def _check_power_of_two(d: int, name: str) -> None:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"{name} must be a power of two (Sylvester Hadamard), got {d}")
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / d ** 0.5).to(device, dtype)
+
+
+def hadamard_matrix(d: int, device: torch.device | str | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix `[d, d]` (`d` a power of two), cached per
+    (d, device, dtype): entries `±1/sqrt(d)`, symmetric and orthogonal, so `H @ H = I`."""
+    _check_power_of_two(d, "d")
+    return _hadamard(d, torch.device(device if device is not None else "cpu"), dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., D] @ H [D, D]`, in x's dtype (D a power of two; one matmul, fine for D <= 256).
+
+    Incoherent processing: rotating q and k alike leaves `q @ k^T` unchanged (exact in real
+    arithmetic, as `H @ H^T = I`) while spreading outlier channels over all D, which shrinks
+    amax and the FP8 error of the scores. H is its own inverse: `hadamard_rotate` undoes itself.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    _check_power_of_two(x.shape[-1], "x's last (head) dim")
+    return x @ hadamard_matrix(x.shape[-1], x.device, x.dtype)
+
+
+def quantize_qk_incoherent(
+    q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_head: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate `q [Tq, Hq, D]` and `k [Tk, Hkv, D]` by the same Hadamard matrix, then quantize
+    each as `quantize_fp8_amax` does. Returns `(q8, k8, q_scale, k_scale)` for
+    `context_attention`; the value (and so the output) is not rotated."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    q8, q_scale = quantize_fp8_amax(hadamard_rotate(q), dtype, per_head)
+    k8, k_scale = quantize_fp8_amax(hadamard_rotate(k), dtype, per_head)
+    return q8, k8, q_scale, k_scale
