@@ -5,6 +5,13 @@ Each row times every implementation on the same inputs (CUDA graphs, common.time
 TFLOP/s (4 * sum(Lq * Lk_visible) * H * D), the ratio of each peer's time to ours, and the RMSE
 against an fp32 reference on the same FP8 inputs (heads 0-1, for ours and FlashInfer's FP8).
 
+Accuracy of incoherent processing (docs/cutlass.md, "Incoherent processing"): each row also runs
+every FP8 implementation once on q/k with outlier channels (`add_outlier_channels_`), quantized
+per tensor without and with a Hadamard rotation of q and k (`quant.quantize_qk_incoherent`):
+`<impl>_outlier_rmse` and `<impl>_hadamard_outlier_rmse`, both against the fp32 reference on the
+unquantized bf16 inputs (the whole quantization error, not only the kernel's). `hadamard_us`
+is the rotation of q and k alone (two bf16 matmuls, unfused), per call.
+
     python benchmarks/bench_fp8.py [--quick] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
 """
 
@@ -38,19 +45,41 @@ def lengths(seqlen: int, ragged: bool) -> list[int]:
     return lens
 
 
-class Case:
-    """Random bf16 q/k/v `[T, H, D]`, their per-tensor FP8 quantization, and the FLOP count."""
+def add_outlier_channels_(q: torch.Tensor, k: torch.Tensor, channels: int = 4, factor: float = 30.0,
+                          score_std: float = 3.0) -> None:
+    """Scale the same `channels` random channels per head of q and k `[T, H, D]` by `factor` (as
+    in LLM activations), then q so that the scores' std is about `score_std` (not one-hot)."""
+    heads, d = q.shape[1:]
+    picked = torch.rand(heads, d, device=q.device).argsort(dim=1)[:, :channels]
+    gain = torch.ones(heads, d, device=q.device).scatter_(1, picked, factor)
+    score_var = (d - channels + channels * factor ** 4) / d
+    q.mul_(gain * (score_std / score_var ** 0.5))
+    k.mul_(gain)
 
-    def __init__(self, lens, d, heads, causal):
+
+class Case:
+    """Random bf16 q/k/v `[T, H, D]` (q/k with outlier channels if asked), their per-tensor FP8
+    quantization, and the FLOP count."""
+
+    def __init__(self, lens, d, heads, causal, outliers=False):
         self.lens, self.d, self.heads, self.causal = lens, d, heads, causal
         t = sum(lens)
         self.cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to("cuda", torch.int32)
         self.q, self.k, self.v = (torch.randn(t, heads, d, device="cuda", dtype=BF16) for _ in range(3))
-        self.scales = {f"{n}_scale": (x.abs().amax().float() / 448) for n, x in zip("qkv", (self.q, self.k, self.v))}
-        self.q8, self.k8, self.v8 = (quant.quantize_fp8(x, self.scales[f"{n}_scale"], E4M3)
-                                     for n, x in zip("qkv", (self.q, self.k, self.v)))
+        if outliers:
+            add_outlier_channels_(self.q, self.k)
+        self.quantize(hadamard=False)
         pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
         self.flops = 4 * pairs * heads * d
+
+    def quantize(self, hadamard: bool):
+        """Set `q8/k8/v8` and `scales` (per tensor); with `hadamard`, q and k are rotated first."""
+        if hadamard:
+            self.q8, self.k8, q_scale, k_scale = quant.quantize_qk_incoherent(self.q, self.k)
+        else:
+            (self.q8, q_scale), (self.k8, k_scale) = quant.quantize_fp8_amax(self.q), quant.quantize_fp8_amax(self.k)
+        self.v8, v_scale = quant.quantize_fp8_amax(self.v)
+        self.scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
 
     def ours(self, fp8: bool, backend: str):
         args = (self.q8, self.k8, self.v8) if fp8 else (self.q, self.k, self.v)
@@ -96,11 +125,12 @@ class Case:
         fn()
         return fn, None
 
-    def rmse(self, out: torch.Tensor, heads: int = 2) -> float:
-        """RMSE of `out` (heads 0..heads-1) against the fp32 reference on the dequantized FP8 inputs."""
+    def rmse(self, out: torch.Tensor, heads: int = 2, unquantized: bool = False) -> float:
+        """RMSE of `out` (heads 0..heads-1) against the fp32 reference on the dequantized FP8 inputs,
+        or with `unquantized` on the bf16 inputs before quantization (and rotation)."""
         sl = slice(0, heads)
-        s = self.scales
-        truth, _ = reference.context_attention(self.q8[:, sl], self.k8[:, sl], self.v8[:, sl], self.cu, self.cu,
+        inputs, s = ((self.q, self.k, self.v), {}) if unquantized else ((self.q8, self.k8, self.v8), self.scales)
+        truth, _ = reference.context_attention(*(x[:, sl] for x in inputs), self.cu, self.cu,
                                                causal=self.causal, compute_dtype=torch.float32, **s)
         diff = out[:, sl].float() - truth.float()
         if not torch.isfinite(diff).all():
@@ -128,9 +158,8 @@ def time_us(fn) -> tuple[float, str]:
     return common.time_us([fn], calls=int(max(1, min(20, 40_000 // max(one, 1.0)))), replays=7)
 
 
-def bench_row(case: Case, peers: list[str], label: str) -> dict:
-    row = {"case": label, "d": case.d, "heads": case.heads, "causal": case.causal, "num_seqs": len(case.lens),
-           "max_len": max(case.lens), "tflop": case.flops / 1e12}
+def implementations(case: Case, peers: list[str]) -> dict:
+    """name -> a function that prepares the implementation on `case` and returns `(fn, out)`."""
     impls = {"cutlass_fp8": lambda: case.ours(True, "cutlass"), "cutlass_bf16": lambda: case.ours(False, "cutlass")}
     if "triton" in peers:
         impls.update(triton_fp8=lambda: case.ours(True, "triton"), triton_bf16=lambda: case.ours(False, "triton"))
@@ -138,6 +167,31 @@ def bench_row(case: Case, peers: list[str], label: str) -> dict:
         impls.update(flashinfer_fa3_fp8=lambda: case.flashinfer(True), flashinfer_fa3_bf16=lambda: case.flashinfer(False))
     if "cudnn_sdpa" in peers:
         impls["cudnn_sdpa_bf16"] = case.cudnn
+    return impls
+
+
+def outlier_accuracy(case: Case, peers: list[str]) -> dict:
+    """`<impl>[_hadamard]_outlier_rmse` of every FP8 implementation on `case` (outlier data) without
+    and with the rotation of q and k, and `hadamard_us`, the rotation's time per call."""
+    row = {}
+    fp8 = {name: make for name, make in implementations(case, peers).items() if name.endswith("fp8")}
+    for hadamard in (False, True):
+        case.quantize(hadamard)
+        for name, make in fp8.items():
+            key = f"{name}{'_hadamard' if hadamard else ''}_outlier_rmse"
+            try:
+                row[key] = case.rmse(make()[1], unquantized=True)
+            except Exception as e:  # noqa: BLE001 - recorded like an unavailable peer
+                row[key] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.synchronize()
+    row["hadamard_us"], _ = time_us(lambda: (quant.hadamard_rotate(case.q), quant.hadamard_rotate(case.k)))
+    return row
+
+
+def bench_row(case: Case, outlier_case: Case, peers: list[str], label: str) -> dict:
+    row = {"case": label, "d": case.d, "heads": case.heads, "causal": case.causal, "num_seqs": len(case.lens),
+           "max_len": max(case.lens), "tflop": case.flops / 1e12}
+    impls = implementations(case, peers)
     for name, make in impls.items():
         try:
             fn, out = make()
@@ -154,6 +208,7 @@ def bench_row(case: Case, peers: list[str], label: str) -> dict:
     for name in impls:
         if f"{name}_us" in row and "cutlass_fp8_us" in row and name != "cutlass_fp8":
             row[f"{name}_vs_cutlass_fp8"] = row[f"{name}_us"] / row["cutlass_fp8_us"]
+    row.update(outlier_accuracy(outlier_case, peers))
     return row
 
 
@@ -170,12 +225,15 @@ def main():
         for causal in (False, True):
             for ragged in ((False, True) if seqlen == 8192 and d == 128 else (False,)):
                 label = f"S={seqlen}{' ragged' if ragged else ''} D={d} H={heads}"
-                rows.append(bench_row(Case(lengths(seqlen, ragged), d, heads, causal), peers, label))
+                lens = lengths(seqlen, ragged)
+                rows.append(bench_row(Case(lens, d, heads, causal), Case(lens, d, heads, causal, outliers=True),
+                                      peers, label))
                 r = rows[-1]
                 cells = [f"{k.removesuffix('_tflops')}={r[k]:.0f}" for k in r if k.endswith("_tflops")]
                 rm = [f"{k.removesuffix('_rmse')} rmse={r[k]:.2e}" if isinstance(r[k], float) else f"{k}: {r[k]}"
                       for k in r if k.endswith("_rmse")]
-                print(f"{label:28} causal={causal!s:5} " + " ".join(cells) + " | " + " ".join(rm), flush=True)
+                print(f"{label:28} causal={causal!s:5} " + " ".join(cells) + " | " + " ".join(rm)
+                      + f" | hadamard_us={r['hadamard_us']:.1f}", flush=True)
                 for k in r:
                     if isinstance(r[k], str) and r[k].startswith("unavailable"):
                         print(f"   {k}: {r[k]}", flush=True)
