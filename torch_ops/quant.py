@@ -196,8 +196,8 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     arithmetic, as `H @ H^T = I`) while spreading outlier channels over all D, which shrinks
     amax and the FP8 error of the scores. H is its own inverse: `hadamard_rotate` undoes itself.
     """
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.dtype not in (*FLOAT_DTYPES, torch.float64):
+        raise TypeError(f"x must be fp16/bf16/fp32/fp64 (rotate before quantizing), got {x.dtype}")
     _check_power_of_two(x.shape[-1], "x's last (head) dim")
     return x @ hadamard_matrix(x.shape[-1], x.device, x.dtype)
 

@@ -112,8 +112,9 @@ def test_bad_inputs_name_the_argument():
         quant.hadamard_matrix(0)
     with pytest.raises(ValueError, match="x's last \\(head\\) dim must be a power of two.*80"):
         quant.hadamard_rotate(torch.randn(2, 80))
-    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
-        quant.hadamard_rotate(torch.ones(2, 64, dtype=torch.int32))
+    for dtype in (torch.int32, E4M3):
+        with pytest.raises(TypeError, match="x must be fp16/bf16/fp32/fp64"):
+            quant.hadamard_rotate(torch.ones(2, 64).to(dtype))
     with pytest.raises(ValueError, match="q and k must share the head dim"):
         quant.quantize_qk_incoherent(torch.randn(2, 1, 64), torch.randn(2, 1, 128))
     with pytest.raises(ValueError, match="x must be \\[T, H, D\\]"):
