@@ -208,6 +208,9 @@ def quantize_qk_incoherent(
     """Rotate `q [Tq, Hq, D]` and `k [Tk, Hkv, D]` by the same Hadamard matrix, then quantize
     each as `quantize_fp8_amax` does. Returns `(q8, k8, q_scale, k_scale)` for
     `context_attention`; the value (and so the output) is not rotated."""
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [T, H, D], got shape {tuple(x.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the head dim, got {q.shape[-1]} and {k.shape[-1]}")
     q8, q_scale = quantize_fp8_amax(hadamard_rotate(q), dtype, per_head)

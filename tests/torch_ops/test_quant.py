@@ -117,7 +117,9 @@ def test_bad_inputs_name_the_argument():
             quant.hadamard_rotate(torch.ones(2, 64).to(dtype))
     with pytest.raises(ValueError, match="q and k must share the head dim"):
         quant.quantize_qk_incoherent(torch.randn(2, 1, 64), torch.randn(2, 1, 128))
+    with pytest.raises(ValueError, match="k must be \\[T, H, D\\]"):
+        quant.quantize_qk_incoherent(torch.randn(2, 1, 64), torch.randn(2, 64))
     with pytest.raises(ValueError, match="x must be \\[T, H, D\\]"):
-        quant.quantize_qk_incoherent(torch.randn(2, 64), torch.randn(2, 64))
+        quant.quantize_fp8_amax(torch.randn(2, 64))
     with pytest.raises(TypeError, match="dtype must be one of"):
         quant.quantize_fp8_amax(torch.randn(2, 1, 64), dtype=torch.int8)
