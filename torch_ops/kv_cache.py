@@ -297,7 +297,8 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Block ids `0..num_blocks-1`: a free list and reference counts (host only)."""
+    """Block ids `0..num_blocks-1`: a free stack and reference counts (host numpy arrays, so
+    that a serving step allocates for a whole batch at once: `take`)."""
 
     def __init__(self, num_blocks: int, reclaim: Callable[[int], None] | None = None):
         """`reclaim(n)`, if given, is asked to free up to `n` more blocks (e.g. by evicting a
@@ -306,55 +307,75 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.reclaim = reclaim
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._refcount = [0] * num_blocks
+        # The free ids are _free[:num_free]; the top of the stack is handed out first (low ids).
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_blocks
+        self.refcounts = np.zeros(num_blocks, dtype=np.int32)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """`n` free blocks with refcount 1; all or nothing (`OutOfBlocksError`)."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n - len(self._free))
-        if n > len(self._free):
-            raise OutOfBlocksError(
-                f"cannot allocate {n} blocks: {len(self._free)} of {self.num_blocks} are free"
-            )
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._refcount[b] = 1
+    def take(self, n: int) -> np.ndarray:
+        """`n` free blocks `[n]` int32 with refcount 1; all or nothing (`OutOfBlocksError`)."""
+        if n > self._num_free and self.reclaim is not None:
+            self.reclaim(n - self._num_free)
+        top = self._num_free
+        if n > top:
+            raise OutOfBlocksError(f"cannot allocate {n} blocks: {top} of {self.num_blocks} are free")
+        blocks = self._free[top - n:top][::-1].copy()
+        self._num_free = top - n
+        self.refcounts[blocks] = 1
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Decrement each block's refcount; blocks reaching 0 return to the pool. Freeing a block
-        more times than it is referenced raises `ValueError` and changes nothing."""
-        counts = collections.Counter(blocks)
-        for b, n in counts.items():
-            if self.refcount(b) < n:
-                raise ValueError(
-                    f"block {b} freed {n} time(s) but its refcount is {self._refcount[b]} "
-                    "(double free?)"
-                )
-        for b in blocks:
-            self._refcount[b] -= 1
-            if self._refcount[b] == 0:
-                self._free.append(b)
+    def allocate(self, n: int) -> list[int]:
+        """`take` as a list of ints."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        return self.take(n).tolist()
 
-    def share(self, blocks: list[int]) -> None:
+    def free(self, blocks) -> None:
+        """Decrement each block's refcount; blocks reaching 0 return to the pool (in the order
+        of their last occurrence in `blocks`). Freeing a block more times than it is referenced
+        raises `ValueError` and changes nothing."""
+        ids = self._ids(blocks)
+        unique, first, counts = np.unique(ids[::-1], return_index=True, return_counts=True)
+        bad = self.refcounts[unique] < counts
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(
+                f"block {int(unique[b])} freed {int(counts[b])} time(s) but its refcount is "
+                f"{int(self.refcounts[unique[b]])} (double free?)"
+            )
+        self.refcounts[unique] -= counts.astype(np.int32)
+        released = unique[self.refcounts[unique] == 0]
+        last = len(ids) - 1 - first[self.refcounts[unique] == 0]
+        released = released[np.argsort(last)]
+        self._free[self._num_free:self._num_free + len(released)] = released
+        self._num_free += len(released)
+
+    def share(self, blocks) -> None:
         """Increment the refcount of allocated blocks (another sequence now uses them)."""
-        for b in blocks:
-            if self.refcount(b) == 0:
-                raise ValueError(f"block {b} is not allocated, cannot share it")
-        for b in blocks:
-            self._refcount[b] += 1
+        ids = self._ids(blocks)
+        unallocated = self.refcounts[ids] == 0
+        if unallocated.any():
+            raise ValueError(f"block {int(ids[np.argmax(unallocated)])} is not allocated, "
+                             "cannot share it")
+        np.add.at(self.refcounts, ids, 1)
 
     def refcount(self, block: int) -> int:
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}")
-        return self._refcount[block]
+        return int(self.refcounts[block])
+
+    def _ids(self, blocks) -> np.ndarray:
+        """`blocks` (ints) as an intp array, each checked to be a block id."""
+        ids = np.asarray(blocks, dtype=np.intp).reshape(-1)
+        out = (ids < 0) | (ids >= self.num_blocks)
+        if out.any():
+            raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, "
+                             f"got {int(ids[np.argmax(out)])}")
+        return ids
 
 
 class BlockTables:
@@ -416,11 +437,14 @@ class BlockTables:
     def _set_blocks(self, row: int, start: int, blocks: list[int]) -> None:
         """Write `blocks` at columns `start..` of `row` (its block count becomes their end)."""
         end = start + len(blocks)
-        if end > self.array.shape[1]:
-            cols = max(end, 2 * self.array.shape[1])
-            self.array = np.pad(self.array, ((0, 0), (0, cols - self.array.shape[1])))
+        self._reserve_columns(end)
         self.array[row, start:end] = blocks
         self.num_blocks[row] = end
+
+    def _reserve_columns(self, n: int) -> None:
+        if n > self.array.shape[1]:
+            cols = max(n, 2 * self.array.shape[1])
+            self.array = np.pad(self.array, ((0, 0), (0, cols - self.array.shape[1])))
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -451,36 +475,81 @@ class BlockTables:
         return self.slots(seq_id, 0, num_tokens)
 
     def append(self, seq_id, num_tokens: int = 1) -> list[int]:
-        """Grow a sequence by `num_tokens`, allocating blocks past its last block's end and
-        copies of shared blocks it writes into; returns the new tokens' slots. On
-        `OutOfBlocksError` the sequence is unchanged."""
-        row = self._row(seq_id)
+        """Grow a sequence by `num_tokens` (`append_batch` of one); returns the new tokens'
+        slots. On `OutOfBlocksError` the sequence is unchanged."""
         self._check_count("num_tokens", num_tokens)
-        start, have = int(self.lens[row]), int(self.num_blocks[row])
-        first = start // self.block_size if num_tokens else have
-        new = self._own(row, range(first, have), self._blocks_for(start + num_tokens) - have)
-        if new:
-            self._set_blocks(row, have, new)
-        self.lens[row] = start + num_tokens
+        start = self.seq_len(seq_id)
+        self.append_batch([seq_id], [num_tokens])
         return self.slots(seq_id, start, num_tokens)
+
+    def append_batch(self, seq_ids, num_tokens) -> np.ndarray:
+        """Grow sequence `seq_ids[i]` (distinct) by `num_tokens[i]` tokens: new blocks past
+        each one's last block, and a copy of its last block first when that block is shared
+        and receives tokens (copy-on-write). The blocks and copies are those of `append` called
+        for each sequence in order, but all are allocated at once: on `OutOfBlocksError`
+        nothing changes. Returns the sequences' rows `[B]` (as `rows(seq_ids)`)."""
+        rows = self.rows(seq_ids)
+        counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+        if counts.shape != rows.shape or (counts < 0).any():
+            raise ValueError(f"num_tokens must hold {len(rows)} ints >= 0 (one per sequence), "
+                             f"got {np.asarray(num_tokens).tolist()}")
+        if len(rows) > 1 and np.bincount(rows).max() > 1:
+            raise ValueError("seq_ids must be distinct")
+        bs = self.block_size
+        start, have = self.lens[rows], self.num_blocks[rows]
+        need = (start + counts + bs - 1) // bs - have  # new blocks at the end of each table
+        copies, src = self._copies_on_write(rows, start, have, counts)
+        extra = need.copy()
+        extra[copies] += 1
+        blocks = self.allocator.take(int(extra.sum()))
+        first = np.cumsum(extra) - extra  # each sequence's share of `blocks`: copy, then new ones
+        if len(copies):
+            dst = blocks[first[copies]]
+            self.array[rows[copies], have[copies] - 1] = dst
+            self._copies += zip(src.tolist(), dst.tolist())
+            self.allocator.free(src)  # the copied blocks stay referenced by other sequences
+            first[copies] += 1
+        grow = np.flatnonzero(need)
+        if len(grow):
+            k = need[grow]
+            seq = np.repeat(grow, k)
+            nth = np.arange(len(seq)) - np.repeat(np.cumsum(k) - k, k)  # 0.. within a sequence
+            self._reserve_columns(int((have + need).max()))
+            self.array[rows[seq], have[seq] + nth] = blocks[first[seq] + nth]
+        self.num_blocks[rows] = have + need
+        self.lens[rows] = start + counts
+        return rows
+
+    def _copies_on_write(self, rows, start, have, counts) -> tuple[np.ndarray, np.ndarray]:
+        """Which sequences of `append_batch` copy their last block before writing into it, and
+        that block: `(indices into rows, source blocks)`. A partly filled last block receives
+        tokens; if shared, its k-th writer in the batch (k = 0, 1, ...) copies it while its
+        refcount, less the k copies before, is above 1, as one-by-one appends would."""
+        writers = np.flatnonzero((counts > 0) & (start % self.block_size != 0))
+        src = self.array[rows[writers], have[writers] - 1]
+        shared = self.allocator.refcounts[src] > 1
+        if not shared.any():
+            return writers[:0], src[:0]
+        writers, src = writers[shared], src[shared]
+        order = np.argsort(src, kind="stable")
+        sorted_src = src[order]
+        group_start = np.flatnonzero(np.r_[True, sorted_src[1:] != sorted_src[:-1]])
+        rank = np.empty(len(src), dtype=np.int64)
+        rank[order] = np.arange(len(src)) - np.repeat(group_start, np.diff(np.r_[group_start, len(src)]))
+        copy = rank < self.allocator.refcounts[src] - 1
+        return writers[copy], src[copy]
 
     def make_writable(self, seq_id, block_indices) -> None:
         """Give the sequence its own copy of each shared block among `table[i]`, `i` in
-        `block_indices` (before rewriting tokens in place)."""
-        self._own(self._row(seq_id), block_indices, 0)
-
-    def _own(self, row: int, block_indices, extra: int) -> list[int]:
-        """Replace the shared blocks among `block_indices` of `row` by fresh copies and return
-        `extra` more fresh blocks, allocating all of them at once (all or nothing)."""
-        table = self.array[row]
+        `block_indices` (before rewriting tokens in place), allocating all copies at once."""
+        table = self.array[self._row(seq_id)]
         shared = [i for i in block_indices if self.allocator.refcount(int(table[i])) > 1]
-        fresh = self.allocator.allocate(len(shared) + extra)
+        fresh = self.allocator.allocate(len(shared))
         for i, dst in zip(shared, fresh):
             src = int(table[i])
             self._copies.append((src, dst))
             self.allocator.free([src])
             table[i] = dst
-        return fresh[len(shared):]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The `(src, dst)` block copies queued since the last call, in order; clears them."""

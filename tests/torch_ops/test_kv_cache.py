@@ -650,3 +650,71 @@ def test_block_tables_drop_blocks_counts_the_offset():
     tables.drop_blocks(0, 1, 2)
     tables.fork(0, 1)
     assert tables.position_offset(0) == tables.position_offset(1) == 4
+
+
+def _tables_state(tables: BlockTables, seqs) -> tuple:
+    alloc = tables.allocator
+    return ([(tables.block_table(s), tables.seq_len(s), tables.position_offset(s)) for s in seqs],
+            alloc.refcounts.tolist(), alloc._free[:alloc.num_free].tolist())
+
+
+def test_block_tables_append_batch_equals_one_by_one():
+    """Random arrivals, forks (several children of one parent: shared half-filled blocks with
+    refcounts above 2), frees and drops applied to two tables; one grows by `append_batch`,
+    the other by `append` per sequence. Blocks, refcounts, free order and copies stay equal."""
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    bs = rng.choice([1, 2, 4])
+    batched, one_by_one = (BlockTables(BlockAllocator(4000), block_size=bs) for _ in range(2))
+    live, copies = [], 0
+    for step in range(150):
+        op = rng.random()
+        if op < 0.15 or not live:
+            seq, n = f"s{step}", rng.randint(0, 9)
+            for t in (batched, one_by_one):
+                t.add(seq, n)
+            live.append(seq)
+        elif op < 0.3:
+            parent = rng.choice(live)
+            for i in range(rng.randint(1, 3)):
+                for t in (batched, one_by_one):
+                    t.fork(parent, f"f{step}.{i}")
+                live.append(f"f{step}.{i}")
+        elif op < 0.38:
+            seq = live.pop(rng.randrange(len(live)))
+            for t in (batched, one_by_one):
+                t.free(seq)
+        elif op < 0.45:
+            seq = rng.choice(live)
+            if batched.seq_len(seq) >= 2 * bs:
+                for t in (batched, one_by_one):
+                    t.drop_blocks(seq, 0, 1)
+        else:
+            seqs = rng.sample(live, rng.randint(0, len(live)))
+            counts = [rng.choice([0, 1, 1, 1, rng.randint(0, 3 * bs)]) for _ in seqs]
+            rows = batched.append_batch(seqs, counts)
+            assert rows.tolist() == batched.rows(seqs).tolist()
+            for seq, n in zip(seqs, counts):
+                one_by_one.append(seq, n)
+        expected = one_by_one.take_copies()
+        assert batched.take_copies() == expected
+        copies += len(expected)
+        assert _tables_state(batched, live) == _tables_state(one_by_one, live)
+    assert copies  # copy-on-write happened
+
+
+def test_block_tables_append_batch_is_all_or_nothing():
+    alloc = BlockAllocator(6)
+    tables = BlockTables(alloc, block_size=2)
+    tables.add(0, 3)
+    tables.fork(0, 1)
+    tables.add(2, 2)
+    before = _tables_state(tables, [0, 1, 2])
+    with pytest.raises(OutOfBlocksError):  # 1 copy + 1 block for seq 1, then 2 for seq 2: 4 > 3
+        tables.append_batch([1, 2], [2, 3])
+    assert _tables_state(tables, [0, 1, 2]) == before and tables.take_copies() == []
+    tables.append_batch([1, 2], [2, 1])  # 1 copy + 1 block, then 1 block: fits
+    assert tables.seq_len(1) == 5 and tables.seq_len(2) == 3 and alloc.num_free == 0
+    with pytest.raises(ValueError, match="seq_ids must be distinct"):
+        tables.append_batch([0, 0], [0, 0])
+    with pytest.raises(ValueError, match=r"num_tokens must hold 2 ints >= 0 \(one per sequence\)"):
+        tables.append_batch([0, 2], [1, -1])

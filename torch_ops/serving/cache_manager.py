@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from torch_ops import quant
@@ -112,18 +113,40 @@ class KVCacheManager:
 
     def append(self, seq_id, tokens: int | Sequence[int]) -> list[int]:
         """Make room for new tokens (a count, or their ids when prefix caching) and return
-        their slots. Blocks out of the window are released first; shared blocks written into
-        are copied (see `apply_pending`). On `OutOfBlocksError` nothing changes."""
-        if self.prefix_caching == isinstance(tokens, int):
-            need = "token ids" if self.prefix_caching else "a token count"
-            raise TypeError(f"tokens must be {need} with prefix_caching={self.prefix_caching}")
-        n = tokens if isinstance(tokens, int) else len(tokens)
+        their slots (`append_batch` of one). On `OutOfBlocksError` nothing changes."""
+        n = int(self._counts([tokens])[0])
+        self.append_batch([seq_id], [tokens])
+        return self.tables.slots(seq_id, self.seq_len(seq_id) - n, n)
+
+    def append_batch(self, seq_ids: Sequence, tokens: Sequence) -> np.ndarray:
+        """Make room for the new tokens of each sequence in `seq_ids` (distinct): `tokens[i]`
+        is a count, or the token ids when prefix caching. Blocks out of the window are
+        released first; shared blocks written into are copied (see `apply_pending`). On
+        `OutOfBlocksError` no table grows. Returns the sequences' rows in `tables` `[B]`."""
+        counts = self._counts(tokens)
         if self.window_left >= 0:
-            self._drop_out_of_window(seq_id)
-        slots = self.tables.append(seq_id, n)
+            self._drop_out_of_window(seq_ids)
+        rows = self.tables.append_batch(seq_ids, counts)
         if self.prefix_caching:
-            self._register_full_blocks(seq_id, tokens)
-        return slots
+            for seq_id, new in zip(seq_ids, tokens):
+                self._register_full_blocks(seq_id, new)
+        return rows
+
+    def _counts(self, tokens: Sequence) -> np.ndarray:
+        """New tokens per sequence `[B]` from `append_batch`'s `tokens`."""
+        if self.prefix_caching:
+            if not any(isinstance(t, int) for t in tokens):
+                return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+        else:
+            try:
+                counts = np.asarray(tokens)
+            except ValueError:  # ragged lists
+                counts = None
+            if counts is not None and counts.ndim == 1 and (counts.dtype.kind in "iu" or not counts.size):
+                return counts.astype(np.int64, copy=False)
+        need = "token ids" if self.prefix_caching else "a token count"
+        raise TypeError(f"tokens must be {need} with prefix_caching={self.prefix_caching}, "
+                        "one entry per sequence")
 
     def fork(self, parent_id, child_id) -> None:
         """`child_id` continues `parent_id` (parallel sampling, beam search): all blocks
@@ -188,18 +211,18 @@ class KVCacheManager:
 
     # --- policies -------------------------------------------------------------------------
 
-    def _drop_out_of_window(self, seq_id) -> None:
-        """Release the full blocks after the sink blocks that no query at a position >= the
-        current length can see (their last key is below `length - window_left`)."""
+    def _drop_out_of_window(self, seq_ids: Sequence) -> None:
+        """Release, in each sequence, the full blocks after the sink blocks that no query at a
+        position >= its current length can see (their last key is below `length - window_left`)."""
         bs = self.block_size
         sink_blocks = -(-self.sink_tokens // bs)
-        n = (self.tables.seq_len(seq_id) - self.window_left) // bs - sink_blocks
-        if n <= 0:
-            return
-        self.tables.drop_blocks(seq_id, sink_blocks, n)
-        if self.sink_tokens and self.cos_sin_cache is not None:
-            self.tables.make_writable(seq_id, range(sink_blocks))
-            self._sink_shifts.append((self.tables.slots(seq_id, 0, self.sink_tokens), n * bs))
+        drop = (self.tables.lens[self.tables.rows(seq_ids)] - self.window_left) // bs - sink_blocks
+        for i in np.flatnonzero(drop > 0).tolist():
+            seq_id, n = seq_ids[i], int(drop[i])
+            self.tables.drop_blocks(seq_id, sink_blocks, n)
+            if self.sink_tokens and self.cos_sin_cache is not None:
+                self.tables.make_writable(seq_id, range(sink_blocks))
+                self._sink_shifts.append((self.tables.slots(seq_id, 0, self.sink_tokens), n * bs))
 
     @staticmethod
     def _block_hash(parent: int | None, block_tokens: Sequence[int]) -> int:

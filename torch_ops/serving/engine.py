@@ -11,6 +11,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from torch_ops.kv_cache import OutOfBlocksError
@@ -35,6 +36,15 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """`tokens[start:stop]`, without building `tokens`."""
+        p = len(self.prompt)
+        return self.prompt[start:stop] + self.output[max(start - p, 0):max(stop - p, 0)]
+
+    @property
     def done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
 
@@ -46,6 +56,7 @@ class StepStats:
     graph: bool          # replayed a CUDA graph
     metadata_us: float   # CPU time building the step's metadata
     gpu_us: float | None  # device time of the forward (CUDA events), None on CPU
+    schedule_us: float   # CPU time scheduling the step, cache appends included
 
 
 class Engine:
@@ -88,23 +99,32 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """`(request, new tokens)` of this step: running requests first (decodes, then
-        unfinished prefills), then newly admitted ones, within the token budget."""
+        unfinished prefills), then newly admitted ones, within the token budget. The running
+        requests' cache appends are one `append_batch`; only when the cache is short of blocks
+        do they go one by one, preempting as needed."""
         budget = self.max_num_tokens
         batch = []
-        for req in sorted(self.running, key=lambda r: len(r.tokens) - r.num_computed):
-            n = min(len(req.tokens) - req.num_computed, budget)
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed):
+            n = min(req.num_tokens - req.num_computed, budget)
             if n == 0:
-                break
-            if req not in self.running:  # preempted to make room for an earlier one
-                continue
-            if not self._append(req, n, batch):
                 break
             batch.append((req, n))
             budget -= n
+        try:
+            self.kv.append_batch([r.id for r, _ in batch], [self._new_tokens(r, n) for r, n in batch])
+        except OutOfBlocksError:
+            plan, batch = batch, []
+            for req, n in plan:
+                if req not in self.running:  # preempted to make room for an earlier one
+                    continue
+                if not self._append(req, n, batch):
+                    break
+                batch.append((req, n))
+            budget = self.max_num_tokens - sum(n for _, n in batch)
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             req.num_computed = self.kv.add(req.id, req.tokens if self.kv.prefix_caching else ())
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             if not self._append(req, n, batch, admitting=True):
                 self.kv.free(req.id)
                 break
@@ -113,14 +133,17 @@ class Engine:
             budget -= n
         return batch
 
+    def _new_tokens(self, req: Request, n: int) -> int | list[int]:
+        """What `KVCacheManager.append` takes for the next `n` tokens of `req`."""
+        return req.token_range(req.num_computed, req.num_computed + n) if self.kv.prefix_caching else n
+
     def _append(self, req: Request, n: int, batch, admitting: bool = False) -> bool:
         """Room in the cache for `n` more tokens of `req`; preempts the newest running request
         outside this batch (it is recomputed later) until it fits, or returns False."""
-        new = req.tokens[req.num_computed:req.num_computed + n] if self.kv.prefix_caching else n
         scheduled = {r.id for r, _ in batch}
         while True:
             try:
-                self.kv.append(req.id, new)
+                self.kv.append(req.id, self._new_tokens(req, n))
                 return True
             except OutOfBlocksError:
                 victims = [r for r in self.running if r.id not in scheduled and r is not req]
@@ -138,21 +161,23 @@ class Engine:
 
     def step(self) -> StepStats | None:
         """Run one step; None if there was nothing to schedule."""
+        t0 = time.perf_counter()
         batch = self._schedule()
+        schedule_us = (time.perf_counter() - t0) * 1e6
         if not batch:
             if self.running or self.waiting:
                 raise RuntimeError("no request fits in the KV cache: raise num_blocks")
             return None
         self.kv.apply_pending()
         ids = [r.id for r, _ in batch]
-        query_lens = [n for _, n in batch]
-        num_tokens = sum(query_lens)
+        query_lens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
+        num_tokens = int(query_lens.sum())
         bucket = self._bucket(query_lens)
         t0 = time.perf_counter()
         meta = self.attention.prepare(ids, query_lens, pad_to=bucket)
         metadata_us = (time.perf_counter() - t0) * 1e6
 
-        tokens = [t for r, n in batch for t in r.tokens[r.num_computed:r.num_computed + n]]
+        tokens = [t for r, n in batch for t in r.token_range(r.num_computed, r.num_computed + n)]
         self._input_ids[:num_tokens].copy_(torch.tensor(tokens), non_blocking=True)
         timer = _GpuTimer(self._input_ids.is_cuda)
         if bucket is not None:
@@ -169,16 +194,16 @@ class Engine:
         next_tokens = logits.argmax(dim=-1).tolist()
         for (req, n), token in zip(batch, next_tokens):
             req.num_computed += n
-            if req.num_computed == len(req.tokens):  # its last known token ran: sample
+            if req.num_computed == req.num_tokens:  # its last known token ran: sample
                 req.output.append(token)
                 if req.done:
                     self.kv.free(req.id)
                     self.running.remove(req)
                     self.finished[req.id] = req
-        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us)
+        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us, schedule_us)
 
-    def _bucket(self, query_lens: list[int]) -> int | None:
-        if not self.buckets or any(n != 1 for n in query_lens):
+    def _bucket(self, query_lens: np.ndarray) -> int | None:
+        if not self.buckets or (query_lens != 1).any():
             return None
         return next((b for b in self.buckets if b >= len(query_lens)), None)
 

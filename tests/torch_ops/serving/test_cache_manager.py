@@ -165,3 +165,60 @@ def test_bad_configuration():
         manager(prefix_caching=True, window_left=8)
     with pytest.raises(ValueError, match="window_left must be an int >= -1"):
         manager(window_left=-2)
+
+
+def _canonical(mgr, seqs) -> tuple:
+    """The manager's state up to a renaming of block ids: tables (shared blocks stay shared),
+    lengths, position offsets, free blocks, and the queued copies (in any order: `apply_pending`
+    makes them at once) and sink rotations."""
+    names: dict[int, int] = {}
+    rename = lambda b: names.setdefault(b, len(names))  # noqa: E731
+    slot = lambda s: rename(s // mgr.block_size) * mgr.block_size + s % mgr.block_size  # noqa: E731
+    tables = [([rename(b) for b in mgr.block_table(s)], mgr.seq_len(s), mgr.position_offset(s))
+              for s in seqs]
+    copies = sorted((rename(a), rename(b)) for a, b in mgr.tables.take_copies())  # applied at once
+    shifts = [([slot(s) for s in slots], shift) for slots, shift in mgr._sink_shifts]
+    mgr._sink_shifts = []
+    return tables, copies, shifts, mgr.num_free_blocks
+
+
+@pytest.mark.parametrize("policy", [dict(window_left=6, sink_tokens=3), dict(prefix_caching=True)])
+def test_append_batch_equals_one_by_one(policy):
+    """Requests arriving (their prompt appended in their first step), forking, decoding and
+    finishing, on two managers: one appends each step's tokens with `append_batch`, the other
+    with `append` per request. Sliding-window recycling, sink retention and prefix sharing stay
+    the same (up to block ids, which may be handed out in another order when windows release
+    blocks)."""
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    cos_sin = reference.rope_cos_sin_cache(64, D) if "window_left" in policy else None
+    batched, one_by_one = (manager(num_blocks=200, cos_sin_cache=cos_sin, **policy) for _ in range(2))
+    prefix = [rng.randrange(50) for _ in range(9)]
+    live, pending, cached = [], {}, 0
+    for step in range(60):
+        if rng.random() < 0.3 or not live:
+            seq = f"r{step}"
+            prompt = prefix[:rng.randint(0, 9)] + [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            hit = batched.add(seq, prompt)
+            assert one_by_one.add(seq, prompt) == hit
+            pending[seq], cached = prompt[hit:], cached + hit
+            live.append(seq)
+        running = [s for s in live if s not in pending]
+        if rng.random() < 0.15 and "window_left" in policy and running:
+            parent, child = rng.choice(running), f"f{step}"
+            for mgr in (batched, one_by_one):
+                mgr.fork(parent, child)
+            live.append(child)
+        if rng.random() < 0.15 and len(live) > 1:
+            seq = live.pop(rng.randrange(len(live)))
+            pending.pop(seq, None)
+            for mgr in (batched, one_by_one):
+                mgr.free(seq)
+        seqs = list(pending) + rng.sample([s for s in live if s not in pending], rng.randint(0, len(live) - len(pending)))
+        new = [pending.pop(s) if s in pending else [rng.randrange(50)] for s in seqs]
+        if not batched.prefix_caching:
+            new = [len(t) for t in new]
+        batched.append_batch(seqs, new)
+        for seq, t in zip(seqs, new):
+            one_by_one.append(seq, t)
+        assert _canonical(batched, live) == _canonical(one_by_one, live)
+    assert cached if batched.prefix_caching else any(batched.position_offset(s) for s in live)
