@@ -49,15 +49,17 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay);
-  and the int32 counters (`split_counters`), at least `B * Hkv * M_TILES`, zero between calls
-  (the merging program resets what it used). Eager calls: one persistent buffer per (device,
-  stream), grown by reallocation. A CUDA graph: its own buffer per capture stream, allocated
-  zeroed by its first captured call (a graph-pool buffer and one memset node, which runs at
-  every replay), shared by its later calls and held while the graph lives; never used eagerly.
-  (Where torch lacks `CUDAGraph.get_currently_capturing_graph`, every captured call gets its
-  own buffer and memset node.) So launches that may run at the same time never share counters:
-  one stream orders its launches (and CUDA those of one graph exec), while different streams
-  and different graphs have different buffers.
+  and the int32 counters (`split_counters`): one persistent zeroed buffer per (device, stream),
+  at least `B * Hkv * M_TILES` long, grown by reallocation, and zero between calls because the
+  merging program resets what it used. A call captured in a CUDA graph takes its stream's buffer
+  when one exists (eager calls on the capture stream made it, e.g. a warm-up there), else a
+  zeroed buffer of its own, never cached: a graph-pool allocation whose memset node runs at
+  every replay (so warm up on the capture stream to keep memsets out of graphs). Outgrown
+  buffers stay allocated, as captured graphs may still use them.
+  Concurrency: launches on one stream are ordered, and eager calls on different streams use
+  different buffers. Still unsafe (two running launches would share counters): replaying a
+  graph on one stream while eager calls run on its capture stream, or replaying concurrently,
+  on different streams, two graphs that took the same stream's buffer.
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
@@ -77,7 +79,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 import triton
@@ -631,34 +632,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# split-K counters (module docstring, "Workspace"): eager calls' by (device, stream); each CUDA
-# graph's own by capture stream, held while the graph lives
+# (device, stream) -> int32 split-K counters, zero between calls (module docstring, "Workspace")
 _COUNTERS: dict[tuple, torch.Tensor] = {}
-_GRAPH_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RETIRED: list[torch.Tensor] = []   # outgrown counters: graphs captured with them still use them
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counters, zero, for one split-K launch on the current stream."""
-    table, key = _COUNTERS, (device.type, None)
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device)
-        key = (stream.device_index, stream.cuda_stream)
-        if torch.cuda.is_current_stream_capturing():
-            table = _capturing_graph_counters()
-    buf = table.get(key)
-    if buf is None or buf.numel() < n:
-        # under capture: a graph-pool buffer and a memset node that runs at every replay
-        buf = table[key] = torch.zeros(max(1024, _pow2(n)), dtype=torch.int32, device=device)
-    return buf
-
-
-def _capturing_graph_counters() -> dict:
-    """The capturing graph's counters by stream. Where torch cannot name the graph (no
-    `get_currently_capturing_graph`), a fresh table: each captured call gets its own buffer."""
-    try:
-        return _GRAPH_COUNTERS.setdefault(torch.cuda.CUDAGraph.get_currently_capturing_graph(), {})
-    except (AttributeError, RuntimeError, TypeError):
-        return {}
+    """At least `n` int32 counters, all zero, for one split-K launch on the current stream."""
+    if device.type != "cuda":
+        key, capturing = (device.type, None), False
+    else:
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+        capturing = torch.cuda.is_current_stream_capturing()
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(1024, _pow2(n)), dtype=torch.int32, device=device)
+    if capturing:
+        return fresh   # the graph's own (a memset node in it); uninitialized until a replay: not cached
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[key] = fresh
+    return fresh
 
 
 @functools.lru_cache(maxsize=None)

@@ -178,6 +178,7 @@ def test_split_last_program_merges(kernel_device, knobs, hq, hkv, qps, d, merge_
 def test_split_counters_stay_zero(kernel_device, knobs, monkeypatch):
     """The counters are one persistent buffer per (device, stream), left zero by every call."""
     monkeypatch.setattr(pd, "_COUNTERS", {})
+    monkeypatch.setattr(pd, "_RETIRED", [])
     knobs(FORCE_NUM_SPLITS=4, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     buffers = []
     for lens in ([50, 0, 17, 64], [3, 64, 33, 49]):
@@ -188,7 +189,7 @@ def test_split_counters_stay_zero(kernel_device, knobs, monkeypatch):
     assert (buffers[0] == 0).all()
     bigger = pd.split_counters(buffers[0].device, buffers[0].numel() + 1)
     assert bigger.numel() > buffers[0].numel() and (bigger == 0).all()
-    assert pd.split_counters(buffers[0].device, 8) is bigger
+    assert pd._RETIRED == [buffers[0]]   # graphs captured with the outgrown buffer still use it
 
 
 def test_unsupported_reasons(kernel_device):
@@ -376,57 +377,65 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
 
 
 @pytest.mark.gpu
-def test_split_counters_per_stream_and_graph(kernel_device):
+def test_split_counters_per_stream(kernel_device):
     dev = kernel_device
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s1):
         a = pd.split_counters(dev, 10)
         assert pd.split_counters(dev, 10) is a
     with torch.cuda.stream(s2):
         assert pd.split_counters(dev, 10).data_ptr() != a.data_ptr()
-    eager = dict(pd._COUNTERS)
     x = torch.zeros(1, device=dev)
-    graphs, owned = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
-    for graph in graphs:
-        with torch.cuda.graph(graph, stream=s1):
-            first, second = pd.split_counters(dev, 10), pd.split_counters(dev, 10)
-            x.add_(1)
-        owned.append(first)
-        if hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph"):
-            assert second is first, "calls of one graph share its counters"
-        else:
-            assert second.data_ptr() != first.data_ptr()
-    assert pd._COUNTERS.keys() == eager.keys() and all(pd._COUNTERS[k] is v for k, v in eager.items())
-    ptrs = {t.data_ptr() for t in eager.values()}
-    assert owned[0].data_ptr() not in ptrs and owned[1].data_ptr() not in ptrs
-    assert owned[0].data_ptr() != owned[1].data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s1):   # the capture stream has counters: the graph takes them
+        assert pd.split_counters(dev, 10) is a
+        x.add_(1)
+    known = {t.data_ptr() for t in pd._COUNTERS.values()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s3):   # none yet: the graph's own buffer, not cached
+        own = pd.split_counters(dev, 10)
+        x.add_(1)
+    assert own.data_ptr() not in known and {t.data_ptr() for t in pd._COUNTERS.values()} == known
 
 
 @pytest.mark.gpu
-def test_cuda_graph_split_calls_share_counters(kernel_device, knobs):
-    """Two forced split-K calls captured in one graph (one counter buffer, zeroed by a memset
-    node at each replay): replays with new lengths equal eager calls and pass the check."""
+def test_cuda_graph_on_stream_with_counters(kernel_device, knobs):
+    """Warm up on the capture stream, so that the graph shares that stream's counters (no memset
+    node); replays with new lengths must equal eager calls and leave the counters zero."""
     knobs(FORCE_NUM_SPLITS=7, MIN_SPLIT_TOKENS=64)
     dev = kernel_device
     B, hq, hkv, d, bs, max_blocks = 5, 32, 8, 128, 16, 64
     nb = B * max_blocks + 4
     cache = kv_cache.PagedKVCache.allocate(nb, bs, hkv, d, BF16, device=dev)
     kv_cache.random_(cache)
+    q = torch.randn(B, hq, d, dtype=BF16, device=dev)
     bt = torch.randperm(nb, device=dev)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
     sl = torch.full((B,), max_blocks * bs, dtype=torch.int32, device=dev)
-    qs = [torch.randn(B, hq, d, dtype=BF16, device=dev) for _ in range(2)]
-    outs = [(torch.empty(q.shape, dtype=BF16, device=dev), torch.empty(q.shape[:2], device=dev)) for q in qs]
+    out = torch.empty(q.shape, dtype=BF16, device=dev)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
 
     def call():
         with torch_ops.use_backend("triton"):
-            for q, (out, lse) in zip(qs, outs):
-                torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse)
+            torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse)
 
-    def fill(step):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    counters = pd._COUNTERS[(dev.index, stream.cuda_stream)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    assert pd._COUNTERS[(dev.index, stream.cuda_stream)] is counters
+    for step in range(4):
         sl.copy_(torch.randint(0, max_blocks * bs + 1, (B,)))
-        for q in qs:
-            q.normal_()
-
-    assert_replays_match_eager(call, fill, [t for pair in outs for t in pair],
-                               lambda o0, l0, o1, l1: (check(qs[0], cache, bt, sl, o0, l0),
-                                                       check(qs[1], cache, bt, sl, o1, l1)), steps=4)
+        q.normal_()
+        poison_(out)
+        poison_(lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (counters == 0).all()
+        replayed = out.clone(), lse.clone()
+        call()
+        assert torch.equal(replayed[0], out) and torch.equal(replayed[1], lse), f"replay {step} differs from eager"
+        check(q, cache, bt, sl, *replayed)
