@@ -36,30 +36,12 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. Inside, each
   sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
   at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
-  past the span exit at once, touching nothing. A sequence with one active split (or none: length
-  0) is written by split 0 directly, as without split-K.
-- **The last split merges** (a semaphore, as in stream-K's fixup; no second kernel). With
-  `n_active > 1` splits, each stores its partial (out, lse) rows in the workspace, passes a
-  barrier (all its threads' stores precede the next step) and adds 1 to its (b, kh, M tile)
-  counter with one acq_rel, gpu-scope atomic. The program that reads `n_active - 1` is the last:
-  it reads every active split's partials back from L2 (`.cg` loads: its L1 may not serve other
-  programs' writes), merges them by their lse (the tile's rows in blocks, a few splits per step,
-  online rescaling: bounded registers), adds the learned sinks once, writes `out`/`lse` (FP8
-  with `out_scale`) and resets the counter to 0.
+  past the span exit at once (they write nothing, and the merge kernel never reads them).
+  With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
+  partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
-  (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay);
-  and the int32 counters (`split_counters`): one persistent zeroed buffer per (device, stream),
-  at least `B * Hkv * M_TILES` long, grown by reallocation, and zero between calls because the
-  merging program resets what it used. A call captured in a CUDA graph takes its stream's buffer
-  when one exists (eager calls on the capture stream made it, e.g. a warm-up there), else a
-  zeroed buffer of its own, never cached: a graph-pool allocation whose memset node runs at
-  every replay (so warm up on the capture stream to keep memsets out of graphs). Outgrown
-  buffers stay allocated, as captured graphs may still use them.
-  Concurrency: launches on one stream are ordered, and eager calls on different streams use
-  different buffers. Still unsafe (two running launches would share counters): replaying a
-  graph on one stream while eager calls run on its capture stream, or replaying concurrently,
-  on different streams, two graphs that took the same stream's buffer.
+  (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
@@ -67,12 +49,10 @@ multiple of 4 or whose strides/alignment do not allow 4-value words. Block sizes
 GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
 
 Module knobs (for tests and tuning): `FORCE_NUM_SPLITS`, `MIN_SPLIT_TOKENS`, `CONFIG_OVERRIDE`,
-`DEQUANT_ASM`, `PROGRAMS_PER_SM`, `MERGE_COST`, `MERGE_REGS`. Under TRITON_INTERPRET=1 the kernel
-and its merge take fixed trip counts (the interpreter cannot use a loaded value as a loop bound
-with numpy >= 2.4), feed `tl.dot` fp32 instead of bf16 (the interpreter multiplies bf16 bit
-patterns) and round FP8 output in fp32 (its fp32 -> e4m3 cast does not carry into the
-exponent): same math, CPU-testable. The interpreter runs programs one after another, so the
-"last split merges" path runs there too.
+`DEQUANT_ASM`, `PROGRAMS_PER_SM`. Under TRITON_INTERPRET=1 the kernel takes a fixed trip count
+(the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
+fp32 instead of bf16 (the interpreter multiplies bf16 bit patterns) and rounds FP8 output in
+fp32 (its fp32 -> e4m3 cast does not carry into the exponent): same math, CPU-testable.
 """
 
 from __future__ import annotations
@@ -95,10 +75,9 @@ CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} f
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
 LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
 LAST_NUM_SPLITS = 0                   # and the split count it ran with
-MERGE_REGS = 32                       # fp32 registers per thread for one step of the fused merge
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
-MERGE_COST = 32                       # the last split's tail: barrier, counter atomic, broadcast
+MERGE_COST = 96                       # the merge kernel's launch and its tail
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
 # Resident programs per SM of the default configs at D = 128, from their compiled resources on an
@@ -390,76 +369,8 @@ def _load_q(q_rows, row_ok, stride_qd, lane: tl.constexpr, STEP: tl.constexpr,
 
 
 @triton.jit
-def _rows(b, kh, m0, R: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr):
-    """Query rows m0 .. m0+R-1 of (sequence b, KV head kh): (row_ok, token, head, i) [R] each;
-    row m = i * GROUP + g is new token i, query head g of the group."""
-    m = m0 + tl.arange(0, R)
-    qi = m // GROUP
-    return m < QPS * GROUP, b * QPS + qi, kh * GROUP + m % GROUP, qi
-
-
-@triton.jit
-def _write_out(o, lse, tok, head, row_ok, Out, Lse, Sinks, OutScale,
-               stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
-               E4M3_GRID: tl.constexpr):
-    """Store the final rows: o [R, BLOCK_D] fp32 and lse [R] of (tok, head) [R], after adding the
-    learned sinks to the softmax denominator and quantizing to FP8 with `OutScale`."""
-    if HAS_SINKS:
-        sink = tl.load(Sinks + head, mask=row_ok, other=0.0)
-        mx = tl.maximum(lse, sink)
-        lse_f = mx + tl.log(tl.exp(lse - mx) + tl.exp(sink - mx))
-        o = o * tl.exp(lse - lse_f)[:, None]
-        lse = lse_f
-    if OUT_FP8:
-        o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-        if E4M3_GRID:
-            o = _to_e4m3_grid(o)
-    d = tl.arange(0, BLOCK_D)
-    o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
-    tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_partials(POut, PLse, tok, head, row_ok, n_active,
-                    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, CH: tl.constexpr,
-                    NS_P: tl.constexpr, DYNAMIC_LOOP: tl.constexpr):
-    """Merge the partial (out, lse) of splits 0..n_active-1 for rows (tok, head) [R]: CH splits
-    per step ([CH, R, BLOCK_D] in registers), online rescaling. Loads bypass L1 (`.cg`): the
-    partials were written by other programs. Returns (o [R, BLOCK_D], lse [R])."""
-    d = tl.arange(0, BLOCK_D)
-    o_rows = tok.to(tl.int64) * stride_pt + head * stride_ph
-    l_rows = tok.to(tl.int64) * stride_plt + head
-    m_i = tl.full([R], float("-inf"), tl.float32)
-    l_i = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, BLOCK_D], tl.float32)
-    # the interpreter takes a fixed trip count (the splits past n_active are masked)
-    for s0 in range(0, n_active if DYNAMIC_LOOP else NS_P, CH):
-        s = (s0 + tl.arange(0, CH)).to(tl.int64)
-        ok = (s < n_active)[:, None] & row_ok[None, :]
-        lse_s = tl.load(PLse + s[:, None] * stride_pls + l_rows[None, :], mask=ok, other=float("-inf"),
-                        cache_modifier=".cg")
-        o_s = tl.load(POut + s[:, None, None] * stride_ps + o_rows[None, :, None] + d[None, None, :],
-                      mask=ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        w = tl.exp(lse_s - m_use[None, :])
-        l_i = l_i * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
-        m_i = m_new
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    return o, lse
-
-
-@triton.jit
 def _paged_decode_kernel(
-    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse, Counters,
+    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse,
     scale_eff, softcap, window_left, sink_tokens, num_splits, min_split,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -476,7 +387,6 @@ def _paged_decode_kernel(
     QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr, PRESCALE_Q: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_RB: tl.constexpr, MERGE_CH: tl.constexpr, NS_P: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -489,11 +399,14 @@ def _paged_decode_kernel(
     kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
                                                   QPS, HAS_WINDOW, BLOCK_N)
     if SPLIT:
-        # splits past the sequence's span exit; split 0 always runs (an empty sequence writes zeros)
-        if split >= tl.maximum(n_active, 1):
+        if split >= n_active:
             return
 
-    row_ok, tok, head, qi = _rows(b, kh, mt * BLOCK_M, BLOCK_M, QPS, GROUP)
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < QPS * GROUP
+    qi = m // GROUP
+    head = kh * GROUP + m % GROUP
+    tok = b * QPS + qi
     pos = L - QPS + qi                     # absolute positions of the query rows
 
     # ---- q: plain -> [BLOCK_M, BLOCK_D]; quantized -> 4 lanes [BLOCK_M, BLOCK_DW] (dims 4c + j)
@@ -593,30 +506,75 @@ def _paged_decode_kernel(
         inv_l = inv_l * tl.load(VS + kh * stride_fp8s)
     o = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     if SPLIT:
-        if n_active > 1:
-            # publish this split's partial rows, count it; the split that counts last merges
-            d = tl.arange(0, BLOCK_D)
-            p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
-            tl.store(POut + p_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
-            tl.store(PLse + split.to(tl.int64) * stride_pls + tok.to(tl.int64) * stride_plt + head, lse, mask=row_ok)
-            tl.debug_barrier()   # every thread's stores precede the (one-thread) release below
-            done = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
-            if done == n_active - 1:
-                # the tile's MERGE_ROWS rows (its real rows, padded to a power of 2) in blocks
-                for r0 in range(0, MERGE_ROWS, MERGE_RB):
-                    m_ok, m_tok, m_head, _ = _rows(b, kh, mt * BLOCK_M + r0, MERGE_RB, QPS, GROUP)
-                    m_o, m_lse = _merge_partials(POut, PLse, m_tok, m_head, m_ok, n_active,
-                                                 stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
-                                                 HEAD_DIM, BLOCK_D, MERGE_RB, MERGE_CH, NS_P, DYNAMIC_LOOP)
-                    _write_out(m_o, m_lse, m_tok, m_head, m_ok, Out, Lse, Sinks, OutScale,
-                               stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-                               HEAD_DIM, BLOCK_D, HAS_SINKS, OUT_FP8, not DYNAMIC_LOOP)
-                tl.store(Counters + pid, 0)   # every active split has counted: leave it zero
-            return
-    _write_out(o, lse, tok, head, row_ok, Out, Lse, Sinks, OutScale,
-               stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-               HEAD_DIM, BLOCK_D, HAS_SINKS, OUT_FP8, not DYNAMIC_LOOP)
+        p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
+        tl.store(POut + p_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PLse + split.to(tl.int64) * stride_pls + tok.to(tl.int64) * stride_plt + head, lse, mask=row_ok)
+    else:
+        if HAS_SINKS:
+            sink = tl.load(Sinks + head, mask=row_ok, other=0.0)
+            mx = tl.maximum(lse, sink)
+            lse_f = mx + tl.log(tl.exp(lse - mx) + tl.exp(sink - mx))
+            o = o * tl.exp(lse - lse_f)[:, None]
+            lse = lse_f
+        o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
+        if OUT_FP8:
+            o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
+            if not DYNAMIC_LOOP:
+                o = _to_e4m3_grid(o)
+        tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    POut, PLse, Out, Lse, SeqLens, Sinks, OutScale,
+    window_left, num_splits, min_split,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Combine the active splits' partial (out, lse) of BLOCK_H heads of one query token; add the
+    learned sinks; write out (query dtype or FP8) and lse."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < NUM_HEADS
+    L = tl.load(SeqLens + t // QPS).to(tl.int32)
+    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, BLOCK_N)
+    s = tl.arange(0, NS_P)
+    s_ok = s < n_active
+    lse_ptr = PLse + s[:, None].to(tl.int64) * stride_pls + t.to(tl.int64) * stride_plt + h[None, :]
+    lse_s = tl.load(lse_ptr, mask=s_ok[:, None] & h_ok[None, :], other=float("-inf"))    # [NS_P, BLOCK_H]
+    mx = tl.max(lse_s, 0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse_s - mx_use[None, :])
+    den = tl.sum(w, 0)
+    d = tl.arange(0, BLOCK_D)
+    o_ptr = (POut + s[:, None, None].to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
+             + h[None, :, None] * stride_ph + d[None, None, :])
+    o_s = tl.load(o_ptr, mask=s_ok[:, None, None] & h_ok[None, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    empty = den == 0.0
+    o = tl.sum(o_s * w[:, :, None], 0) / tl.where(empty, 1.0, den)[:, None]
+    lse = tl.where(empty, float("-inf"), mx_use + tl.log(tl.where(empty, 1.0, den)))
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h, mask=h_ok, other=0.0)
+        m2 = tl.maximum(lse, sink)
+        lse_f = m2 + tl.log(tl.exp(lse - m2) + tl.exp(sink - m2))
+        o = o * tl.exp(lse - lse_f)[:, None]
+        lse = lse_f
+    if OUT_FP8:
+        o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
+        if INTERPRETED:
+            o = _to_e4m3_grid(o)
+    o_rows = t.to(tl.int64) * stride_ot + h * stride_oh
+    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(Lse + t.to(tl.int64) * stride_lt + h * stride_lh, lse, mask=h_ok)
 
 
 # =================================================================================================
@@ -630,30 +588,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-# (device, stream) -> int32 split-K counters, zero between calls (module docstring, "Workspace")
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []   # outgrown counters: graphs captured with them still use them
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counters, all zero, for one split-K launch on the current stream."""
-    if device.type != "cuda":
-        key, capturing = (device.type, None), False
-    else:
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-        capturing = torch.cuda.is_current_stream_capturing()
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    fresh = torch.zeros(max(1024, _pow2(n)), dtype=torch.int32, device=device)
-    if capturing:
-        return fresh   # the graph's own (a memset node in it); uninitialized until a replay: not cached
-    if buf is not None:
-        _RETIRED.append(buf)
-    _COUNTERS[key] = fresh
-    return fresh
 
 
 @functools.lru_cache(maxsize=None)
@@ -694,10 +628,8 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
     """Split-K factor from shapes only (never from data: the grid is fixed under CUDA graphs).
 
     Models the time of the worst case (every sequence at the table's capacity) as
-    waves x (keys per split + fixed cost) + the merge, and picks the cheapest count. The merge is
-    the last split's tail (`MERGE_COST`, plus its re-read of every split's partial rows: a row of
-    D fp32 is one bf16 key-equivalent, read by one program) and each split's partial state in
-    the memory system (`2 * rows` key-equivalents, spread over all slots)."""
+    waves x (keys per split + fixed cost) + the merge (kernel, plus each split's partial state,
+    `2 * rows` key-equivalents of traffic), and picks the cheapest count."""
     if FORCE_NUM_SPLITS is not None:
         return max(1, int(FORCE_NUM_SPLITS))
     cap = max_blocks * block_size
@@ -706,7 +638,6 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
         return 1
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
     slots = max(1, sms * programs_per_sm)
-    tile_rows = -(-group_rows // m_tiles)
     best, best_cost = 1, None
     for s in range(1, MAX_SPLITS + 1):
         per = max(min_split, _cdiv(_cdiv(cap, s), block_n) * block_n)
@@ -715,7 +646,7 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
         waves = -(-programs * s // slots)
         cost = waves * (per + SPLIT_FIXED_COST)
         if s > 1:
-            cost += MERGE_COST + s * tile_rows + programs * s * 2 * group_rows / slots
+            cost += MERGE_COST + programs * s * 2 * group_rows / slots
         if best_cost is None or cost < best_cost * 0.97:
             best, best_cost = s, cost
     return best
@@ -831,22 +762,12 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
 
     bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
     split = num_splits > 1
-    grid = (batch * hkv * m_tiles, num_splits)
-    # the fused merge covers the tile's rows (padded to a power of 2) in blocks of merge_rb rows,
-    # merge_ch splits per step: per thread <= 4 fp32 output values and <= MERGE_REGS partial values
-    # (measured with ptxas for sm_90: larger row blocks raised the whole kernel's register count)
-    threads = 32 * cfg["num_warps"]
-    merge_rows = min(block_m, _pow2(rows))
-    merge_rb = max(1, min(merge_rows, 4 * threads // block_d))
-    merge_ch = 1
     if split:
         pout = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=query.device)
         plse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=query.device)
         p_strides = (pout.stride(0), pout.stride(1), pout.stride(2), plse.stride(0), plse.stride(1))
-        counters = split_counters(query.device, grid[0])
-        merge_ch = max(1, min(_pow2(num_splits), MERGE_REGS * threads // (merge_rb * block_d)))
     else:
-        pout = plse = counters = dummy
+        pout, plse = dummy, dummy
         p_strides = (0, 0, 0, 0, 0)
 
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
@@ -858,12 +779,13 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         per = max(min_split, _cdiv(_cdiv(cap, num_splits), block_n) * block_n)
         max_iters = max(1, _cdiv(min(per, cap), block_n) + 1
                         + (_cdiv(min(sink_tokens, cap), block_n) if has_window else 0))
+    grid = (batch * hkv * m_tiles, num_splits)
     global LAST_KERNEL, LAST_NUM_SPLITS
     LAST_NUM_SPLITS = num_splits
     LAST_KERNEL = _paged_decode_kernel[grid](
         query, kc, vc, ks, vs, bt, seq_lens,
         sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
-        out_scale if out_scale is not None else dummy, out, lse, pout, plse, counters,
+        out_scale if out_scale is not None else dummy, out, lse, pout, plse,
         float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
         query.stride(0), query.stride(1), query.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -878,8 +800,20 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
-        MERGE_ROWS=merge_rows, MERGE_RB=merge_rb, MERGE_CH=merge_ch, NS_P=_pow2(num_splits),
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
         DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split:
+        block_h = min(_pow2(hq), max(1, 4096 // (_pow2(num_splits) * block_d)))
+        _merge_kernel[(t, -(-hq // block_h))](
+            pout, plse, out, lse, seq_lens, sinks if sinks is not None else dummy,
+            out_scale if out_scale is not None else dummy,
+            int(window_left), num_splits, min_split,
+            *p_strides,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=block_d,
+            NS_P=_pow2(num_splits), BLOCK_N=block_n, HAS_WINDOW=has_window,
+            HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
+            num_warps=4,
+        )

@@ -162,36 +162,6 @@ def test_odd_dims_groups_pages(kernel_device, knobs, d, bs, cache_dtype, group):
     run_and_check(problem)
 
 
-@pytest.mark.parametrize("hq,hkv,qps,d,merge_regs", [(72, 1, 1, 32, 4), (4, 4, 4, 64, None)],
-                         ids=["2-m-tiles-merge-1-split-per-step", "mha-qps4"])
-def test_split_last_program_merges(kernel_device, knobs, hq, hkv, qps, d, merge_regs):
-    # 5 forced splits; sequences with 0, 1, 3 and 5 active splits; learned sinks and FP8 output
-    # applied by the merging program. 72 rows: two M tiles (the second 8 rows), merged in row
-    # blocks of 16, one split per step (MERGE_REGS=4)
-    knobs(FORCE_NUM_SPLITS=5, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
-    if merge_regs:
-        knobs(MERGE_REGS=merge_regs)
-    problem = make_problem(kernel_device, lens=[0, 70, 5, 33], hq=hq, hkv=hkv, d=d, bs=8, qps=qps)
-    run_and_check(problem, sinks=torch.randn(hq, device=kernel_device), out_scale=torch.tensor(0.05, device=kernel_device))
-
-
-def test_split_counters_stay_zero(kernel_device, knobs, monkeypatch):
-    """The counters are one persistent buffer per (device, stream), left zero by every call."""
-    monkeypatch.setattr(pd, "_COUNTERS", {})
-    monkeypatch.setattr(pd, "_RETIRED", [])
-    knobs(FORCE_NUM_SPLITS=4, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
-    buffers = []
-    for lens in ([50, 0, 17, 64], [3, 64, 33, 49]):
-        run_and_check(make_problem(kernel_device, lens=lens, hq=4, hkv=2, d=32, bs=16, qps=2))
-        assert len(pd._COUNTERS) == 1
-        buffers.append(next(iter(pd._COUNTERS.values())))
-    assert buffers[0] is buffers[1] and buffers[0].numel() >= 4 * 2
-    assert (buffers[0] == 0).all()
-    bigger = pd.split_counters(buffers[0].device, buffers[0].numel() + 1)
-    assert bigger.numel() > buffers[0].numel() and (bigger == 0).all()
-    assert pd._RETIRED == [buffers[0]]   # graphs captured with the outgrown buffer still use it
-
-
 def test_unsupported_reasons(kernel_device):
     q = torch.randn(2, 4, 512, dtype=BF16)
     cache = torch.empty(4, 16, 2, 512, dtype=BF16)
@@ -303,21 +273,6 @@ def test_split_k_long(kernel_device, knobs, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [3, 16])
-def test_split_merge_many_calls(kernel_device, knobs, splits):
-    """Many forced split-K calls with fresh lengths (splits finishing in any order on the GPU):
-    every result passes and the counters end zero."""
-    knobs(FORCE_NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64)
-    problem = make_problem(kernel_device, lens=[4000, 17, 1500], hq=32, hkv=8, d=128, bs=16, qps=2)
-    q, cache, bt, sl = problem
-    for _ in range(30):
-        sl.copy_(torch.randint(2, 4001, (3,)).clamp(max=torch.tensor([4000, 17, 1500])))
-        q.normal_()
-        run_and_check(problem, sinks=torch.randn(32, device=kernel_device))
-    assert all((c == 0).all() for c in pd._COUNTERS.values())
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype,group", [(INT8, 32), (INT4, 16), (INT4, 128)])
 def test_dequant_asm_matches_plain(kernel_device, knobs, cache_dtype, group):
     problem = make_problem(kernel_device, lens=[517, 33, 0], hq=16, hkv=4, d=128, bs=16,
@@ -374,68 +329,3 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
             torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs())
 
     assert_replays_match_eager(call, fill, (out, lse), lambda o, l: check(q, cache, bt, sl, o, l))
-
-
-@pytest.mark.gpu
-def test_split_counters_per_stream(kernel_device):
-    dev = kernel_device
-    s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(s1):
-        a = pd.split_counters(dev, 10)
-        assert pd.split_counters(dev, 10) is a
-    with torch.cuda.stream(s2):
-        assert pd.split_counters(dev, 10).data_ptr() != a.data_ptr()
-    x = torch.zeros(1, device=dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s1):   # the capture stream has counters: the graph takes them
-        assert pd.split_counters(dev, 10) is a
-        x.add_(1)
-    known = {t.data_ptr() for t in pd._COUNTERS.values()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s3):   # none yet: the graph's own buffer, not cached
-        own = pd.split_counters(dev, 10)
-        x.add_(1)
-    assert own.data_ptr() not in known and {t.data_ptr() for t in pd._COUNTERS.values()} == known
-
-
-@pytest.mark.gpu
-def test_cuda_graph_on_stream_with_counters(kernel_device, knobs):
-    """Warm up on the capture stream, so that the graph shares that stream's counters (no memset
-    node); replays with new lengths must equal eager calls and leave the counters zero."""
-    knobs(FORCE_NUM_SPLITS=7, MIN_SPLIT_TOKENS=64)
-    dev = kernel_device
-    B, hq, hkv, d, bs, max_blocks = 5, 32, 8, 128, 16, 64
-    nb = B * max_blocks + 4
-    cache = kv_cache.PagedKVCache.allocate(nb, bs, hkv, d, BF16, device=dev)
-    kv_cache.random_(cache)
-    q = torch.randn(B, hq, d, dtype=BF16, device=dev)
-    bt = torch.randperm(nb, device=dev)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
-    sl = torch.full((B,), max_blocks * bs, dtype=torch.int32, device=dev)
-    out = torch.empty(q.shape, dtype=BF16, device=dev)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
-
-    def call():
-        with torch_ops.use_backend("triton"):
-            torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    counters = pd._COUNTERS[(dev.index, stream.cuda_stream)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call()
-    assert pd._COUNTERS[(dev.index, stream.cuda_stream)] is counters
-    for step in range(4):
-        sl.copy_(torch.randint(0, max_blocks * bs + 1, (B,)))
-        q.normal_()
-        poison_(out)
-        poison_(lse)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert (counters == 0).all()
-        replayed = out.clone(), lse.clone()
-        call()
-        assert torch.equal(replayed[0], out) and torch.equal(replayed[1], lse), f"replay {step} differs from eager"
-        check(q, cache, bt, sl, *replayed)
