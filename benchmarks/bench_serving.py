@@ -5,7 +5,8 @@ build CPU time at 256 sequences (target <= 50 us). JSON under benchmarks/results
 
     python benchmarks/bench_serving.py                  # full grid
     python benchmarks/bench_serving.py --quick          # smoke run: small model, batch 1 and 8
-    python benchmarks/bench_serving.py --metadata-only  # CPU or GPU: per-step metadata µs only
+    python benchmarks/bench_serving.py --metadata-only  # CPU or GPU: per-step metadata + append µs
+    (--out DIR: where the JSON goes, default benchmarks/results)
 """
 
 from __future__ import annotations
@@ -38,18 +39,20 @@ QUICK_MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_he
 
 def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, steps=400,
                      device="cpu") -> dict:
-    """CPU µs per step of the engine's metadata path (`AttentionBackend.prepare`: cache-manager
-    queries + `MetadataBuilder.build` + the host-to-device copy) for `num_seqs` sequences of
-    `context / 2 .. context` cached tokens, median over `steps` steps. `kind`: "decode" (one new
-    token each), "prefill" (4096 new tokens split evenly) or "mixed" (half decode, half prefill
-    chunks of 2048 tokens in all). Each step first appends the new tokens in the cache manager
-    (the scheduler's work, timed apart as `append_us`), so tables grow across block boundaries.
+    """CPU µs per step of the host work `Engine.step` does between scheduling and launch for
+    `num_seqs` running sequences of `context / 2 .. context` cached tokens, called as the engine
+    calls it: the cache appends of the step's new tokens (`KVCacheManager.append_batch`:
+    `append_us`) and the metadata (`AttentionBackend.prepare`: table rows, `MetadataBuilder.build`,
+    the host-to-device copy: `metadata_us`); medians over `steps` steps, and the median of their
+    per-step sums (`total_us`). `kind`: "decode" (one new token each), "prefill" (4096 new tokens
+    split evenly) or "mixed" (half decode, half prefill chunks of 2048 tokens in all). Tables
+    grow across block boundaries as the steps go.
     """
     rng = np.random.default_rng(num_seqs)
     chunk = {"decode": 1, "prefill": 4096 // num_seqs, "mixed": 4096 // num_seqs}[kind]
     max_blocks = (context + chunk) // block_size + 1  # a model length of context + chunk
-    query_lens = [1 if kind == "mixed" and i % 2 else chunk for i in range(num_seqs)]
-    num_tokens = sum(query_lens)
+    query_lens = np.array([1 if kind == "mixed" and i % 2 else chunk for i in range(num_seqs)])
+    num_tokens = int(query_lens.sum())
     kv = KVCacheManager(1, num_seqs * max_blocks + 1, block_size, 1, 8, torch.float16, device=device)
     config = attention_config(LlamaConfig(num_heads=1, num_kv_heads=1, head_dim=8), device)
     attention = get_backend("vanilla")(config, kv, max_num_seqs=num_seqs, max_num_tokens=num_tokens,
@@ -58,33 +61,61 @@ def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, s
     for i, n in zip(ids, rng.integers(context // 2, context, num_seqs).tolist()):
         kv.add(i)
         kv.append(i, n)
-    prepare_us, append_us = [], []
+    append_us, prepare_us, total_us = [], [], []
     for _ in range(steps):
-        if max(map(kv.seq_len, ids)) + chunk > max_blocks * block_size:  # keep within the table
+        if kv.tables.lens.max() + chunk > max_blocks * block_size:  # keep within the table
             for i in ids:
                 kv.free(i)
                 kv.add(i)
                 kv.append(i, context // 2)
         t0 = time.perf_counter()
-        for i, n in zip(ids, query_lens):
-            kv.append(i, n)
+        kv.append_batch(ids, query_lens)
         t1 = time.perf_counter()
         attention.prepare(ids, query_lens)
         t2 = time.perf_counter()
         append_us.append((t1 - t0) * 1e6)
         prepare_us.append((t2 - t1) * 1e6)
+        total_us.append((t2 - t0) * 1e6)
     if device != "cpu":
         torch.cuda.synchronize()
     return {"kind": kind, "num_seqs": num_seqs, "num_tokens": num_tokens,
-            "prepare_us": statistics.median(prepare_us), "append_us": statistics.median(append_us)}
+            "prepare_us": statistics.median(prepare_us), "append_us": statistics.median(append_us),
+            "total_us": statistics.median(total_us)}
+
+
+def engine_step_us(num_seqs: int, device: str, steps: int) -> dict:
+    """The same work timed inside `Engine.step` (`StepStats.schedule_us`: the whole scheduler,
+    its `append_batch` included; `metadata_us`: `prepare`), medians over `steps` decode steps
+    of `num_seqs` requests with short prompts, on a tiny model (vanilla backend on CPU, triton
+    without CUDA graphs on CUDA)."""
+    config = LlamaConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                         head_dim=16, intermediate_size=16)
+    block_size, prompt_len = 16, 8
+    max_blocks = (prompt_len + steps + 4) // block_size + 1
+    kv = KVCacheManager(1, num_seqs * max_blocks + 1, block_size, 1, 16, torch.float32, device=device)
+    backend = "triton" if device == "cuda" else "vanilla"
+    attention = get_backend(backend)(attention_config(config, device), kv, max_num_seqs=num_seqs,
+                                     max_num_tokens=num_seqs * prompt_len, max_blocks_per_seq=max_blocks)
+    model = Llama(config, attention).init_random_(0).to(device)
+    engine = Engine(model, kv, max_num_seqs=num_seqs, max_num_tokens=num_seqs * prompt_len)
+    for i in range(num_seqs):
+        engine.add_request(Request(i, [i % 64] * prompt_len, steps + 2))
+    stats = [engine.step() for _ in range(steps + 1)][1:]  # the first step is the prefill
+    assert all(s.num_seqs == s.num_tokens == num_seqs for s in stats)
+    return {"kind": "engine decode", "num_seqs": num_seqs, "num_tokens": num_seqs,
+            "prepare_us": statistics.median(s.metadata_us for s in stats),
+            "append_us": statistics.median(s.schedule_us for s in stats),
+            "total_us": statistics.median(s.metadata_us + s.schedule_us for s in stats)}
 
 
 def metadata_grid(device: str, steps: int) -> list[dict]:
     rows = [metadata_step_us(n, kind, steps=steps, device=device)
             for kind in ("decode", "prefill", "mixed") for n in (1, 64, 256)]
+    rows.append(engine_step_us(256, device, steps=min(steps, 100)))
     print(table(rows, [("kind", "kind", "s"), ("num_seqs", "seqs", "d"), ("num_tokens", "tokens", "d"),
                        ("prepare_us", "metadata us/step", ".1f"),
-                       ("append_us", "append us/step (scheduler)", ".1f")]), flush=True)
+                       ("append_us", "append us/step (engine: whole scheduler)", ".1f"),
+                       ("total_us", "sum us/step", ".1f")]), flush=True)
     return rows
 
 
@@ -153,11 +184,13 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--metadata-only", action="store_true",
-                        help="only the per-step metadata CPU time (runs on CPU too)")
+                        help="only the per-step metadata and append CPU time (runs on CPU too)")
+    parser.add_argument("--out", default=str(OUT), help="directory of the JSON results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.metadata_only:
-        metadata_grid(device, steps=100 if args.quick else 400)
+        payload = {"env": environment(), "metadata": metadata_grid(device, steps=100 if args.quick else 400)}
+        print("wrote", write_json(args.out, "serving_metadata", payload))
         return
     config = QUICK_MODEL if args.quick else MODEL
     batches = (1, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128)
@@ -175,14 +208,14 @@ def main():
             except Exception as e:  # noqa: BLE001 - a failing peer is recorded, not fatal
                 row["hf_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         payload["rows"].append(row)
-        write_partial(OUT, "serving", payload)
+        write_partial(args.out, "serving", payload)
         torch.cuda.empty_cache()
     print(table(payload["rows"], [("batch", "batch", "d"), ("ours_tokens_per_s", "ours tok/s", ".0f"),
                                   ("ours_step_wall_us", "step us", ".1f"), ("ours_step_gpu_us", "gpu us", ".1f"),
                                   ("ours_metadata_us", "meta us", ".1f"), ("hf_tokens_per_s", "hf tok/s", ".0f"),
                                   ("speedup", "x hf", ".2f")]))
     if not args.quick:
-        print("wrote", write_json(OUT, "serving", payload))
+        print("wrote", write_json(args.out, "serving", payload))
 
 
 if __name__ == "__main__":

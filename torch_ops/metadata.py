@@ -84,6 +84,8 @@ class MetadataBuilder:
         self._staging_np = [buf.numpy() for buf in self._staging]
         self._turn = 0
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._arange = np.arange(max(max_num_seqs, max_num_tokens) + 1)
+        self._row_starts = self._arange[:max_num_seqs] * max_blocks_per_seq  # flat index of each row
 
     def _host(self, staging: np.ndarray, name: str, n: int) -> np.ndarray:
         start = self._offsets[name]
@@ -108,6 +110,7 @@ class MetadataBuilder:
         block_tables: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
         *,
         num_blocks: Sequence[int] | np.ndarray | None = None,
+        rows: Sequence[int] | np.ndarray | None = None,
         pad_to: int | None = None,
         position_offsets: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
@@ -116,6 +119,9 @@ class MetadataBuilder:
         `b`, with `seq_lens[b] <= (blocks of b) * block_size`. Block tables are ragged lists, or
         a 2-D host array `[B, n]` (numpy or CPU tensor; the fast form): row `b` then holds
         `num_blocks[b]` block ids followed by zeros, or `n` ids when `num_blocks` is None.
+        With `rows`, the 2-D array holds the tables of more sequences `[N, n]` (e.g.
+        `BlockTables.array`), sequence `b`'s being row `rows[b]`, gathered straight into the
+        staging buffer.
 
         `pad_to` pads the batch to that many sequences (CUDA-graph buckets) with `seq_len 0`
         sequences and zero block-table rows. Their query length is 0, except when the real batch
@@ -127,8 +133,8 @@ class MetadataBuilder:
         tokens a sliding-window cache dropped before its first cached token, so that RoPE sees
         absolute positions while the ops see positions within the cache.
         """
-        seq, qlen, table, num_blocks = self._parse(seq_lens, query_lens, block_tables, num_blocks,
-                                                   pad_to)
+        seq, qlen, table, num_blocks, rows = self._parse(seq_lens, query_lens, block_tables,
+                                                         num_blocks, rows, pad_to)
         num_real = len(seq)
         offsets = None if position_offsets is None else self._offsets_array(position_offsets, num_real)
         # Uniform batches keep query rows in padding sequences (see the docstring).
@@ -147,33 +153,40 @@ class MetadataBuilder:
         staging = self._staging_np[self._turn]
         m = self.max_blocks_per_seq
 
+        h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
+        width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
+        ids = table[:, :width] if rows is None else table[rows, :width]
+        h_bt[:num_real, :width] = ids
+        if width < m:
+            h_bt[:num_real, width:] = 0
+        # int32 ids were copied as they are; wider ones are checked before the cast.
+        self._check_block_ids(h_bt[:num_real] if table.dtype == np.int32 else ids)
         h_seq = self._host(staging, "seq_lens", batch)
         h_seq[:num_real] = seq
         h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
         h_cu[0] = 0
         np.cumsum(qlen, out=h_cu[1:num_real + 1])
-        h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
-        width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
-        h_bt[:num_real, :width] = table[:, :width]
-        if width < m:
-            h_bt[:num_real, width:] = 0
         if batch > num_real:
             h_seq[num_real:] = 0
-            h_cu[num_real + 1:] = real_tokens + q_per_seq * np.arange(1, batch - num_real + 1)
+            h_cu[num_real + 1:] = real_tokens + q_per_seq * self._arange[1:batch - num_real + 1]
             h_bt[num_real:] = 0
 
-        # Token t of the real batch: sequence tok_seq[t] at position pos[t] (within the cache).
-        tok_seq = np.repeat(np.arange(num_real), qlen)
-        pos = np.repeat(seq - h_cu[1:num_real + 1], qlen)
-        pos += np.arange(real_tokens)
+        # Token t of the real batch: position pos[t] within the cache of the sequence whose
+        # table row starts at index row_start[t] of the flat h_bt.
+        if q_per_seq == 1:  # decode: one token per sequence, the last one
+            pos, row_start = seq - 1, self._row_starts[:num_real]
+        else:
+            pos = np.repeat(seq - h_cu[1:num_real + 1], qlen)
+            pos += self._arange[:real_tokens]
+            row_start = np.repeat(self._row_starts[:num_real], qlen)
         block, offset = np.divmod(pos, self.block_size)
-        block += tok_seq * m
+        block += row_start
         h_slot = self._host(staging, "slot_mapping", num_tokens)
         np.take(h_bt[:num_real], block, out=h_slot[:real_tokens])
         h_slot[:real_tokens] *= self.block_size
         h_slot[:real_tokens] += offset
         if offsets is not None:
-            pos += np.repeat(offsets, qlen)
+            pos += offsets if q_per_seq == 1 else np.repeat(offsets, qlen)
         h_pos = self._host(staging, "positions", num_tokens)
         h_pos[:real_tokens] = pos
         if num_tokens > real_tokens:
@@ -194,14 +207,17 @@ class MetadataBuilder:
             q_per_seq=q_per_seq,
         )
 
-    def _parse(self, seq_lens, query_lens, block_tables, num_blocks, pad_to):
-        """Validated host arrays: `(seq_lens, query_lens, block table [B, n], blocks per row)`."""
+    def _parse(self, seq_lens, query_lens, block_tables, num_blocks, rows, pad_to):
+        """Validated host arrays: `(seq_lens, query_lens, block table [B or N, n], blocks per
+        sequence, rows or None)`; block ids are checked once copied (`_check_block_ids`)."""
         seq = np.asarray(seq_lens, dtype=np.int64)
         qlen = np.asarray(query_lens, dtype=np.int64)
-        if seq.ndim != 1 or qlen.shape != seq.shape or len(block_tables) != len(seq):
+        array = isinstance(block_tables, (np.ndarray, torch.Tensor)) and block_tables.ndim == 2
+        num_tables = len(seq) if rows is not None and array else len(block_tables)
+        if seq.ndim != 1 or qlen.shape != seq.shape or num_tables != len(seq):
             raise ValueError(
-                "seq_lens, query_lens and block_tables must have one entry per sequence, got "
-                f"{seq.shape}, {qlen.shape} and {len(block_tables)} entries"
+                "seq_lens, query_lens and block_tables (or rows) must have one entry per sequence, "
+                f"got {seq.shape}, {qlen.shape} and {num_tables} entries"
             )
         if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= len(seq)):
             raise ValueError(f"pad_to must be an int >= the batch size {len(seq)}, got {pad_to!r}")
@@ -211,16 +227,20 @@ class MetadataBuilder:
                 f"the batch has {batch} sequences (padding included), more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-        if isinstance(block_tables, (np.ndarray, torch.Tensor)) and block_tables.ndim == 2:
+        if array:
             table = np.asarray(block_tables)
+            if table.dtype.kind not in "iu":
+                raise TypeError(f"block_tables must hold integer block ids, got {table.dtype}")
+            if rows is not None:
+                rows = self._rows_array(rows, len(seq), len(table))
             if num_blocks is None:
                 num_blocks = np.full(len(seq), table.shape[1], dtype=np.int64)
             num_blocks = np.asarray(num_blocks)
             if num_blocks.shape != seq.shape:
                 raise ValueError(f"num_blocks must hold one count per sequence, got shape "
                                  f"{num_blocks.shape} for {len(seq)} sequences")
-        elif num_blocks is not None:
-            raise ValueError("num_blocks goes with a 2-D block_tables array, not ragged lists")
+        elif num_blocks is not None or rows is not None:
+            raise ValueError("num_blocks and rows go with a 2-D block_tables array, not ragged lists")
         else:
             num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(seq))
             table = np.zeros((len(seq), int(num_blocks.max(initial=0))), dtype=np.int64)
@@ -231,12 +251,26 @@ class MetadataBuilder:
         if ((qlen < 0) | (qlen > seq) | (num_blocks > self.max_blocks_per_seq)
                 | (seq > num_blocks * self.block_size)).any():
             self._raise_bad_lengths(seq, qlen, num_blocks)
-        if table.size and (table.min() < 0 or (int(table.max()) + 1) * self.block_size > _INT32_MAX):
+        return seq, qlen, table, num_blocks, rows
+
+    @staticmethod
+    def _rows_array(rows, num_seqs: int, num_rows: int) -> np.ndarray:
+        rows = np.asarray(rows)
+        # Negative rows are huge once seen as unsigned: one max checks both ends.
+        if rows.shape != (num_seqs,) or (num_seqs and (
+                rows.dtype.kind not in "iu" or rows.view(f"u{rows.itemsize}").max() >= num_rows)):
+            raise ValueError(f"rows must hold {num_seqs} row indices of block_tables (0.."
+                             f"{num_rows - 1}), one per sequence, got {rows.tolist()}")
+        return rows
+
+    def _check_block_ids(self, table: np.ndarray) -> None:
+        """Block ids must be >= 0 with `(id + 1) * block_size` within int32: one pass over the
+        ids seen as unsigned, where negative ids are huge."""
+        if table.size and (int(table.view(f"u{table.itemsize}").max()) + 1) * self.block_size > _INT32_MAX:
             raise ValueError(
                 "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
                 f"{int(table.min())}..{int(table.max())}"
             )
-        return seq, qlen, table, num_blocks
 
     def _raise_bad_lengths(self, seq: np.ndarray, qlen: np.ndarray, num_blocks: np.ndarray):
         bad = (qlen < 0) | (qlen > seq)

@@ -229,8 +229,45 @@ def test_block_table_array_with_num_blocks():
             assert torch.equal(getattr(md, name), getattr(want, name))
     with pytest.raises(ValueError, match="num_blocks must hold one count per sequence"):
         builder().build(seq_lens, query_lens, table, num_blocks=counts[:2])
-    with pytest.raises(ValueError, match="num_blocks goes with a 2-D block_tables array"):
+    with pytest.raises(ValueError, match="num_blocks and rows go with a 2-D block_tables array"):
         builder().build(seq_lens, query_lens, tables, num_blocks=counts)
     too_many = np.zeros((1, MAX_BLOCKS + 1), dtype=np.int32)
     with pytest.raises(ValueError, match=r"block_tables\[0\] has 13 blocks"):
         builder().build([4], [1], too_many, num_blocks=[MAX_BLOCKS + 1])
+
+
+def test_rows_of_a_larger_table():
+    """`rows` picks each sequence's row of a table of more sequences (in any order, wider or
+    narrower than max_blocks_per_seq): the same metadata as the gathered rows."""
+    rng = fresh_rng()
+    seq_lens, query_lens, tables = random_batch(rng, 6)
+    counts = [len(t) for t in tables]
+    rows = rng.sample(range(10), 6)
+    for width in (max(counts), MAX_BLOCKS + 5):
+        table = np.array([[rng.randint(1, 999) for _ in range(width)] for _ in range(10)], dtype=np.int32)
+        for r, t in zip(rows, tables):
+            table[r] = t + [0] * (width - len(t))
+        md = builder().build(seq_lens, query_lens, table, rows=rows, num_blocks=counts, pad_to=8)
+        want = builder().build(seq_lens, query_lens, tables, pad_to=8)
+        for name in ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions"):
+            assert torch.equal(getattr(md, name), getattr(want, name))
+    for bad in ([0, 1], [0, 1, 2, 3, 4, 10], [-1, 1, 2, 3, 4, 5]):
+        with pytest.raises(ValueError, match=r"rows must hold 6 row indices of block_tables \(0\.\.9\)"):
+            builder().build(seq_lens, query_lens, table, rows=bad, num_blocks=counts)
+    with pytest.raises(ValueError, match="num_blocks and rows go with a 2-D block_tables array"):
+        builder().build(seq_lens, query_lens, tables, rows=rows)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_block_ids_checked_in_the_copied_columns(dtype):
+    """Negative or too large ids raise whatever the table's dtype (int64 ids past int32 too,
+    which an int32 copy would wrap); ids past max_blocks_per_seq columns are never read."""
+    table = np.zeros((2, MAX_BLOCKS + 3), dtype=dtype)
+    table[:, MAX_BLOCKS:] = -7  # outside the copied columns
+    builder().build([4, 4], [1, 1], table, rows=[1, 0], num_blocks=[1, 1])
+    for bad in (-1, 2**29, 2**32 + 1 if dtype == np.int64 else 2**31 - 1):
+        table[1, 0] = bad
+        with pytest.raises(ValueError, match="block ids must be >= 0 with"):
+            builder().build([4, 4], [1, 1], table, rows=[1, 0], num_blocks=[1, 1])
+    with pytest.raises(TypeError, match="block_tables must hold integer block ids, got float32"):
+        builder().build([4], [1], np.zeros((1, 2), dtype=np.float32))

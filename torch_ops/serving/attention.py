@@ -106,7 +106,7 @@ class AttentionBackend(abc.ABC):
         tokens already appended in the cache manager. The new tokens are packed in this order."""
         tables = self.kv.tables
         rows = tables.rows(seq_ids)
-        md = self.builder.build(tables.lens[rows], query_lens, tables.array[rows],
+        md = self.builder.build(tables.lens[rows], query_lens, tables.array, rows=rows,
                                 num_blocks=tables.num_blocks[rows], pad_to=pad_to,
                                 position_offsets=tables.offsets[rows] if self.kv.window_left >= 0 else None)
         return self.step_metadata(md)
