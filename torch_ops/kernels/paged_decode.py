@@ -38,11 +38,7 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
   past the span exit at once (they write nothing, and the merge kernel never reads them).
   With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
-  partial (out, lse) of the active splits and adds the learned sinks once, after the merge. On
-  sm_90+ the merge is a programmatic dependent launch (`PDL`): its launch overlaps the split
-  kernel's tail. (A merge fused into the split kernel, the last split of a tile merging after
-  an atomic counter, was tried: 1-2 µs faster for MHA, up to 2.3x slower for GQA at B = 1, where
-  one program merges 22-26 splits serially; H200, 2026-11-22.)
+  partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
@@ -82,7 +78,6 @@ LAST_NUM_SPLITS = 0                   # and the split count it ran with
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
-PDL: bool | None = None               # programmatic dependent launch of the merge (None: on sm_90+)
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
 # Resident programs per SM of the default configs at D = 128, from their compiled resources on an
@@ -393,7 +388,6 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -518,8 +512,6 @@ def _paged_decode_kernel(
         p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
         tl.store(POut + p_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PLse + split.to(tl.int64) * stride_pls + tok.to(tl.int64) * stride_plt + head, lse, mask=row_ok)
-        if PDL:   # this program's partials are stored: the merge kernel may start launching
-            tl.extra.cuda.gdc_launch_dependents()
     else:
         if HAS_SINKS:
             sink = tl.load(Sinks + head, mask=row_ok, other=0.0)
@@ -546,18 +538,14 @@ def _merge_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NS_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Combine the active splits' partial (out, lse) of BLOCK_H heads of one query token; add the
-    learned sinks; write out (query dtype or FP8) and lse. With PDL the kernel is launched while
-    the split kernel drains and waits for it (griddepcontrol) before reading the partials."""
+    learned sinks; write out (query dtype or FP8) and lse."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
     L = tl.load(SeqLens + t // QPS).to(tl.int32)
     _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, BLOCK_N)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     s = tl.arange(0, NS_P)
     s_ok = s < n_active
     lse_ptr = PLse + s[:, None].to(tl.int64) * stride_pls + t.to(tl.int64) * stride_plt + h[None, :]
@@ -792,8 +780,6 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         max_iters = max(1, _cdiv(min(per, cap), block_n) + 1
                         + (_cdiv(min(sink_tokens, cap), block_n) if has_window else 0))
     grid = (batch * hkv * m_tiles, num_splits)
-    pdl = split and (PDL if PDL is not None else query.device.type == "cuda" and not static_loop
-                     and torch.cuda.get_device_capability(query.device)[0] >= 9)
     global LAST_KERNEL, LAST_NUM_SPLITS
     LAST_NUM_SPLITS = num_splits
     LAST_KERNEL = _paged_decode_kernel[grid](
@@ -815,7 +801,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
-        DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec, PDL=pdl,
+        DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
@@ -828,6 +814,6 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=block_d,
             NS_P=_pow2(num_splits), BLOCK_N=block_n, HAS_WINDOW=has_window,
-            HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop, PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
+            num_warps=4,
         )
