@@ -437,11 +437,14 @@ class BlockTables:
     def _set_blocks(self, row: int, start: int, blocks: list[int]) -> None:
         """Write `blocks` at columns `start..` of `row` (its block count becomes their end)."""
         end = start + len(blocks)
-        self._reserve_columns(end)
+        self.reserve_columns(end)
         self.array[row, start:end] = blocks
         self.num_blocks[row] = end
 
-    def _reserve_columns(self, n: int) -> None:
+    def reserve_columns(self, n: int) -> None:
+        """Make `array` at least `n` columns wide now (it doubles when a table outgrows it):
+        with exactly a metadata builder's `max_blocks_per_seq`, the builder copies rows as
+        they are."""
         if n > self.array.shape[1]:
             cols = max(n, 2 * self.array.shape[1])
             self.array = np.pad(self.array, ((0, 0), (0, cols - self.array.shape[1])))
@@ -499,24 +502,27 @@ class BlockTables:
         start, have = self.lens[rows], self.num_blocks[rows]
         need = (start + counts + bs - 1) // bs - have  # new blocks at the end of each table
         copies, src = self._copies_on_write(rows, start, have, counts)
-        extra = need.copy()
-        extra[copies] += 1
-        blocks = self.allocator.take(int(extra.sum()))
-        first = np.cumsum(extra) - extra  # each sequence's share of `blocks`: copy, then new ones
+        extra = need
         if len(copies):
-            dst = blocks[first[copies]]
-            self.array[rows[copies], have[copies] - 1] = dst
-            self._copies += zip(src.tolist(), dst.tolist())
-            self.allocator.free(src)  # the copied blocks stay referenced by other sequences
-            first[copies] += 1
-        grow = np.flatnonzero(need)
-        if len(grow):
+            extra = need.copy()
+            extra[copies] += 1
+        total = int(extra.sum())
+        if total:  # most decode steps allocate nothing
+            blocks = self.allocator.take(total)
+            first = np.cumsum(extra) - extra  # each sequence's share of `blocks`: copy, then new
+            if len(copies):
+                dst = blocks[first[copies]]
+                self.array[rows[copies], have[copies] - 1] = dst
+                self._copies += zip(src.tolist(), dst.tolist())
+                self.allocator.free(src)  # the copied blocks stay referenced by other sequences
+                first[copies] += 1
+            grow = np.flatnonzero(need)
             k = need[grow]
             seq = np.repeat(grow, k)
             nth = np.arange(len(seq)) - np.repeat(np.cumsum(k) - k, k)  # 0.. within a sequence
-            self._reserve_columns(int((have + need).max()))
+            self.reserve_columns(int((have + need).max()))
             self.array[rows[seq], have[seq] + nth] = blocks[first[seq] + nth]
-        self.num_blocks[rows] = have + need
+            self.num_blocks[rows] = have + need
         self.lens[rows] = start + counts
         return rows
 

@@ -154,22 +154,26 @@ class MetadataBuilder:
         m = self.max_blocks_per_seq
 
         h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
-        width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
-        ids = table[:, :width] if rows is None else table[rows, :width]
-        h_bt[:num_real, :width] = ids
-        if width < m:
+        if rows is not None and table.shape[1] == m and table.dtype == np.int32:
+            np.take(table, rows, axis=0, out=h_bt[:num_real])  # e.g. BlockTables.reserve_columns(m)
+            ids = h_bt[:num_real]
+        else:
+            width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
+            ids = table[:, :width] if rows is None else table[rows, :width]
+            h_bt[:num_real, :width] = ids
             h_bt[:num_real, width:] = 0
-        # int32 ids were copied as they are; wider ones are checked before the cast.
-        self._check_block_ids(h_bt[:num_real] if table.dtype == np.int32 else ids)
+        self._check_block_ids(ids)  # before any cast to int32 (the int64 ids of ragged lists)
+        h_bt[num_real:] = 0
         h_seq = self._host(staging, "seq_lens", batch)
         h_seq[:num_real] = seq
+        h_seq[num_real:] = 0
         h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
-        h_cu[0] = 0
-        np.cumsum(qlen, out=h_cu[1:num_real + 1])
-        if batch > num_real:
-            h_seq[num_real:] = 0
-            h_cu[num_real + 1:] = real_tokens + q_per_seq * self._arange[1:batch - num_real + 1]
-            h_bt[num_real:] = 0
+        if q_per_seq:
+            h_cu[:] = self._arange[:batch + 1] * q_per_seq
+        else:
+            h_cu[0] = 0
+            h_cu[1:num_real + 1] = np.cumsum(qlen)
+            h_cu[num_real + 1:] = real_tokens
 
         # Token t of the real batch: position pos[t] within the cache of the sequence whose
         # table row starts at index row_start[t] of the flat h_bt.
@@ -182,9 +186,7 @@ class MetadataBuilder:
         block, offset = np.divmod(pos, self.block_size)
         block += row_start
         h_slot = self._host(staging, "slot_mapping", num_tokens)
-        np.take(h_bt[:num_real], block, out=h_slot[:real_tokens])
-        h_slot[:real_tokens] *= self.block_size
-        h_slot[:real_tokens] += offset
+        h_slot[:real_tokens] = np.take(h_bt, block) * self.block_size + offset
         if offsets is not None:
             pos += offsets if q_per_seq == 1 else np.repeat(offsets, qlen)
         h_pos = self._host(staging, "positions", num_tokens)

@@ -94,6 +94,7 @@ class AttentionBackend(abc.ABC):
         self.kv = kv
         self.builder = MetadataBuilder(max_num_seqs, max_num_tokens, max_blocks_per_seq,
                                        kv.block_size, cache.k.device)
+        kv.tables.reserve_columns(max_blocks_per_seq)
 
     @classmethod
     def unsupported(cls, config: AttentionConfig, kv: KVCacheManager) -> list[str]:
