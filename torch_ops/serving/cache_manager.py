@@ -231,8 +231,10 @@ class KVCacheManager:
     def _register_full_blocks(self, seq_id, new_tokens: Sequence[int]) -> None:
         tokens, hashes = self._tokens[seq_id], self._hashes[seq_id]
         tokens.extend(new_tokens)
-        table = self.tables.block_table(seq_id)
         bs = self.block_size
+        if len(tokens) // bs == len(hashes):  # no block filled up (most decode steps)
+            return
+        table = self.tables.block_table(seq_id)
         for i in range(len(hashes), len(tokens) // bs):
             h = self._block_hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs])
             hashes.append(h)
