@@ -155,7 +155,8 @@ class MetadataBuilder:
 
         h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
         if rows is not None and table.shape[1] == m and table.dtype == np.int32:
-            np.take(table, rows, axis=0, out=h_bt[:num_real])  # e.g. BlockTables.reserve_columns(m)
+            # e.g. BlockTables.reserve_columns(m); rows are checked, and "clip" writes unbuffered
+            np.take(table, rows, axis=0, out=h_bt[:num_real], mode="clip")
             ids = h_bt[:num_real]
         else:
             width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
