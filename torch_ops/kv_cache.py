@@ -531,12 +531,12 @@ class BlockTables:
         that block: `(indices into rows, source blocks)`. A partly filled last block receives
         tokens; if shared, its k-th writer in the batch (k = 0, 1, ...) copies it while its
         refcount, less the k copies before, is above 1, as one-by-one appends would."""
-        writers = np.flatnonzero((counts > 0) & (start % self.block_size != 0))
-        src = self.array[rows[writers], have[writers] - 1]
-        shared = self.allocator.refcounts[src] > 1
-        if not shared.any():
-            return writers[:0], src[:0]
-        writers, src = writers[shared], src[shared]
+        last = self.array[rows, have - 1]  # (any block of an empty table: filtered out below)
+        shared = self.allocator.refcounts[last] > 1
+        if not shared.any():  # the common case, checked first
+            return rows[:0], last[:0]
+        writers = np.flatnonzero(shared & (counts > 0) & (start % self.block_size != 0))
+        src = last[writers]
         order = np.argsort(src, kind="stable")
         sorted_src = src[order]
         group_start = np.flatnonzero(np.r_[True, sorted_src[1:] != sorted_src[:-1]])
