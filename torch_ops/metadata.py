@@ -84,6 +84,7 @@ class MetadataBuilder:
         self._staging_np = [buf.numpy() for buf in self._staging]
         self._turn = 0
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._copy_pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._arange = np.arange(max(max_num_seqs, max_num_tokens) + 1)
         self._row_starts = self._arange[:max_num_seqs] * max_blocks_per_seq  # flat index of each row
 
@@ -317,7 +318,11 @@ class MetadataBuilder:
         if self._device_np is not None:  # a CPU "device": torch's copy_ would use intra-op threads
             self._device_np[:n] = self._staging_np[self._turn][:n]
         else:
-            self._device_buf[:n].copy_(self._staging[self._turn][:n], non_blocking=True)
+            pair = self._copy_pairs.get((self._turn, n))  # slices cached as in `_dev`
+            if pair is None:
+                pair = (self._device_buf[:n], self._staging[self._turn][:n])
+                self._copy_pairs[self._turn, n] = pair
+            pair[0].copy_(pair[1], non_blocking=True)
         event = self._copy_done[self._turn]
         if event is not None:
             event.record()
