@@ -7,7 +7,6 @@ Every cache tensor is seen through the logical shape `[num_blocks, block_size, H
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Callable
 
@@ -297,8 +296,9 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Block ids `0..num_blocks-1`: a free stack and reference counts (host numpy arrays, so
-    that a serving step allocates for a whole batch at once: `take`)."""
+    """Block ids `0..num_blocks-1`: a free stack and reference counts `refcounts
+    [num_blocks]` (host numpy arrays, read-only outside this class, so that a serving step
+    allocates for a whole batch at once: `take`)."""
 
     def __init__(self, num_blocks: int, reclaim: Callable[[int], None] | None = None):
         """`reclaim(n)`, if given, is asked to free up to `n` more blocks (e.g. by evicting a
@@ -348,9 +348,9 @@ class BlockAllocator:
                 f"{int(self.refcounts[unique[b]])} (double free?)"
             )
         self.refcounts[unique] -= counts.astype(np.int32)
-        released = unique[self.refcounts[unique] == 0]
-        last = len(ids) - 1 - first[self.refcounts[unique] == 0]
-        released = released[np.argsort(last)]
+        zero = self.refcounts[unique] == 0
+        last = len(ids) - 1 - first[zero]  # where each released block last occurs in `blocks`
+        released = unique[zero][np.argsort(last)]
         self._free[self._num_free:self._num_free + len(released)] = released
         self._num_free += len(released)
 

@@ -114,8 +114,8 @@ class KVCacheManager:
     def append(self, seq_id, tokens: int | Sequence[int]) -> list[int]:
         """Make room for new tokens (a count, or their ids when prefix caching) and return
         their slots (`append_batch` of one). On `OutOfBlocksError` nothing changes."""
-        n = int(self._counts([tokens])[0])
         self.append_batch([seq_id], [tokens])
+        n = tokens if isinstance(tokens, int) else len(tokens)
         return self.tables.slots(seq_id, self.seq_len(seq_id) - n, n)
 
     def append_batch(self, seq_ids: Sequence, tokens: Sequence) -> np.ndarray:

@@ -213,7 +213,8 @@ def test_append_batch_equals_one_by_one(policy):
             pending.pop(seq, None)
             for mgr in (batched, one_by_one):
                 mgr.free(seq)
-        seqs = list(pending) + rng.sample([s for s in live if s not in pending], rng.randint(0, len(live) - len(pending)))
+        running = [s for s in live if s not in pending]
+        seqs = list(pending) + rng.sample(running, rng.randint(0, len(running)))
         new = [pending.pop(s) if s in pending else [rng.randrange(50)] for s in seqs]
         if not batched.prefix_caching:
             new = [len(t) for t in new]
