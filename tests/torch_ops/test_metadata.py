@@ -243,7 +243,7 @@ def test_rows_of_a_larger_table():
     seq_lens, query_lens, tables = random_batch(rng, 6)
     counts = [len(t) for t in tables]
     rows = rng.sample(range(10), 6)
-    for width in (max(counts), MAX_BLOCKS + 5):
+    for width in (max(counts), MAX_BLOCKS, MAX_BLOCKS + 5):  # MAX_BLOCKS: taken into staging as is
         table = np.array([[rng.randint(1, 999) for _ in range(width)] for _ in range(10)], dtype=np.int32)
         for r, t in zip(rows, tables):
             table[r] = t + [0] * (width - len(t))
