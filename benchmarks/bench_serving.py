@@ -85,7 +85,8 @@ def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, s
 
 def engine_step_us(num_seqs: int, device: str, steps: int) -> dict:
     """The same work timed inside `Engine.step` (`StepStats.schedule_us`: the whole scheduler,
-    its `append_batch` included; `metadata_us`: `prepare`), medians over `steps` decode steps
+    its `append_batch` included; `metadata_us`: `prepare`; `host_us`: everything from the
+    step's start to the launch, input ids included), medians over `steps` decode steps
     of `num_seqs` requests with short prompts on a tiny model: the vanilla backend in fp32 on
     CPU, the triton backend in bf16 with CUDA-graph decode steps on CUDA. Unlike the grid's
     back-to-back loop, each step's host work here follows a forward (and on CUDA a wait for
@@ -110,7 +111,8 @@ def engine_step_us(num_seqs: int, device: str, steps: int) -> dict:
     return {"kind": "engine decode", "num_seqs": num_seqs, "num_tokens": num_seqs,
             "prepare_us": statistics.median(s.metadata_us for s in stats),
             "append_us": statistics.median(s.schedule_us for s in stats),
-            "total_us": statistics.median(s.metadata_us + s.schedule_us for s in stats)}
+            "total_us": statistics.median(s.metadata_us + s.schedule_us for s in stats),
+            "host_us": statistics.median(s.host_us for s in stats)}
 
 
 def metadata_grid(device: str, steps: int) -> list[dict]:
@@ -124,7 +126,8 @@ def metadata_grid(device: str, steps: int) -> list[dict]:
     print(table(rows, [("kind", "kind", "s"), ("num_seqs", "seqs", "d"), ("num_tokens", "tokens", "d"),
                        ("prepare_us", "metadata us/step", ".1f"),
                        ("append_us", "append us/step (engine: whole scheduler)", ".1f"),
-                       ("total_us", "sum us/step", ".1f")]), flush=True)
+                       ("total_us", "sum us/step", ".1f"),
+                       ("host_us", "step start to launch us", ".1f")]), flush=True)
     return rows
 
 

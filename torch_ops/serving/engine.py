@@ -42,7 +42,11 @@ class Request:
     def token_range(self, start: int, stop: int) -> list[int]:
         """`tokens[start:stop]`, without building `tokens`."""
         p = len(self.prompt)
-        return self.prompt[start:stop] + self.output[max(start - p, 0):max(stop - p, 0)]
+        if start >= p:  # decodes
+            return self.output[start - p:stop - p]
+        if stop <= p:
+            return self.prompt[start:stop]
+        return self.prompt[start:] + self.output[:stop - p]
 
     @property
     def done(self) -> bool:
@@ -57,6 +61,7 @@ class StepStats:
     metadata_us: float   # CPU time building the step's metadata
     gpu_us: float | None  # device time of the forward (CUDA events), None on CPU
     schedule_us: float   # CPU time scheduling the step, cache appends included
+    host_us: float       # CPU time from the step's start to the forward's launch
 
 
 class Engine:
@@ -161,9 +166,9 @@ class Engine:
 
     def step(self) -> StepStats | None:
         """Run one step; None if there was nothing to schedule."""
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         batch = self._schedule()
-        schedule_us = (time.perf_counter() - t0) * 1e6
+        schedule_us = (time.perf_counter() - start) * 1e6
         if not batch:
             if self.running or self.waiting:
                 raise RuntimeError("no request fits in the KV cache: raise num_blocks")
@@ -177,8 +182,12 @@ class Engine:
         meta = self.attention.prepare(ids, query_lens, pad_to=bucket)
         metadata_us = (time.perf_counter() - t0) * 1e6
 
-        tokens = [t for r, n in batch for t in r.token_range(r.num_computed, r.num_computed + n)]
-        self._input_ids[:num_tokens].copy_(torch.tensor(tokens), non_blocking=True)
+        token_ids = []
+        for r, n in batch:
+            token_ids += r.token_range(r.num_computed, r.num_computed + n)
+        token_ids = torch.from_numpy(np.fromiter(token_ids, dtype=np.int64, count=num_tokens))
+        self._input_ids[:num_tokens].copy_(token_ids, non_blocking=True)
+        host_us = (time.perf_counter() - start) * 1e6
         timer = _GpuTimer(self._input_ids.is_cuda)
         if bucket is not None:
             graph, logits, _ = self._graphs[bucket]
@@ -200,7 +209,8 @@ class Engine:
                     self.kv.free(req.id)
                     self.running.remove(req)
                     self.finished[req.id] = req
-        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us, schedule_us)
+        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us, schedule_us,
+                         host_us)
 
     def _bucket(self, query_lens: np.ndarray) -> int | None:
         if not self.buckets or (query_lens != 1).any():

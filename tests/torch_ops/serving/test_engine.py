@@ -53,3 +53,13 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs():
     engine.kv.add = lambda seq, prompt=(): hits.append(add(seq, prompt)) or hits[-1]
     check_against_dense(engine, requests, rng)
     assert max(hits) >= 12
+
+
+def test_request_token_range_equals_a_slice_of_tokens():
+    rng = fresh_rng()
+    for _ in range(200):
+        req = Request(0, [rng.randrange(100) for _ in range(rng.randint(0, 6))], 5,
+                      output=[rng.randrange(100) for _ in range(rng.randint(0, 6))])
+        start = rng.randint(0, req.num_tokens)
+        stop = rng.randint(start, req.num_tokens)
+        assert req.token_range(start, stop) == req.tokens[start:stop]
