@@ -81,8 +81,9 @@ def test_cuda_graph_decode_steps_equal_eager_calls():
     for bucket, (graph, logits, run) in list(engine._graphs.items()):
         engine._graphs[bucket] = (_Checked(graph, logits, run, replays), logits, run)
     rng = fresh_rng()
-    requests = random_requests(rng, 64, CONFIG.vocab_size, max_prompt=12, max_new=32)
-    arrivals = sorted(rng.randint(0, 120) for _ in requests)
+    # ~1600 generated tokens over <= 8 running requests: far more than 100 decode-only steps
+    requests = random_requests(rng, 96, CONFIG.vocab_size, max_prompt=12, max_new=32)
+    arrivals = sorted(rng.randint(0, 200) for _ in requests)
     from torch_ops.serving.engine import generate
 
     generate(engine, requests, arrivals)
