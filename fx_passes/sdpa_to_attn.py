@@ -26,6 +26,8 @@ linear, so scaling before it is the same), and the op's `scale` keeps the consta
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
 other mask (padding, sliding window, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
 attention that autograd records (the op has no autograd formula: compile under no_grad),
+one query over many keys (a decode step over a `[B, H, S, D]` cache: the op would repack the
+cache every call; on an H200 that made a 1B Llama decode step 2.3x slower than stock compile),
 q/k/v head dims that differ, attention weights used elsewhere, and causal attention unless
 Sq == Sk is guaranteed: SDPA's `is_causal` (and a `triu` mask) is aligned top-left, the op's
 causal mask bottom-right.
@@ -193,6 +195,9 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors) -> Attention:
     if not known_equal(kv.shape, vv.shape) or not known_equal(qv.shape[0], kv.shape[0]):
         raise Decline(f"shapes query {tuple(qv.shape)}, key {tuple(kv.shape)}, value {tuple(vv.shape)}: "
                       "need one batch size and key/value of one shape")
+    if known_equal(qv.shape[2], 1) and not known_equal(kv.shape[2], 1):
+        raise Decline(f"a decode step (one query over {kv.shape[2]} cached keys): packing [B, H, S, D] "
+                      "keys for context_attention copies the whole cache every call, SDPA reads it in place")
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
         raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
                       "aligns the mask top-left, context_attention bottom-right")

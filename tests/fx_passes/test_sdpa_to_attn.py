@@ -211,6 +211,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
     pytest.param(sdpa_hf_sliding_window, {}, "not recognized as the causal mask", id="sliding_window_mask"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
+    pytest.param(sdpa, dict(sq=1, sk=9), "a decode step", id="decode_step_over_cache"),
 ])
 def test_declines_with_reason(fn, shapes, reason, caplog):
     caplog.set_level(logging.DEBUG, logger="fx_passes")
