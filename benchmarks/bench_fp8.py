@@ -96,7 +96,7 @@ class Case:
     def flashinfer(self, fp8: bool):
         import flashinfer
 
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD", backend="fa3")
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(common.flashinfer_workspace(), "NHD", backend="fa3")
         dtype = E4M3 if fp8 else BF16
         w.plan(self.cu, self.cu, self.heads, self.heads, self.d, causal=self.causal, q_data_type=dtype,
                kv_data_type=dtype, o_data_type=BF16)
@@ -136,16 +136,6 @@ class Case:
         if not torch.isfinite(diff).all():
             raise RuntimeError(f"{(~torch.isfinite(diff)).float().mean().item():.1%} of the output is not finite")
         return (diff ** 2).mean().sqrt().item()
-
-
-_WS = None
-
-
-def workspace():
-    global _WS
-    if _WS is None:
-        _WS = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    return _WS
 
 
 def time_us(fn) -> tuple[float, str]:

@@ -231,20 +231,10 @@ def sdpa_fn(case: ContextCase, backend_name: str):
     return fn
 
 
-_WORKSPACE = None
-
-
-def _flashinfer_workspace():
-    global _WORKSPACE
-    if _WORKSPACE is None:
-        _WORKSPACE = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    return _WORKSPACE
-
-
 def flashinfer_context_fn(case: ContextCase, backend: str):
     import flashinfer
 
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_flashinfer_workspace(), "NHD", backend=backend)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(common.flashinfer_workspace(), "NHD", backend=backend)
     w.plan(case.cu, case.cu, case.heads, case.heads, case.d, causal=case.causal, q_data_type=torch.bfloat16)
 
     def fn():
@@ -256,7 +246,7 @@ def flashinfer_context_fn(case: ContextCase, backend: str):
 def flashinfer_paged_fn(case: PagedCase, backend: str):
     import flashinfer
 
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_flashinfer_workspace(), "NHD", backend=backend)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(common.flashinfer_workspace(), "NHD", backend=backend)
     pages = [len(ids) for ids in case.page_ids]
     indptr = cumsum0(pages)
     indices = torch.tensor([i for ids in case.page_ids for i in ids], dtype=torch.int32, device="cuda")

@@ -10,6 +10,7 @@ gaps a serving loop's graph has, and excludes Python dispatch.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -184,3 +185,10 @@ def run_check(check: Callable[[], dict]) -> dict:
         return check()
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+@functools.lru_cache(maxsize=None)
+def flashinfer_workspace() -> torch.Tensor:
+    """One 512 MB FlashInfer workspace, allocated once. Wrappers keep their plan in it: plan and
+    run one wrapper at a time."""
+    return torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
