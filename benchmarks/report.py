@@ -136,7 +136,9 @@ def e2e_compile_section(data: dict, name: str) -> list[str]:
     lines = _header(data, "torch.compile end to end (random 1B Llama)", name) + [
         "Model: {num_hidden_layers} layers, hidden {hidden_size}, {num_attention_heads}/{num_key_value_heads} "
         "heads of dim {head_dim}, bf16. ".format(**data["model"]) + "`passes` = `torch.compile` after `fx_passes.enable()`; "
-        "`×compile` = stock compile time / this time (> 1: faster); compile time in seconds.", "",
+        "`×compile` = stock compile time / this time (> 1: faster); compile time in seconds. "
+        + ("Inductor freezing on (weights as constants). " if data.get("freezing") else "")
+        + ("Times: CUDA-graph replays." if data.get("graphs") else "Times: eager launches (do_bench)."), "",
         "| case | variant | mode | µs | ×compile | compile s | breaks | recompiles | passes |",
         "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
