@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import INDEX_DTYPES, check_tensor, check_vector, debug_checks_enabled, expect
+from .checks import INDEX_DTYPES, check_tensor, check_vector, debug_checks_enabled
 
 # options that need each key's absolute position, which the shared pass does not know per row
 _POSITIONAL = ("alibi_slopes", "window_left", "sink_tokens")
@@ -55,8 +55,9 @@ def shared_prefix_attention(query, k_cache, v_cache, shared_block_tables, shared
     unknown = set(positional) - set(_POSITIONAL)
     if unknown:
         raise TypeError(f"shared_prefix_attention got unexpected arguments {sorted(unknown)}")
-    expect(not used, f"{', '.join(used)} need absolute key positions, which the shared-prefix pass does not "
-           "track; run paged_prefill/paged_decode over the full block tables instead")
+    if used:
+        raise ValueError(f"{', '.join(used)} need absolute key positions, which the shared-prefix pass does "
+                         "not track; run paged_prefill/paged_decode over the full block tables instead")
     dev = query.device
     check_tensor(shared_block_tables, "shared_block_tables", 2, "[G, P]", dev, INDEX_DTYPES)
     groups = shared_block_tables.shape[0]
@@ -123,5 +124,5 @@ def _check_groups_align(num_tokens, cu_group_tokens, num_seqs, cu_seqlens_q) -> 
     else:
         seq_bounds = set(cu_seqlens_q.tolist())
     groups = cu_group_tokens.tolist()
-    expect(groups[0] == 0 and groups[-1] == num_tokens and set(groups) <= seq_bounds,
-           f"cu_group_tokens must run from 0 to {num_tokens} along sequence boundaries, got {groups}")
+    if not (groups[0] == 0 and groups[-1] == num_tokens and set(groups) <= seq_bounds):
+        raise ValueError(f"cu_group_tokens must run from 0 to {num_tokens} along sequence boundaries, got {groups}")

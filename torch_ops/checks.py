@@ -23,37 +23,33 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("ATTN_DEBUG", "0") not in ("", "0")
 
 
-def expect(cond, message: str, error: type[Exception] = ValueError) -> None:
-    if not cond:
-        raise error(message)
-
-
 def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def check_dtype(t: torch.Tensor, name: str, allowed) -> None:
-    expect(
-        t.dtype in allowed,
-        f"{name} must have dtype in ({_names(allowed)}), got {str(t.dtype).replace('torch.', '')}",
-        TypeError,
-    )
+    if not t.dtype in allowed:
+        raise TypeError(f"{name} must have dtype in ({_names(allowed)}), got {str(t.dtype).replace('torch.', '')}")
 
 
 def check_tensor(
     t, name: str, ndim: int, desc: str, device: torch.device, dtypes=None
 ) -> None:
     """`t` is a tensor of rank `ndim` (described as `desc`, e.g. "[T, Hq, D]") on `device`."""
-    expect(isinstance(t, torch.Tensor), f"{name} must be a tensor {desc}", TypeError)
-    expect(t.dim() == ndim, f"{name} must be {ndim}-D {desc}, got shape {tuple(t.shape)}")
-    expect(t.device == device, f"{name} must be on {device} (like query), got {t.device}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor {desc}")
+    if not t.dim() == ndim:
+        raise ValueError(f"{name} must be {ndim}-D {desc}, got shape {tuple(t.shape)}")
+    if not t.device == device:
+        raise ValueError(f"{name} must be on {device} (like query), got {t.device}")
     if dtypes is not None:
         check_dtype(t, name, dtypes)
 
 
 def check_vector(t, name: str, length, device, dtypes, desc: str) -> None:
     check_tensor(t, name, 1, desc, device, dtypes)
-    expect(t.shape[0] == length, f"{name} must have shape {desc} = ({length},), got {tuple(t.shape)}")
+    if not t.shape[0] == length:
+        raise ValueError(f"{name} must have shape {desc} = ({length},), got {tuple(t.shape)}")
 
 
 def check_options(
@@ -62,32 +58,39 @@ def check_options(
 ) -> None:
     """The options shared by the attention ops (see docs/ops.md, "Common keyword options")."""
     hq, dev = query.shape[1], query.device
-    expect(scale is None or scale > 0, f"scale must be > 0 or None, got {scale}")
-    expect(q_scaling > 0, f"q_scaling must be > 0, got {q_scaling}")
-    expect(window_left >= -1, f"window_left must be -1 (no window) or >= 0, got {window_left}")
-    expect(sink_tokens >= 0, f"sink_tokens must be >= 0, got {sink_tokens}")
-    expect(softcap >= 0, f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if not (scale is None or scale > 0):
+        raise ValueError(f"scale must be > 0 or None, got {scale}")
+    if not q_scaling > 0:
+        raise ValueError(f"q_scaling must be > 0, got {q_scaling}")
+    if not window_left >= -1:
+        raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    if not sink_tokens >= 0:
+        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
     if alibi_slopes is not None:
         check_vector(alibi_slopes, "alibi_slopes", hq, dev, (torch.float32,), "[Hq]")
     if sinks is not None:
         check_vector(sinks, "sinks", hq, dev, (torch.float32,), "[Hq]")
     if out_scale is not None:
-        expect(isinstance(out_scale, torch.Tensor), "out_scale must be a 0-d float32 tensor", TypeError)
+        if not isinstance(out_scale, torch.Tensor):
+            raise TypeError("out_scale must be a 0-d float32 tensor")
         check_dtype(out_scale, "out_scale", (torch.float32,))
-        expect(out_scale.numel() == 1 and out_scale.dim() <= 1,
-               f"out_scale must be a 0-d float32 tensor, got shape {tuple(out_scale.shape)}")
-        expect(out_scale.device == dev, f"out_scale must be on {dev} (like query), got {out_scale.device}")
+        if not (out_scale.numel() == 1 and out_scale.dim() <= 1):
+            raise ValueError(f"out_scale must be a 0-d float32 tensor, got shape {tuple(out_scale.shape)}")
+        if not out_scale.device == dev:
+            raise ValueError(f"out_scale must be on {dev} (like query), got {out_scale.device}")
 
 
 def check_per_head_scale(t, name: str, num_heads: int, device) -> None:
     """A dequantization scale: 0-d or `[num_heads]` float32."""
-    expect(isinstance(t, torch.Tensor), f"{name} must be a float32 tensor, 0-d or [{num_heads}]", TypeError)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor, 0-d or [{num_heads}]")
     check_dtype(t, name, (torch.float32,))
-    expect(t.device == device, f"{name} must be on {device} (like query), got {t.device}")
-    expect(
-        t.dim() == 0 or (t.dim() == 1 and t.shape[0] == num_heads),
-        f"{name} must be 0-d or [{num_heads}] (per head), got shape {tuple(t.shape)}",
-    )
+    if not t.device == device:
+        raise ValueError(f"{name} must be on {device} (like query), got {t.device}")
+    if not (t.dim() == 0 or (t.dim() == 1 and t.shape[0] == num_heads)):
+        raise ValueError(f"{name} must be 0-d or [{num_heads}] (per head), got shape {tuple(t.shape)}")
 
 
 def check_paged_cache(
@@ -102,64 +105,64 @@ def check_paged_cache(
     d = query.shape[-1] if head_dim is None else head_dim
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(c, name, 4, "[num_blocks, block_size, Hkv, D]", dev)
-        expect(c.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {c.stride()}")
-    expect(v_cache.shape == k_cache.shape,
-           f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    expect(v_cache.dtype == k_cache.dtype,
-           f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}", TypeError)
+        if not c.stride(-1) == 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {c.stride()}")
+    if not v_cache.shape == k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if not v_cache.dtype == k_cache.dtype:
+        raise TypeError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
     fmt = kv_format(k_cache.dtype)
     num_blocks, block_size, hkv, dc = k_cache.shape
-    expect(1 <= block_size <= 256, f"k_cache block_size (dim 1) must be in 1..256, got {block_size}")
+    if not 1 <= block_size <= 256:
+        raise ValueError(f"k_cache block_size (dim 1) must be in 1..256, got {block_size}")
     expected_dc = d // 2 if fmt is KVFormat.INT4 else d
-    expect(
-        dc == expected_dc,
-        f"k_cache last dim must be {expected_dc} for head dim {d} "
-        f"({'packed INT4' if fmt is KVFormat.INT4 else fmt.value}), got {dc}",
-    )
+    if not dc == expected_dc:
+        raise ValueError(f"k_cache last dim must be {expected_dc} for head dim {d} "
+            f"({'packed INT4' if fmt is KVFormat.INT4 else fmt.value}), got {dc}")
     if fmt is KVFormat.PLAIN:
-        expect(k_cache.dtype == query.dtype,
-               f"k_cache dtype {k_cache.dtype} must equal query dtype {query.dtype} (or be FP8/INT8/INT4)",
-               TypeError)
-        expect(k_scale is None and v_scale is None,
-               f"k_scale/v_scale are only for FP8/INT8/INT4 caches, not {k_cache.dtype}")
+        if not k_cache.dtype == query.dtype:
+            raise TypeError(f"k_cache dtype {k_cache.dtype} must equal query dtype {query.dtype} (or be FP8/INT8/INT4)")
+        if not (k_scale is None and v_scale is None):
+            raise ValueError(f"k_scale/v_scale are only for FP8/INT8/INT4 caches, not {k_cache.dtype}")
         return fmt
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        expect(s is not None, f"{name} is required for a {fmt.value} KV cache")
+        if not s is not None:
+            raise ValueError(f"{name} is required for a {fmt.value} KV cache")
         if fmt is KVFormat.FP8:
             check_per_head_scale(s, name, hkv, dev)
             continue
         check_tensor(s, name, 4, "[num_blocks, block_size, Hkv, D // quant_group]", dev, SCALE_DTYPES)
         groups = s.shape[-1]
-        expect(
-            tuple(s.shape[:3]) == (num_blocks, block_size, hkv) and groups > 0 and d % groups == 0,
-            f"{name} must have shape [num_blocks, block_size, Hkv, D // quant_group] = "
-            f"[{num_blocks}, {block_size}, {hkv}, G] with G dividing {d}, got {tuple(s.shape)}",
-        )
-        expect(fmt is not KVFormat.INT4 or (d // groups) % 2 == 0,
-               f"{name}: INT4 quant_group must be even, got {d // groups}")
-    expect(v_scale.shape == k_scale.shape,
-           f"v_scale shape {tuple(v_scale.shape)} must equal k_scale shape {tuple(k_scale.shape)}")
+        if not (tuple(s.shape[:3]) == (num_blocks, block_size, hkv) and groups > 0 and d % groups == 0):
+            raise ValueError(f"{name} must have shape [num_blocks, block_size, Hkv, D // quant_group] = "
+                f"[{num_blocks}, {block_size}, {hkv}, G] with G dividing {d}, got {tuple(s.shape)}")
+        if not (fmt is not KVFormat.INT4 or (d // groups) % 2 == 0):
+            raise ValueError(f"{name}: INT4 quant_group must be even, got {d // groups}")
+    if not v_scale.shape == k_scale.shape:
+        raise ValueError(f"v_scale shape {tuple(v_scale.shape)} must equal k_scale shape {tuple(k_scale.shape)}")
     return fmt
 
 
 def _check_heads(query: torch.Tensor, hkv: int, kv_name: str) -> None:
     hq = query.shape[1]
-    expect(hkv > 0 and hq % hkv == 0,
-           f"query heads ({hq}) must be a multiple of the KV heads of {kv_name} ({hkv})")
+    if not (hkv > 0 and hq % hkv == 0):
+        raise ValueError(f"query heads ({hq}) must be a multiple of the KV heads of {kv_name} ({hkv})")
 
 
 def _check_query(query) -> None:
-    expect(isinstance(query, torch.Tensor), "query must be a tensor [T, Hq, D]", TypeError)
+    if not isinstance(query, torch.Tensor):
+        raise TypeError("query must be a tensor [T, Hq, D]")
     check_tensor(query, "query", 3, "[T, Hq, D]", query.device, QUERY_DTYPES)
-    expect(query.shape[-1] > 0 and query.shape[1] > 0, f"query must have Hq, D > 0, got {tuple(query.shape)}")
+    if not (query.shape[-1] > 0 and query.shape[1] > 0):
+        raise ValueError(f"query must have Hq, D > 0, got {tuple(query.shape)}")
 
 
 def _check_block_tables(block_tables, seq_lens, dev) -> None:
     check_tensor(seq_lens, "seq_lens", 1, "[B]", dev, INDEX_DTYPES)
     check_tensor(block_tables, "block_tables", 2, "[B, max_blocks_per_seq]", dev, INDEX_DTYPES)
-    expect(block_tables.shape[0] == seq_lens.shape[0],
-           f"block_tables must have one row per sequence (B = {seq_lens.shape[0]}), "
-           f"got shape {tuple(block_tables.shape)}")
+    if not block_tables.shape[0] == seq_lens.shape[0]:
+        raise ValueError(f"block_tables must have one row per sequence (B = {seq_lens.shape[0]}), "
+            f"got shape {tuple(block_tables.shape)}")
 
 
 def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale, v_scale, **options):
@@ -171,11 +174,12 @@ def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_sca
     _check_heads(query, k_cache.shape[2], "k_cache")
     b, t = seq_lens.shape[0], query.shape[0]
     if b == 0:
-        expect(t == 0, f"query has {t} tokens but seq_lens is empty")
+        if not t == 0:
+            raise ValueError(f"query has {t} tokens but seq_lens is empty")
     else:
-        expect(t % b == 0 and 1 <= t // b <= MAX_QUERIES_PER_DECODE_SEQ,
-               f"query tokens ({t}) must be B * q_per_seq with B = {b} sequences and q_per_seq in "
-               f"1..{MAX_QUERIES_PER_DECODE_SEQ}")
+        if not (t % b == 0 and 1 <= t // b <= MAX_QUERIES_PER_DECODE_SEQ):
+            raise ValueError(f"query tokens ({t}) must be B * q_per_seq with B = {b} sequences and q_per_seq in "
+                f"1..{MAX_QUERIES_PER_DECODE_SEQ}")
     check_options(query, **options)
     return fmt
 
@@ -195,92 +199,105 @@ def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq
 def check_rope(positions, cos_sin_cache, tokens: int, head_dim: int, device) -> None:
     """RoPE arguments: both or neither of `positions [tokens]` int and
     `cos_sin_cache [max_position, rotary_dim]` float, `rotary_dim` even and at most `head_dim`."""
-    expect((positions is None) == (cos_sin_cache is None),
-           "RoPE needs both positions and cos_sin_cache (or neither)")
+    if (positions is None) != (cos_sin_cache is None):
+        raise ValueError("RoPE needs both positions and cos_sin_cache (or neither)")
     if positions is None:
         return
     check_vector(positions, "positions", tokens, device, INDEX_DTYPES, "[T]")
     check_tensor(cos_sin_cache, "cos_sin_cache", 2, "[max_position, rotary_dim]", device, QUERY_DTYPES)
     rot = cos_sin_cache.shape[1]
-    expect(rot % 2 == 0 and 0 < rot <= head_dim,
-           f"cos_sin_cache rotary_dim (dim 1) must be even and in 2..{head_dim}, got {rot}")
+    if not (rot % 2 == 0 and 0 < rot <= head_dim):
+        raise ValueError(f"cos_sin_cache rotary_dim (dim 1) must be even and in 2..{head_dim}, got {rot}")
 
 
 def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal, q_scale,
                             k_scale, v_scale, out_dtype, positions, cos_sin_cache, rope_neox, **options):
-    expect(isinstance(query, torch.Tensor), "query must be a tensor [Tq, Hq, D]", TypeError)
+    if not isinstance(query, torch.Tensor):
+        raise TypeError("query must be a tensor [Tq, Hq, D]")
     dev = query.device
     inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D]"))
     for name, t, desc in inputs:
         check_tensor(t, name, 3, desc, dev, QUERY_DTYPES + (torch.float8_e4m3fn,))
-        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-    expect(key.dtype == query.dtype and value.dtype == query.dtype,
-           f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}",
-           TypeError)
-    expect(key.shape == value.shape,
-           f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
-    expect(key.shape[2] == query.shape[2],
-           f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
+        if not t.stride(-1) == 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if not (key.dtype == query.dtype and value.dtype == query.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not key.shape == value.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if not key.shape[2] == query.shape[2]:
+        raise ValueError(f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
     _check_heads(query, key.shape[1], "key")
     check_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]", dev, INDEX_DTYPES)
     b1 = cu_seqlens_q.shape[0]
-    expect(b1 >= 1, "cu_seqlens_q must have B + 1 >= 1 entries")
+    if not b1 >= 1:
+        raise ValueError("cu_seqlens_q must have B + 1 >= 1 entries")
     check_vector(cu_seqlens_k, "cu_seqlens_k", b1, dev, INDEX_DTYPES, "[B + 1]")
     fp8 = query.dtype == torch.float8_e4m3fn
     scales = (("q_scale", q_scale, query.shape[1]), ("k_scale", k_scale, key.shape[1]),
               ("v_scale", v_scale, key.shape[1]))
     for name, s, heads in scales:
         if fp8:
-            expect(s is not None, f"{name} is required for float8_e4m3fn inputs")
+            if not s is not None:
+                raise ValueError(f"{name} is required for float8_e4m3fn inputs")
             check_per_head_scale(s, name, heads, dev)
         else:
-            expect(s is None, f"{name} is only for float8_e4m3fn inputs, not {query.dtype}")
+            if not s is None:
+                raise ValueError(f"{name} is only for float8_e4m3fn inputs, not {query.dtype}")
     if out_dtype is not None:
-        expect(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of ({_names(FLOAT_DTYPES)}), got {out_dtype}",
-               TypeError)
-        expect(options.get("out_scale") is None, "give out_dtype or out_scale (FP8 output), not both")
+        if not out_dtype in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be one of ({_names(FLOAT_DTYPES)}), got {out_dtype}")
+        if not options.get("out_scale") is None:
+            raise ValueError("give out_dtype or out_scale (FP8 output), not both")
     if positions is not None:
-        expect(not fp8, "RoPE (positions) is for fp16/bf16/fp32 inputs, not float8_e4m3fn")
-        expect(query.shape[0] == key.shape[0],
-               f"RoPE (positions) is for self-attention: query and key need one token count, got "
-               f"{query.shape[0]} and {key.shape[0]}")
+        if fp8:
+            raise ValueError("RoPE (positions) is for fp16/bf16/fp32 inputs, not float8_e4m3fn")
+        if not query.shape[0] == key.shape[0]:
+            raise ValueError(f"RoPE (positions) is for self-attention: query and key need one token count, got "
+                f"{query.shape[0]} and {key.shape[0]}")
     check_rope(positions, cos_sin_cache, key.shape[0], query.shape[2], dev)
     check_options(query, **options)
 
 
 def check_kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale, query,
                          positions, cos_sin_cache, rope_neox):
-    expect(isinstance(key, torch.Tensor), "key must be a tensor [T, Hkv, D]", TypeError)
+    if not isinstance(key, torch.Tensor):
+        raise TypeError("key must be a tensor [T, Hkv, D]")
     dev = key.device
     for name, t in (("key", key), ("value", value)):
         check_tensor(t, name, 3, "[T, Hkv, D]", dev, QUERY_DTYPES)
-        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-    expect(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
-    expect(value.dtype == key.dtype, f"value dtype {value.dtype} must equal key dtype {key.dtype}", TypeError)
+        if not t.stride(-1) == 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if not value.shape == key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if not value.dtype == key.dtype:
+        raise TypeError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
     t, hkv, d = key.shape
     fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale)
-    expect(k_cache.shape[2] == hkv, f"k_cache has {k_cache.shape[2]} KV heads, key has {hkv}")
+    if not k_cache.shape[2] == hkv:
+        raise ValueError(f"k_cache has {k_cache.shape[2]} KV heads, key has {hkv}")
     check_vector(slot_mapping, "slot_mapping", t, dev, INDEX_DTYPES, "[T]")
     check_rope(positions, cos_sin_cache, t, d, dev)
     if query is not None:
         check_tensor(query, "query", 3, "[T, Hq, D]", dev, QUERY_DTYPES)
-        expect(query.shape[0] == t and query.shape[2] == d,
-               f"query must be [T, Hq, D] = [{t}, Hq, {d}], got {tuple(query.shape)}")
-        expect(positions is not None, "query is only rotated by RoPE: pass positions and cos_sin_cache too")
+        if not (query.shape[0] == t and query.shape[2] == d):
+            raise ValueError(f"query must be [T, Hq, D] = [{t}, Hq, {d}], got {tuple(query.shape)}")
+        if not positions is not None:
+            raise ValueError("query is only rotated by RoPE: pass positions and cos_sin_cache too")
     return fmt
 
 
 def check_merge_states(out_a, lse_a, out_b, lse_b):
-    expect(isinstance(out_a, torch.Tensor), "out_a must be a tensor [T, H, D]", TypeError)
+    if not isinstance(out_a, torch.Tensor):
+        raise TypeError("out_a must be a tensor [T, H, D]")
     dev = out_a.device
     for name, o in (("out_a", out_a), ("out_b", out_b)):
         check_tensor(o, name, 3, "[T, H, D]", dev, QUERY_DTYPES)
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         check_tensor(lse, name, 2, "[T, H]", dev, (torch.float32,))
-        expect(tuple(lse.shape) == tuple(out_a.shape[:2]),
-               f"{name} must have shape [T, H] = {tuple(out_a.shape[:2])}, got {tuple(lse.shape)}")
-    expect(out_b.shape == out_a.shape and out_b.dtype == out_a.dtype,
-           f"out_b ({tuple(out_b.shape)}, {out_b.dtype}) must match out_a ({tuple(out_a.shape)}, {out_a.dtype})")
+        if not tuple(lse.shape) == tuple(out_a.shape[:2]):
+            raise ValueError(f"{name} must have shape [T, H] = {tuple(out_a.shape[:2])}, got {tuple(lse.shape)}")
+    if not (out_b.shape == out_a.shape and out_b.dtype == out_a.dtype):
+        raise ValueError(f"out_b ({tuple(out_b.shape)}, {out_b.dtype}) must match out_a ({tuple(out_a.shape)}, {out_a.dtype})")
 
 
 CACHE_LAYOUT_SHAPES = {
@@ -307,83 +324,100 @@ def check_cache_attention(query, current_key, current_value, seqstarts, kvstarts
     dev = query.device
     hkv = num_kv_heads or num_heads
     t = query.shape[0]
-    expect(tuple(query.shape[1:]) == (num_heads, head_dim),
-           f"query must be [seqstarts[B], num_heads, head_dim] = [T, {num_heads}, {head_dim}], got {tuple(query.shape)}")
-    expect(num_heads % hkv == 0, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({hkv})")
+    if not tuple(query.shape[1:]) == (num_heads, head_dim):
+        raise ValueError(f"query must be [seqstarts[B], num_heads, head_dim] = [T, {num_heads}, {head_dim}], got {tuple(query.shape)}")
+    if not num_heads % hkv == 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({hkv})")
     for name, x in (("current_key", current_key), ("current_value", current_value)):
         check_tensor(x, name, 3, "[seqstarts[B], num_kv_heads, head_dim]", dev)
-        expect(tuple(x.shape) == (t, hkv, head_dim),
-               f"{name} must be [{t}, {hkv}, {head_dim}], got {tuple(x.shape)}")
-        expect(x.dtype == query.dtype, f"{name} dtype {x.dtype} must equal query dtype {query.dtype}", TypeError)
+        if not tuple(x.shape) == (t, hkv, head_dim):
+            raise ValueError(f"{name} must be [{t}, {hkv}, {head_dim}], got {tuple(x.shape)}")
+        if not x.dtype == query.dtype:
+            raise TypeError(f"{name} dtype {x.dtype} must equal query dtype {query.dtype}")
     check_tensor(seqstarts, "seqstarts", 1, "[B + 1]", dev, INDEX_DTYPES)
     b = seqstarts.shape[0] - 1
-    expect(b >= 0, "seqstarts must have B + 1 >= 1 entries")
+    if not b >= 0:
+        raise ValueError("seqstarts must have B + 1 >= 1 entries")
     check_vector(kvstarts, "kvstarts", b + 1, dev, INDEX_DTYPES, "[B + 1]")
     check_vector(start_pos, "start_pos", b, dev, INDEX_DTYPES, "[B]")
-    expect(isinstance(decoding_batches, torch.Tensor) and decoding_batches.numel() == 1
-           and decoding_batches.dtype in INDEX_DTYPES,
-           "decoding_batches must be a one-element int32/int64 tensor", TypeError)
-    expect(max_seqlen >= 0 and max_kvlen >= 0, f"max_seqlen/max_kvlen must be >= 0, got {max_seqlen}, {max_kvlen}")
-    expect(cache_mode in (0, 1), f"cache_mode must be 0 (offset) or 1 (page table), got {cache_mode}")
+    if not (isinstance(decoding_batches, torch.Tensor) and decoding_batches.numel() == 1
+            and decoding_batches.dtype in INDEX_DTYPES):
+        raise TypeError("decoding_batches must be a one-element int32/int64 tensor")
+    if not (max_seqlen >= 0 and max_kvlen >= 0):
+        raise ValueError(f"max_seqlen/max_kvlen must be >= 0, got {max_seqlen}, {max_kvlen}")
+    if not cache_mode in (0, 1):
+        raise ValueError(f"cache_mode must be 0 (offset) or 1 (page table), got {cache_mode}")
     if cache_mode == 0:
         check_vector(cachestarts, "cachestarts", b, dev, INDEX_DTYPES, "[B] (offset mode)")
     else:
         check_tensor(cachestarts, "cachestarts", 2, "[B, MaxP] (page-table mode)", dev, INDEX_DTYPES)
-        expect(cachestarts.shape[0] == b, f"cachestarts must be [B, MaxP] with B = {b}, got {tuple(cachestarts.shape)}")
-        expect(page_size > 0, f"page_size must be > 0, got {page_size}")
-    expect(cache_layout in CACHE_LAYOUT_SHAPES,
-           f"cache_layout must be one of {sorted(CACHE_LAYOUT_SHAPES)}, got {cache_layout}")
-    expect(num_layer > 0 and 0 <= layer_idx < num_layer,
-           f"layer_idx must be in 0..num_layer-1 = 0..{num_layer - 1}, got {layer_idx}")
-    expect(quant_bit in (0, 4, 8), f"quant_bit must be 0, 4 or 8, got {quant_bit}")
+        if not cachestarts.shape[0] == b:
+            raise ValueError(f"cachestarts must be [B, MaxP] with B = {b}, got {tuple(cachestarts.shape)}")
+        if not page_size > 0:
+            raise ValueError(f"page_size must be > 0, got {page_size}")
+    if not cache_layout in CACHE_LAYOUT_SHAPES:
+        raise ValueError(f"cache_layout must be one of {sorted(CACHE_LAYOUT_SHAPES)}, got {cache_layout}")
+    if not (num_layer > 0 and 0 <= layer_idx < num_layer):
+        raise ValueError(f"layer_idx must be in 0..num_layer-1 = 0..{num_layer - 1}, got {layer_idx}")
+    if not quant_bit in (0, 4, 8):
+        raise ValueError(f"quant_bit must be 0, 4 or 8, got {quant_bit}")
     if quant_bit:
-        expect(quant_group > 0 and head_dim % quant_group == 0,
-               f"quant_group ({quant_group}) must divide head_dim ({head_dim})")
-        expect(quant_bit == 8 or quant_group % 2 == 0, f"INT4 needs an even quant_group, got {quant_group}")
+        if not (quant_group > 0 and head_dim % quant_group == 0):
+            raise ValueError(f"quant_group ({quant_group}) must divide head_dim ({head_dim})")
+        if not (quant_bit == 8 or quant_group % 2 == 0):
+            raise ValueError(f"INT4 needs an even quant_group, got {quant_group}")
     check_tensor(cache, "cache", 5, CACHE_LAYOUT_SHAPES[cache_layout], dev)
     dims = cache_layout_dims(cache_layout)
     stored_dh = head_dim // 2 if quant_bit == 4 else head_dim
     want = {dims[1]: num_layer, dims[2]: 2, dims[3]: hkv, dims[4]: stored_dh}
-    expect(all(cache.shape[i] == n for i, n in want.items()),
-           f"cache must be {CACHE_LAYOUT_SHAPES[cache_layout]} with L = {num_layer}, Hkv = {hkv}, "
-           f"Dh = {stored_dh}{' (packed INT4)' if quant_bit == 4 else ''}, got {tuple(cache.shape)}")
+    if not all(cache.shape[i] == n for i, n in want.items()):
+        raise ValueError(f"cache must be {CACHE_LAYOUT_SHAPES[cache_layout]} with L = {num_layer}, Hkv = {hkv}, "
+            f"Dh = {stored_dh}{' (packed INT4)' if quant_bit == 4 else ''}, got {tuple(cache.shape)}")
     if quant_bit == 0:
-        expect(cache.dtype == query.dtype, f"cache dtype {cache.dtype} must equal query dtype {query.dtype} "
-               "when quant_bit is 0", TypeError)
-        expect(scale is None, "scale is only for quantized caches (quant_bit 4 or 8)")
+        if not cache.dtype == query.dtype:
+            raise TypeError(f"cache dtype {cache.dtype} must equal query dtype {query.dtype} "
+                "when quant_bit is 0")
+        if not scale is None:
+            raise ValueError("scale is only for quantized caches (quant_bit 4 or 8)")
     else:
         allowed = (torch.int8,) if quant_bit == 8 else (torch.int8, torch.uint8)
         check_dtype(cache, "cache", allowed)
-        expect(scale is not None, f"scale is required when quant_bit is {quant_bit}")
+        if not scale is not None:
+            raise ValueError(f"scale is required when quant_bit is {quant_bit}")
         check_tensor(scale, "scale", 5, CACHE_LAYOUT_SHAPES[cache_layout], dev, SCALE_DTYPES)
         scale_shape = list(cache.shape)
         scale_shape[dims[4]] = head_dim // quant_group
-        expect(list(scale.shape) == scale_shape,
-               f"scale must have the cache's layout with Dh / quant_group = {head_dim // quant_group} last, "
-               f"i.e. {tuple(scale_shape)}, got {tuple(scale.shape)}")
+        if not list(scale.shape) == scale_shape:
+            raise ValueError(f"scale must have the cache's layout with Dh / quant_group = {head_dim // quant_group} last, "
+                f"i.e. {tuple(scale_shape)}, got {tuple(scale.shape)}")
     if attn_mask is not None:
-        expect(attn_mask.dim() in (2, 3), f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
-        expect(attn_mask.device == dev, f"attn_mask must be on {dev} (like query), got {attn_mask.device}")
+        if not attn_mask.dim() in (2, 3):
+            raise ValueError(f"attn_mask must be 2-D or 3-D, got shape {tuple(attn_mask.shape)}")
+        if not attn_mask.device == dev:
+            raise ValueError(f"attn_mask must be on {dev} (like query), got {attn_mask.device}")
         check_dtype(attn_mask, "attn_mask", QUERY_DTYPES)
-        expect(attn_mask.shape[-2] == t and (attn_mask.dim() == 2 or attn_mask.shape[0] == num_heads),
-               f"attn_mask must be (num_heads, seqstarts[B], >= kvstarts[B]) or (seqstarts[B], >= kvstarts[B]) "
-               f"with seqstarts[B] = {t}, num_heads = {num_heads}, got {tuple(attn_mask.shape)}")
+        if not (attn_mask.shape[-2] == t and (attn_mask.dim() == 2 or attn_mask.shape[0] == num_heads)):
+            raise ValueError(f"attn_mask must be (num_heads, seqstarts[B], >= kvstarts[B]) or (seqstarts[B], >= kvstarts[B]) "
+                f"with seqstarts[B] = {t}, num_heads = {num_heads}, got {tuple(attn_mask.shape)}")
 
 
 def check_out_buffers(out, lse, out_shape, out_dtype, lse_shape, device) -> None:
     """Caller-provided buffers of the `.out` overloads."""
     check_tensor(out, "out", len(out_shape), str(list(out_shape)), device)
-    expect(tuple(out.shape) == tuple(out_shape), f"out must have shape {tuple(out_shape)}, got {tuple(out.shape)}")
-    expect(out.dtype == out_dtype, f"out must have dtype {out_dtype}, got {out.dtype}", TypeError)
+    if not tuple(out.shape) == tuple(out_shape):
+        raise ValueError(f"out must have shape {tuple(out_shape)}, got {tuple(out.shape)}")
+    if not out.dtype == out_dtype:
+        raise TypeError(f"out must have dtype {out_dtype}, got {out.dtype}")
     check_tensor(lse, "lse", len(lse_shape), str(list(lse_shape)), device, (torch.float32,))
-    expect(tuple(lse.shape) == tuple(lse_shape), f"lse must have shape {tuple(lse_shape)}, got {tuple(lse.shape)}")
+    if not tuple(lse.shape) == tuple(lse_shape):
+        raise ValueError(f"lse must have shape {tuple(lse_shape)}, got {tuple(lse.shape)}")
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int) -> torch.Tensor:
     cu = cu.cpu().long()
     lens = cu[1:] - cu[:-1]
-    expect(int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == total,
-           f"{name} must start at 0, never decrease and end at {total}, got {cu.tolist()}")
+    if not (int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == total):
+        raise ValueError(f"{name} must start at 0, never decrease and end at {total}, got {cu.tolist()}")
     return lens
 
 
@@ -392,15 +426,15 @@ def check_paged_data(k_cache, block_tables, seq_lens, q_lens: torch.Tensor | Non
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     lens = seq_lens.cpu().long()
-    expect(bool((lens >= 0).all()) and bool((lens <= capacity).all()),
-           f"seq_lens must be in 0..max_blocks_per_seq * block_size = 0..{capacity}, got {lens.tolist()}")
+    if not (bool((lens >= 0).all()) and bool((lens <= capacity).all())):
+        raise ValueError(f"seq_lens must be in 0..max_blocks_per_seq * block_size = 0..{capacity}, got {lens.tolist()}")
     if q_lens is not None:
-        expect(bool(((q_lens <= lens) | (lens == 0)).all()),
-               f"query lengths {q_lens.tolist()} must not exceed seq_lens {lens.tolist()} (0 marks padding)")
+        if not bool(((q_lens <= lens) | (lens == 0)).all()):
+            raise ValueError(f"query lengths {q_lens.tolist()} must not exceed seq_lens {lens.tolist()} (0 marks padding)")
     used = (torch.arange(block_tables.shape[1]) * block_size).unsqueeze(0) < lens.unsqueeze(1)
     ids = block_tables.cpu()[used]
-    expect(bool(((ids >= 0) & (ids < num_blocks)).all()),
-           f"block_tables entries used by seq_lens must be in 0..{num_blocks - 1}, got {ids.unique().tolist()}")
+    if not bool(((ids >= 0) & (ids < num_blocks)).all()):
+        raise ValueError(f"block_tables entries used by seq_lens must be in 0..{num_blocks - 1}, got {ids.unique().tolist()}")
 
 
 def check_data(op: str, args: tuple, kwargs: dict) -> None:
@@ -413,12 +447,12 @@ def check_data(op: str, args: tuple, kwargs: dict) -> None:
     elif op == "context_attention":
         q_lens = _check_cu_seqlens(args[3], "cu_seqlens_q", args[0].shape[0])
         k_lens = _check_cu_seqlens(args[4], "cu_seqlens_k", args[1].shape[0])
-        expect(kwargs.get("positions") is None or torch.equal(q_lens, k_lens),
-               "RoPE (positions) is for self-attention: cu_seqlens_q must equal cu_seqlens_k")
+        if not (kwargs.get("positions") is None or torch.equal(q_lens, k_lens)):
+            raise ValueError("RoPE (positions) is for self-attention: cu_seqlens_q must equal cu_seqlens_k")
     elif op == "kv_cache_write":
         capacity = args[2].shape[0] * args[2].shape[1]
-        expect(bool((args[4].cpu() < capacity).all()),
-               f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
+        if not bool((args[4].cpu() < capacity).all()):
+            raise ValueError(f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
     elif op == "cache_attention":
         _check_cache_attention_data(*args, **kwargs)
 
@@ -429,27 +463,27 @@ def _check_cache_attention_data(query, current_key, current_value, seqstarts, kv
     seqlens = _check_cu_seqlens(seqstarts, "seqstarts", query.shape[0])
     kvlens = _check_cu_seqlens(kvstarts, "kvstarts", int(kvstarts.cpu()[-1]))
     pos = start_pos.cpu().long()
-    expect(torch.equal(kvlens, pos + seqlens),
-           f"kvstarts must hold start_pos + seqlen keys per sequence: kv lengths {kvlens.tolist()}, "
-           f"start_pos {pos.tolist()}, seqlens {seqlens.tolist()}")
+    if not torch.equal(kvlens, pos + seqlens):
+        raise ValueError(f"kvstarts must hold start_pos + seqlen keys per sequence: kv lengths {kvlens.tolist()}, "
+            f"start_pos {pos.tolist()}, seqlens {seqlens.tolist()}")
     longest_q, longest_kv = max(seqlens.tolist(), default=0), max(kvlens.tolist(), default=0)
-    expect(longest_q <= max_seqlen and longest_kv <= max_kvlen,
-           f"max_seqlen/max_kvlen ({max_seqlen}/{max_kvlen}) must bound the lengths ({longest_q}/{longest_kv})")
+    if not (longest_q <= max_seqlen and longest_kv <= max_kvlen):
+        raise ValueError(f"max_seqlen/max_kvlen ({max_seqlen}/{max_kvlen}) must bound the lengths ({longest_q}/{longest_kv})")
     decodes = int(decoding_batches.reshape(-1)[0])
-    expect(0 <= decodes <= len(seqlens) and bool((seqlens[:decodes] <= 1).all()),
-           f"decoding_batches ({decodes}) must count the first sequences, each with at most one new token "
-           f"(seqlens {seqlens.tolist()})")
+    if not (0 <= decodes <= len(seqlens) and bool((seqlens[:decodes] <= 1).all())):
+        raise ValueError(f"decoding_batches ({decodes}) must count the first sequences, each with at most one new token "
+            f"(seqlens {seqlens.tolist()})")
     max_t = cache.shape[cache_layout_dims(cache_layout)[0]]
     starts = cachestarts.cpu().long()
     if cache_mode == 0:
         first_row, last_row = starts[kvlens > 0], (starts + kvlens - 1)[kvlens > 0]
     else:
-        expect(bool((kvlens <= starts.shape[1] * page_size).all()),
-               f"kv lengths {kvlens.tolist()} exceed MaxP * page_size = {starts.shape[1] * page_size}")
+        if not bool((kvlens <= starts.shape[1] * page_size).all()):
+            raise ValueError(f"kv lengths {kvlens.tolist()} exceed MaxP * page_size = {starts.shape[1] * page_size}")
         used = torch.arange(starts.shape[1]) * page_size < kvlens.unsqueeze(1)
         first_row, last_row = starts[used], starts[used] + page_size - 1
-    expect(bool((first_row >= 0).all()) and bool((last_row < max_t).all()),
-           f"cachestarts must address rows within MaxT = {max_t} (the pages the kv lengths use)")
+    if not (bool((first_row >= 0).all()) and bool((last_row < max_t).all())):
+        raise ValueError(f"cachestarts must address rows within MaxT = {max_t} (the pages the kv lengths use)")
     if attn_mask is not None:
-        expect(attn_mask.shape[-1] >= int(kvlens.sum()),
-               f"attn_mask last dim must be >= kvstarts[B] = {int(kvlens.sum())}, got {attn_mask.shape[-1]}")
+        if not attn_mask.shape[-1] >= int(kvlens.sum()):
+            raise ValueError(f"attn_mask last dim must be >= kvstarts[B] = {int(kvlens.sum())}, got {attn_mask.shape[-1]}")
