@@ -125,7 +125,9 @@ def main():
     print(f"throughput: {generated / elapsed:.1f} generated tokens/s, "
           f"{(generated + prompt_tokens) / elapsed:.1f} tokens/s with prompts ({elapsed:.2f} s)")
     print(f"metadata build (CPU): median {statistics.median(s.metadata_us for s in steps):.1f} us/step, "
-          f"max {max(s.metadata_us for s in steps):.1f} us")
+          f"max {max(s.metadata_us for s in steps):.1f} us; scheduling (cache appends included): median "
+          f"{statistics.median(s.schedule_us for s in steps):.1f} us; step start to launch: median "
+          f"{statistics.median(s.host_us for s in steps):.1f} us")
     gpu = [s.gpu_us for s in steps if s.gpu_us is not None]
     if gpu:
         decode = [s.gpu_us for s in steps if s.graph]
