@@ -94,6 +94,9 @@ _FMT = {
 }
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
+# Quantized tiles stop at 32 rows: at 64 their lane accumulators take ~250 registers, and with
+# 16-value groups Triton 3.6 fails to compile them for sm_90 (TritonGPUOptimizeDotOperands).
+MAX_BLOCK_M_QUANTIZED = 32
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -715,7 +718,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     e5m2 = k_cache.dtype == torch.float8_e5m2
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
+    block_m = min(MAX_BLOCK_M if fmt == FMT_PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
     m_tiles = -(-rows // block_m)
     cfg = config(d, fmt, block_m)
     if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:

@@ -218,6 +218,8 @@ MATRIX = [
     (96, 16, (4, 4, 1), INT4, FP16, {"group": 48}),                 # 24 bytes per scale
     (256, 64, (16, 2, 1), INT4, BF16, {"group": 64}),
     (128, 16, (8, 2, 1), INT4, BF16, {"group": 2}),
+    (64, 8, (8, 1, 8), INT4, BF16, {"group": 16}),                  # 64 rows of 16-value groups
+    (64, 16, (8, 1, 8), INT8, FP16, {"group": 16}),                 # (did not compile at BLOCK_M 64)
 ]
 
 
