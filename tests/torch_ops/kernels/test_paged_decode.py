@@ -142,6 +142,13 @@ def test_int4_groups_no_split(kernel_device, knobs):
     run_and_check(problem)
 
 
+def test_quantized_rows_in_two_m_tiles(kernel_device, knobs):
+    # 8 query heads x 8 new tokens on one KV head: 64 rows, two 32-row tiles for quantized caches
+    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    problem = make_problem(kernel_device, lens=[30, 8], hq=8, hkv=1, d=64, bs=8, qps=8, cache_dtype=INT4, group=16)
+    run_and_check(problem)
+
+
 def test_int8_features(kernel_device, knobs):
     # window + sink tokens + ALiBi + softcap + learned sinks + FP8 output, split-K, one page per tile
     knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
