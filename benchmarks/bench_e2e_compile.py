@@ -110,15 +110,17 @@ def make_inputs(case: str, model, quick: bool, device):
     return step, f"batch {b}, context {ctx}", rewind
 
 
-def median_time_us(fn, device, graphs: bool = False) -> float:
+def median_time_us(fn, device, graphs: bool = False) -> tuple[float, str]:
+    """(median µs, how it was timed): CUDA-graph replays (falling back to do_bench, which the
+    second field then says), do_bench, or perf_counter on CPU."""
     if device.type == "cuda":
-        return common.time_us([fn], calls=3, replays=10)[0] if graphs else common.do_bench_us(fn)
+        return common.time_us([fn], calls=3, replays=10) if graphs else (common.do_bench_us(fn), "do_bench")
     times = []
     for _ in range(5):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+    return statistics.median(times), "perf_counter"
 
 
 def run_mode(model, kwargs, rewind, mode: str, device, *, freezing: bool = False, graphs: bool = False) -> dict:
@@ -143,7 +145,7 @@ def run_mode(model, kwargs, rewind, mode: str, device, *, freezing: bool = False
             torch.cuda.synchronize()
         if mode != "eager":
             row["compile_s"] = time.perf_counter() - start
-        row["time_us"] = median_time_us(lambda: (rewind(), fn(**kwargs)), device, graphs)
+        row["time_us"], row["timing"] = median_time_us(lambda: (rewind(), fn(**kwargs)), device, graphs)
         if mode != "eager":
             row["graph_breaks"] = sum(counters["graph_break"].values())
             row["unique_graphs"] = counters["stats"]["unique_graphs"]
