@@ -1,17 +1,21 @@
-"""Per-step attention metadata (lengths, block tables, slots, positions) built on the host and
-copied to persistent device buffers with one async copy, never reading device data back.
+"""Per-step attention metadata (lengths, block tables, slots, positions, token ids) built on the
+host and copied to a persistent device buffer with one async copy, never reading device data
+back.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 _INT32_MAX = 2**31 - 1
+# Sections of the flat int32 buffers, in this order; `block_tables` holds B * max_blocks_per_seq.
+_SECTIONS = ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions", "token_ids")
+_MAX_LAYOUTS = 256  # cached batch shapes (views are cheap to recreate; addresses never change)
 
 
 @dataclass
@@ -22,7 +26,8 @@ class AttentionMetadata:
     `build`): `seq_lens [B]` (keys per sequence, new tokens included), `cu_seqlens_q [B + 1]`,
     `block_tables [B, max_blocks_per_seq]` (0 past each sequence's blocks), `slot_mapping [T]`
     (`block * block_size + offset` of each new token, -1 for padding tokens), `positions [T]`
-    (absolute position `seq_len - query_len + i` of each new token, 0 for padding tokens).
+    (absolute position `seq_len - query_len + i` of each new token, 0 for padding tokens),
+    `token_ids [T]` (the model's input ids when `build` got them, 0 for padding tokens; else None).
     Host ints: `num_seqs` (B), `num_tokens` (T), `max_query_len`, `max_seq_len`, and `q_per_seq`
     (the query length shared by all sequences, e.g. 1 for decode; 0 if they differ or are 0).
     """
@@ -32,6 +37,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
+    token_ids: torch.Tensor | None
     num_seqs: int
     num_tokens: int
     max_query_len: int
@@ -39,13 +45,25 @@ class AttentionMetadata:
     q_per_seq: int
 
 
+class _Layout(NamedTuple):
+    """Where the metadata of `B` sequences and `T` tokens lies in the flat buffers: the sections
+    packed one after the other, so that a step copies exactly the prefix it filled."""
+
+    host: list[tuple[np.ndarray, ...]]  # per staging buffer: one numpy view per section
+    device: tuple[torch.Tensor, ...]    # one device view per section (block_tables [B, m])
+    ends: tuple[int, int]               # the filled prefix without and with the token ids
+    copies: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]  # per staging buffer and end:
+    # (device prefix, staging prefix)
+
+
 class MetadataBuilder:
-    """Builds `AttentionMetadata` into device buffers allocated once, so that the returned tensors
-    keep their addresses across builds (CUDA graphs).
+    """Builds `AttentionMetadata` into one device buffer allocated once; a batch shape `(B, T)`
+    always lands at the same addresses (CUDA graphs captured per bucket stay valid).
 
     Capacities: `max_num_seqs` sequences (padding included), `max_num_tokens` new tokens,
     `max_blocks_per_seq` block-table columns. Each `build` fills a host staging buffer (pinned on
-    CUDA, two of them used in turn) and issues one non-blocking copy on the current stream.
+    CUDA; two used in turn) and issues exactly one non-blocking copy on the current stream,
+    and no other device work: every tensor it returns is a cached view of the device buffer.
     """
 
     def __init__(
@@ -67,42 +85,45 @@ class MetadataBuilder:
         self.block_size = block_size
         self.device = torch.device(device)
 
-        # One int32 buffer; block tables last so that a copy of a prefix covers a batch.
-        self._offsets = {}
-        size = 0
-        for name, n in (("seq_lens", max_num_seqs), ("cu_seqlens_q", max_num_seqs + 1),
-                        ("slot_mapping", max_num_tokens), ("positions", max_num_tokens),
-                        ("block_tables", max_num_seqs * max_blocks_per_seq)):
-            self._offsets[name] = size
-            size += n
+        size = max_num_seqs * (2 + max_blocks_per_seq) + 1 + 3 * max_num_tokens
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
-        cuda = self.device.type == "cuda"
+        # A CPU "device" is written through numpy: torch's copy_ would use intra-op threads.
         self._device_np = self._device_buf.numpy() if self.device.type == "cpu" else None
+        cuda = self.device.type == "cuda"
         # Two staging buffers used in turn: build N waits only for the copy of build N - 2.
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._copy_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staging_np = [buf.numpy() for buf in self._staging]
+        self._copy_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
-        self._views: dict[tuple[str, int], torch.Tensor] = {}
-        self._copy_pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[int, int], _Layout] = {}
         self._arange = np.arange(max(max_num_seqs, max_num_tokens) + 1)
+        self._arange32 = self._arange.astype(np.int32)  # cu_seqlens without a cast
         self._row_starts = self._arange[:max_num_seqs] * max_blocks_per_seq  # flat index of each row
 
-    def _host(self, staging: np.ndarray, name: str, n: int) -> np.ndarray:
-        start = self._offsets[name]
-        return staging[start:start + n]
+    def _layout(self, batch: int, num_tokens: int) -> _Layout:
+        """The (cached) views of a batch shape; slicing tensors costs microseconds per step."""
+        layout = self._layouts.get((batch, num_tokens))
+        if layout is None:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            m = self.max_blocks_per_seq
+            sizes = (batch, batch + 1, batch * m, num_tokens, num_tokens, num_tokens)
+            bounds = np.cumsum((0,) + sizes).tolist()
 
-    def _dev(self, name: str, n: int) -> torch.Tensor:
-        """The first `n` elements of a device buffer; views are cached (slicing a tensor costs
-        microseconds of CPU, a large share of a step's budget)."""
-        view = self._views.get((name, n))
-        if view is None:
-            start = self._offsets[name]
-            view = self._device_buf[start:start + n]
-            if name == "block_tables":
-                view = view.view(-1, self.max_blocks_per_seq)
-            self._views[name, n] = view
-        return view
+            def views(buf):
+                parts = [buf[a:b] for a, b in zip(bounds, bounds[1:])]
+                parts[2] = parts[2].reshape(batch, m)
+                return tuple(parts)
+
+            ends = (bounds[-2], bounds[-1])  # without and with the token ids
+            layout = _Layout(
+                host=[views(buf) for buf in self._staging_np],
+                device=views(self._device_buf),
+                ends=ends,
+                copies=[tuple((self._device_buf[:n], buf[:n]) for n in ends) for buf in self._staging],
+            )
+            self._layouts[batch, num_tokens] = layout
+        return layout
 
     def build(
         self,
@@ -114,6 +135,7 @@ class MetadataBuilder:
         rows: Sequence[int] | np.ndarray | None = None,
         pad_to: int | None = None,
         position_offsets: Sequence[int] | np.ndarray | None = None,
+        token_ids: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
         """Metadata for `B` sequences from host data: `seq_lens[b]` keys (new tokens included),
         `query_lens[b]` new tokens (the last ones), `block_tables[b]` the block ids of sequence
@@ -133,6 +155,9 @@ class MetadataBuilder:
         `position_offsets[b]` is added to sequence `b`'s `positions` (not to its slots): the
         tokens a sliding-window cache dropped before its first cached token, so that RoPE sees
         absolute positions while the ops see positions within the cache.
+
+        `token_ids [sum(query_lens)]` (the model's input ids of the new tokens, packed in batch
+        order) travel in the same copy and come back as `token_ids`.
         """
         seq, qlen, table, num_blocks, rows = self._parse(seq_lens, query_lens, block_tables,
                                                          num_blocks, rows, pad_to)
@@ -142,39 +167,38 @@ class MetadataBuilder:
         max_query_len = int(qlen.max(initial=0))
         q_per_seq = max_query_len if num_real and qlen.min() == max_query_len else 0
         batch = num_real if pad_to is None else pad_to
-        real_tokens = int(qlen.sum())
+        real_tokens = num_real * q_per_seq if q_per_seq else int(qlen.sum())
         num_tokens = real_tokens + (batch - num_real) * q_per_seq
         if num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"the batch has {num_tokens} query tokens (padding included), more than "
                 f"max_num_tokens={self.max_num_tokens}"
             )
+        ids = None if token_ids is None else self._token_ids_array(token_ids, real_tokens)
 
         self._wait_for_staging()
-        staging = self._staging_np[self._turn]
+        layout = self._layout(batch, num_tokens)
+        h_seq, h_cu, h_bt, h_slot, h_pos, h_ids = layout.host[self._turn]
         m = self.max_blocks_per_seq
-
-        h_bt = self._host(staging, "block_tables", batch * m).reshape(batch, m)
         if rows is not None and table.shape[1] == m and table.dtype == np.int32:
             # e.g. BlockTables.reserve_columns(m); rows are checked, and "clip" writes unbuffered
             np.take(table, rows, axis=0, out=h_bt[:num_real], mode="clip")
-            ids = h_bt[:num_real]
+            self._check_block_ids(h_bt[:num_real])
         else:
             width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
-            ids = table[:, :width] if rows is None else table[rows, :width]
-            h_bt[:num_real, :width] = ids
+            src = table[:, :width] if rows is None else table[rows, :width]
+            self._check_block_ids(src)  # before the cast to int32 (the int64 ids of ragged lists)
+            h_bt[:num_real, :width] = src
             h_bt[:num_real, width:] = 0
-        self._check_block_ids(ids)  # before any cast to int32 (the int64 ids of ragged lists)
-        h_bt[num_real:] = 0
-        h_seq = self._host(staging, "seq_lens", batch)
         h_seq[:num_real] = seq
-        h_seq[num_real:] = 0
-        h_cu = self._host(staging, "cu_seqlens_q", batch + 1)
+        if batch > num_real:
+            h_bt[num_real:] = 0
+            h_seq[num_real:] = 0
         if q_per_seq:
-            h_cu[:] = self._arange[:batch + 1] * q_per_seq
+            np.multiply(self._arange32[:batch + 1], q_per_seq, out=h_cu)
         else:
             h_cu[0] = 0
-            h_cu[1:num_real + 1] = np.cumsum(qlen)
+            np.cumsum(qlen, out=h_cu[1:num_real + 1])
             h_cu[num_real + 1:] = real_tokens
 
         # Token t of the real batch: position pos[t] within the cache of the sequence whose
@@ -187,29 +211,25 @@ class MetadataBuilder:
             row_start = np.repeat(self._row_starts[:num_real], qlen)
         block, offset = np.divmod(pos, self.block_size)
         block += row_start
-        h_slot = self._host(staging, "slot_mapping", num_tokens)
-        h_slot[:real_tokens] = np.take(h_bt, block) * self.block_size + offset
+        slots = h_slot[:real_tokens]
+        np.take(h_bt.reshape(-1), block, out=slots)
+        slots *= self.block_size
+        slots += offset
         if offsets is not None:
             pos += offsets if q_per_seq == 1 else np.repeat(offsets, qlen)
-        h_pos = self._host(staging, "positions", num_tokens)
         h_pos[:real_tokens] = pos
+        if ids is not None:
+            h_ids[:real_tokens] = ids
+            h_ids[real_tokens:] = 0
         if num_tokens > real_tokens:
             h_slot[real_tokens:] = -1
             h_pos[real_tokens:] = 0
 
-        self._copy_to_device(self._offsets["block_tables"] + batch * m)
-        return AttentionMetadata(
-            seq_lens=self._dev("seq_lens", batch),
-            cu_seqlens_q=self._dev("cu_seqlens_q", batch + 1),
-            block_tables=self._dev("block_tables", batch * m),
-            slot_mapping=self._dev("slot_mapping", num_tokens),
-            positions=self._dev("positions", num_tokens),
-            num_seqs=batch,
-            num_tokens=num_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq.max(initial=0)),
-            q_per_seq=q_per_seq,
-        )
+        self._copy_to_device(layout, with_ids=ids is not None)
+        d_seq, d_cu, d_bt, d_slot, d_pos, d_ids = layout.device
+        return AttentionMetadata(d_seq, d_cu, d_bt, d_slot, d_pos, None if ids is None else d_ids,
+                                 num_seqs=batch, num_tokens=num_tokens, max_query_len=max_query_len,
+                                 max_seq_len=int(seq.max(initial=0)), q_per_seq=q_per_seq)
 
     def _parse(self, seq_lens, query_lens, block_tables, num_blocks, rows, pad_to):
         """Validated host arrays: `(seq_lens, query_lens, block table [B or N, n], blocks per
@@ -307,23 +327,30 @@ class MetadataBuilder:
             )
         return offsets
 
+    @staticmethod
+    def _token_ids_array(token_ids, num_tokens: int) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.shape != (num_tokens,) or (num_tokens and ids.dtype.kind not in "iu"):
+            raise ValueError(f"token_ids must hold {num_tokens} ints (one per new token), got "
+                             f"shape {ids.shape} of {ids.dtype}")
+        return ids
+
     def _wait_for_staging(self) -> None:
         """The staging buffer about to be reused may still feed an async copy: wait for it."""
         event = self._copy_done[self._turn]
         if event is not None:
             event.synchronize()
 
-    def _copy_to_device(self, n: int) -> None:
-        """One host-to-device copy of the staging prefix `[:n]`, then switch staging buffers."""
-        if self._device_np is not None:  # a CPU "device": torch's copy_ would use intra-op threads
+    def _copy_to_device(self, layout: _Layout, with_ids: bool) -> None:
+        """The step's one host-to-device copy (the filled prefix of the staging buffer), then
+        switch staging buffers."""
+        if self._device_np is not None:
+            n = layout.ends[with_ids]
             self._device_np[:n] = self._staging_np[self._turn][:n]
         else:
-            pair = self._copy_pairs.get((self._turn, n))  # slices cached as in `_dev`
-            if pair is None:
-                pair = (self._device_buf[:n], self._staging[self._turn][:n])
-                self._copy_pairs[self._turn, n] = pair
-            pair[0].copy_(pair[1], non_blocking=True)
-        event = self._copy_done[self._turn]
-        if event is not None:
-            event.record()
+            dst, src = layout.copies[self._turn][with_ids]
+            dst.copy_(src, non_blocking=True)
+            event = self._copy_done[self._turn]
+            if event is not None:
+                event.record()
         self._turn ^= 1

@@ -101,14 +101,18 @@ class AttentionBackend(abc.ABC):
         """Why this backend cannot serve the model (empty: it can)."""
         return []
 
-    def prepare(self, seq_ids: Sequence, query_lens: Sequence[int], *,
-                pad_to: int | None = None) -> StepMetadata:
+    def prepare(self, seq_ids: Sequence, query_lens: Sequence[int] | np.ndarray, *,
+                pad_to: int | None = None, token_ids: Sequence[int] | None = None,
+                rows: np.ndarray | None = None) -> StepMetadata:
         """Metadata of one step for the sequences `seq_ids`, each with `query_lens[i]` new
-        tokens already appended in the cache manager. The new tokens are packed in this order."""
+        tokens already appended in the cache manager. The new tokens are packed in this order;
+        their `token_ids`, if given, travel with the metadata (`meta.attn.token_ids`). `rows`:
+        the sequences' rows in `kv.tables` if the caller has them (`append_batch` returns them)."""
         tables = self.kv.tables
-        rows = tables.rows(seq_ids)
+        if rows is None:
+            rows = tables.rows(seq_ids)
         md = self.builder.build(tables.lens[rows], query_lens, tables.array, rows=rows,
-                                num_blocks=tables.num_blocks[rows], pad_to=pad_to,
+                                num_blocks=tables.num_blocks[rows], pad_to=pad_to, token_ids=token_ids,
                                 position_offsets=tables.offsets[rows] if self.kv.window_left >= 0 else None)
         return self.step_metadata(md)
 
@@ -224,9 +228,9 @@ class FlashInferAttention(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
 
-    def prepare(self, seq_ids, query_lens, *, pad_to=None):
+    def prepare(self, seq_ids, query_lens, *, pad_to=None, token_ids=None, rows=None):
         # FlashInfer plans from host data; padding sequences are not needed without graphs.
-        meta = super().prepare(seq_ids, query_lens)
+        meta = super().prepare(seq_ids, query_lens, token_ids=token_ids, rows=rows)
         kv, bs = self.kv, self.kv.block_size
         seq_lens = np.array([kv.seq_len(s) for s in seq_ids], dtype=np.int64)
         pages = -(-seq_lens // bs)

@@ -8,6 +8,7 @@ length 0) when the attention backend is graph-safe.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,6 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose k/v are in the cache
 
     @property
     def tokens(self) -> list[int]:
@@ -64,12 +64,27 @@ class StepStats:
     host_us: float       # CPU time from the step's start to the forward's launch
 
 
+@dataclass
+class _Batch:
+    """One step's sequences: `requests[j]` is `running[where[j]]` with `counts[j]` new tokens;
+    `rows` their `BlockTables` rows when the scheduler has them (else None)."""
+
+    requests: list[Request]
+    where: np.ndarray
+    counts: np.ndarray
+    rows: np.ndarray | None
+
+
 class Engine:
     """Serves `Request`s with `model` (whose `attention` backend runs over `kv`).
 
     `max_num_seqs` sequences and `max_num_tokens` new tokens per step; prompts longer than the
     budget are prefilled in chunks. `graph_buckets` (batch sizes, ascending) enables CUDA-graph
     decode steps; a decode batch is padded to the smallest bucket that holds it.
+
+    The running requests' counters are numpy arrays aligned with `running` (`_todo`: tokens
+    known but not yet in the cache, 1 for a decode; `_left`: tokens still to generate), so that
+    a step schedules and books its sequences with a few array operations, not per request.
     """
 
     def __init__(self, model: Llama, kv: KVCacheManager, *, max_num_seqs: int, max_num_tokens: int,
@@ -84,12 +99,12 @@ class Engine:
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._todo = np.zeros(0, dtype=np.int64)
+        self._left = np.zeros(0, dtype=np.int64)
         self.finished: dict[int, Request] = {}
         self.buckets = tuple(sorted(graph_buckets))
         # bucket -> (graph, its logits output, the captured function, for eager comparisons)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        device = kv.caches[0].k.device
-        self._input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         if self.buckets:
             self._capture_graphs()
 
@@ -102,64 +117,98 @@ class Engine:
 
     # --- scheduling ---------------------------------------------------------------------------
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """`(request, new tokens)` of this step: running requests first (decodes, then
-        unfinished prefills), then newly admitted ones, within the token budget. The running
+    def _schedule(self) -> _Batch:
+        """This step's batch: running requests first (decodes, then unfinished prefills, the
+        shortest first), then newly admitted ones, within the token budget. The running
         requests' cache appends are one `append_batch`; only when the cache is short of blocks
         do they go one by one, preempting as needed."""
-        budget = self.max_num_tokens
-        batch = []
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed):
-            n = min(req.num_tokens - req.num_computed, budget)
-            if n == 0:
-                break
-            batch.append((req, n))
-            budget -= n
+        todo = self._todo
+        order = np.argsort(todo, kind="stable")
+        want = todo[order]
+        counts = np.minimum(want, self.max_num_tokens - (np.cumsum(want) - want))
+        k = int(np.count_nonzero(counts > 0))  # the budget runs out after the first k
+        where, counts = order[:k], counts[:k]
+        requests = [self.running[i] for i in where.tolist()]
         try:
-            self.kv.append_batch([r.id for r, _ in batch], [self._new_tokens(r, n) for r, n in batch])
+            rows = self.kv.append_batch([r.id for r in requests],
+                                        self._new_tokens(requests, todo[where], counts))
+            batch = _Batch(requests, where, counts, rows)
         except OutOfBlocksError:
-            plan, batch = batch, []
-            for req, n in plan:
-                if req not in self.running:  # preempted to make room for an earlier one
-                    continue
-                if not self._append(req, n, batch):
-                    break
-                batch.append((req, n))
-            budget = self.max_num_tokens - sum(n for _, n in batch)
+            batch = self._schedule_one_by_one(requests, todo[where], counts)
+        budget = self.max_num_tokens - int(batch.counts.sum())
+        admitted = []
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed = self.kv.add(req.id, req.tokens if self.kv.prefix_caching else ())
-            n = min(req.num_tokens - req.num_computed, budget)
-            if not self._append(req, n, batch, admitting=True):
+            cached = self.kv.add(req.id, req.tokens if self.kv.prefix_caching else ())
+            n = min(req.num_tokens - cached, budget)
+            if not self._append(req, req.num_tokens - cached, n, batch.requests + admitted, admitting=True):
                 self.kv.free(req.id)
                 break
-            self.running.append(self.waiting.pop(0))
-            batch.append((req, n))
+            self.waiting.pop(0)
+            self._add_running(req, req.num_tokens - cached)
+            admitted.append(req)
+            batch.counts = np.append(batch.counts, n)
             budget -= n
+        if admitted:
+            batch.requests += admitted
+            batch.where = np.append(batch.where, np.arange(len(self.running) - len(admitted), len(self.running)))
+            batch.rows = None
         return batch
 
-    def _new_tokens(self, req: Request, n: int) -> int | list[int]:
-        """What `KVCacheManager.append` takes for the next `n` tokens of `req`."""
-        return req.token_range(req.num_computed, req.num_computed + n) if self.kv.prefix_caching else n
+    def _schedule_one_by_one(self, requests, todo, counts) -> _Batch:
+        """The appends of `_schedule` when they do not all fit: in order, each preempting the
+        newest running request outside the batch until it fits, or stopping the batch."""
+        kept, kept_counts = [], []
+        for req, t, n in zip(requests, todo.tolist(), counts.tolist()):
+            if req not in self.running:  # preempted to make room for an earlier one
+                continue
+            if not self._append(req, t, n, kept):
+                break
+            kept.append(req)
+            kept_counts.append(n)
+        index = {id(r): i for i, r in enumerate(self.running)}
+        where = np.fromiter((index[id(r)] for r in kept), dtype=np.intp, count=len(kept))
+        return _Batch(kept, where, np.array(kept_counts, dtype=np.int64), None)
 
-    def _append(self, req: Request, n: int, batch, admitting: bool = False) -> bool:
-        """Room in the cache for `n` more tokens of `req`; preempts the newest running request
-        outside this batch (it is recomputed later) until it fits, or returns False."""
-        scheduled = {r.id for r, _ in batch}
+    def _new_tokens(self, requests: list[Request], todo, counts) -> list | np.ndarray:
+        """What `KVCacheManager.append_batch` takes for the next `counts[j]` of the `todo[j]`
+        uncached tokens of `requests[j]`: the counts, or the token ids when prefix caching."""
+        if not self.kv.prefix_caching:
+            return counts
+        return [r.token_range(r.num_tokens - t, r.num_tokens - t + n)
+                for r, t, n in zip(requests, np.asarray(todo).tolist(), np.asarray(counts).tolist())]
+
+    def _append(self, req: Request, todo: int, n: int, scheduled: list[Request],
+                admitting: bool = False) -> bool:
+        """Room in the cache for `n` of the `todo` uncached tokens of `req`; preempts the newest
+        running request outside `scheduled` (it is recomputed later) until it fits, or returns
+        False."""
+        ids = {r.id for r in scheduled}
         while True:
             try:
-                self.kv.append(req.id, self._new_tokens(req, n))
+                self.kv.append_batch([req.id], self._new_tokens([req], [todo], [n]))
                 return True
             except OutOfBlocksError:
-                victims = [r for r in self.running if r.id not in scheduled and r is not req]
+                victims = [r for r in self.running if r.id not in ids and r is not req]
                 if admitting or not victims:
                     return False
                 self._preempt(victims[-1])
 
+    def _add_running(self, req: Request, todo: int) -> None:
+        self.running.append(req)
+        self._todo = np.append(self._todo, todo)
+        self._left = np.append(self._left, req.max_new_tokens - len(req.output))
+
+    def _remove_running(self, gone: np.ndarray) -> None:
+        """Drop `running[i]` for each index in `gone`."""
+        keep = np.ones(len(self.running), dtype=bool)
+        keep[gone] = False
+        self.running = [r for r, k in zip(self.running, keep.tolist()) if k]
+        self._todo, self._left = self._todo[keep], self._left[keep]
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.id)
-        req.num_computed = 0
-        self.running.remove(req)
+        self._remove_running(np.array([self.running.index(req)]))
         self.waiting.insert(0, req)
 
     # --- steps --------------------------------------------------------------------------------
@@ -169,68 +218,83 @@ class Engine:
         start = time.perf_counter()
         batch = self._schedule()
         schedule_us = (time.perf_counter() - start) * 1e6
-        if not batch:
+        requests, where, counts = batch.requests, batch.where, batch.counts
+        if not requests:
             if self.running or self.waiting:
                 raise RuntimeError("no request fits in the KV cache: raise num_blocks")
             return None
         self.kv.apply_pending()
-        ids = [r.id for r, _ in batch]
-        query_lens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
-        num_tokens = int(query_lens.sum())
-        bucket = self._bucket(query_lens)
+        todo = self._todo[where]
+        if todo.max() == 1:  # decodes (or one-token prompt tails): each one's last token
+            token_ids = [(r.output or r.prompt)[-1] for r in requests]
+        else:
+            token_ids = list(itertools.chain.from_iterable(
+                r.token_range(r.num_tokens - t, r.num_tokens - t + n)
+                for r, t, n in zip(requests, todo.tolist(), counts.tolist())))
+        bucket = self._bucket(counts)
         t0 = time.perf_counter()
-        meta = self.attention.prepare(ids, query_lens, pad_to=bucket)
+        meta = self.attention.prepare([r.id for r in requests], counts, rows=batch.rows,
+                                      pad_to=bucket, token_ids=token_ids)
         metadata_us = (time.perf_counter() - t0) * 1e6
-
-        token_ids = []
-        for r, n in batch:
-            token_ids += r.token_range(r.num_computed, r.num_computed + n)
-        token_ids = torch.from_numpy(np.fromiter(token_ids, dtype=np.int64, count=num_tokens))
-        self._input_ids[:num_tokens].copy_(token_ids, non_blocking=True)
         host_us = (time.perf_counter() - start) * 1e6
-        timer = _GpuTimer(self._input_ids.is_cuda)
+        timer = _GpuTimer(meta.attn.slot_mapping.is_cuda)
         if bucket is not None:
             graph, logits, _ = self._graphs[bucket]
             graph.replay()
-            logits = logits[:len(batch)]
+            logits = logits[:len(requests)]
         else:
-            hidden = self.model(self._input_ids[:num_tokens], meta)
-            last = meta.attn.cu_seqlens_q[1:len(batch) + 1] - 1
+            hidden = self.model(meta.attn.token_ids, meta)
+            last = meta.attn.cu_seqlens_q[1:len(requests) + 1] - 1
             logits = self.model.logits(hidden[last])
         gpu_us = timer.stop()
         self.last_logits = logits
+        self._book(batch, logits.argmax(dim=-1).tolist())
+        return StepStats(len(requests), int(counts.sum()), bucket is not None, metadata_us, gpu_us,
+                         schedule_us, host_us)
 
-        next_tokens = logits.argmax(dim=-1).tolist()
-        for (req, n), token in zip(batch, next_tokens):
-            req.num_computed += n
-            if req.num_computed == req.num_tokens:  # its last known token ran: sample
+    def _book(self, batch: _Batch, next_tokens: list[int]) -> None:
+        """After the forward: the batch's tokens are in the cache; each request whose last
+        known token ran gets its sampled token; finished requests leave."""
+        where = batch.where
+        self._todo[where] -= batch.counts
+        sampled = np.flatnonzero(self._todo[where] == 0)
+        if len(sampled) == len(where):
+            for req, token in zip(batch.requests, next_tokens):
                 req.output.append(token)
-                if req.done:
-                    self.kv.free(req.id)
-                    self.running.remove(req)
-                    self.finished[req.id] = req
-        return StepStats(len(batch), num_tokens, bucket is not None, metadata_us, gpu_us, schedule_us,
-                         host_us)
+        else:
+            for j in sampled.tolist():
+                batch.requests[j].output.append(next_tokens[j])
+        grew = where[sampled]
+        self._todo[grew] = 1
+        self._left[grew] -= 1
+        done = grew[self._left[grew] <= 0]
+        if len(done):
+            for i in done.tolist():
+                req = self.running[i]
+                self.kv.free(req.id)
+                self.finished[req.id] = req
+            self._remove_running(done)
 
-    def _bucket(self, query_lens: np.ndarray) -> int | None:
-        if not self.buckets or (query_lens != 1).any():
+    def _bucket(self, counts: np.ndarray) -> int | None:
+        if not self.buckets or counts.max() != 1:
             return None
-        return next((b for b in self.buckets if b >= len(query_lens)), None)
+        return next((b for b in self.buckets if b >= len(counts)), None)
 
     @torch.no_grad()
     def _capture_graphs(self) -> None:
         """One decode graph per bucket, captured over dummy one-token sequences in block 0 of a
-        still empty cache (the graph keeps only buffer addresses)."""
+        still empty cache (the graph keeps only buffer addresses: a bucket's metadata and input
+        ids land at the same ones every step)."""
         if self.running or self.kv.allocator.num_free != self.kv.allocator.num_blocks:
             raise RuntimeError("CUDA graphs are captured before any request runs")
         for bucket in self.buckets:
-            meta = self.attention.step_metadata(
-                self.attention.builder.build([1] * bucket, [1] * bucket, [[0]] * bucket))
-            run = functools.partial(self._decode_logits, self._input_ids[:bucket], meta)
+            meta = self.attention.step_metadata(self.attention.builder.build(
+                [1] * bucket, [1] * bucket, [[0]] * bucket, token_ids=[0] * bucket))
+            run = functools.partial(self._decode_logits, meta)
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
 
-    def _decode_logits(self, ids: torch.Tensor, meta) -> torch.Tensor:
-        return self.model.logits(self.model(ids, meta))
+    def _decode_logits(self, meta) -> torch.Tensor:
+        return self.model.logits(self.model(meta.attn.token_ids, meta))
 
 
 class _GpuTimer:
