@@ -114,8 +114,10 @@ def test_padding_mixed_batch_adds_empty_sequences():
 def test_padding_uniform_decode_keeps_query_rows():
     rng = fresh_rng()
     seq_lens, query_lens, tables = random_batch(rng, 3, decode_q=2)
-    md = builder().build(seq_lens, query_lens, tables, pad_to=6)
+    token_ids = [rng.randrange(1, 1000) for _ in range(6)]
+    md = builder().build(seq_lens, query_lens, tables, pad_to=6, token_ids=token_ids)
     assert md.num_seqs == 6 and md.num_tokens == 12 and md.q_per_seq == 2
+    assert md.token_ids.dtype == torch.int32 and md.token_ids.tolist() == token_ids + [0] * 6
     assert md.seq_lens.tolist() == seq_lens + [0, 0, 0]
     assert md.cu_seqlens_q.tolist() == list(range(0, 13, 2))
     cu, slots, positions, rows = expected_metadata(seq_lens, query_lens, tables)
@@ -139,6 +141,21 @@ def test_buffers_keep_their_addresses():
         assert md.seq_lens.tolist() == batch[0] + [0] * (16 - num_seqs)
         assert md.slot_mapping.tolist()[num_seqs:] == [-1] * (16 - num_seqs)
         check(mb.build(*batch), *batch)  # unpadded builds reuse the same memory too
+
+
+def test_token_ids_travel_with_the_metadata():
+    rng = fresh_rng()
+    mb = builder()
+    for _ in range(3):
+        batch = random_batch(rng, rng.randint(1, 16))
+        token_ids = np.array([rng.randrange(50000) for _ in range(sum(batch[1]))])
+        md = mb.build(*batch, token_ids=token_ids)
+        check(md, *batch)
+        assert md.token_ids.tolist() == token_ids.tolist()
+        assert mb.build(*batch).token_ids is None
+    for bad in (token_ids[:-1], token_ids.astype(np.float32)):
+        with pytest.raises(ValueError, match=f"token_ids must hold {len(token_ids)} ints"):
+            mb.build(*batch, token_ids=bad)
 
 
 def test_empty_batch():
@@ -194,7 +211,7 @@ def test_cuda_build_never_syncs():
                                                 md.slot_mapping, md.positions)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert md.seq_lens.device.type == "cuda"
+    assert md.seq_lens.device.type == "cuda" and all(buf.is_pinned() for buf in mb._staging)
     reference = builder("cpu")
     for batch, got in zip(batches, results):
         md = reference.build(*batch, pad_to=16)

@@ -5,8 +5,11 @@ eager calls bit for bit while requests arrive and leave."""
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torch_ops.serving.attention import BACKENDS, AttentionConfig, get_backend
 from torch_ops.serving.cache_manager import KVCacheManager
@@ -108,6 +111,54 @@ class _Checked:
         eager = self.run()
         assert torch.equal(replayed, eager), f"replay {len(self.log)} differs from the eager call"
         self.log.append(self.logits.shape[0])
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Records every aten op that touches a tensor on the `meta` device, with its args."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in tree_leaves((args, kwargs))):
+            self.calls.append((func, args))
+        return func(*args, **kwargs)
+
+
+def test_prepare_touches_the_device_with_one_copy_per_step():
+    """`prepare` of decode, padded, mixed and prefill steps on a cache on a stand-in device
+    (`meta`): the only device work is one host-to-device copy per step (views of a batch shape
+    are made once, then cached), so nothing launches, allocates or syncs on a GPU."""
+    rng = fresh_rng()
+    kv = KVCacheManager(1, 256, 4, 2, 8, torch.float16, device="meta")
+    attention = get_backend("vanilla")(AttentionConfig(4, 2, 8), kv, max_num_seqs=16,
+                                       max_num_tokens=64, max_blocks_per_seq=32)
+    seqs = list(range(12))
+    for s in seqs:
+        kv.add(s)
+        kv.append(s, rng.randint(1, 40))
+    seen = set()
+    for step in range(12):
+        batch = rng.sample(seqs, rng.randint(1, 12))
+        counts = np.ones(len(batch), dtype=np.int64) if step % 3 else np.array(
+            [rng.randint(0, 4) for _ in batch])
+        rows = kv.append_batch(batch, counts)
+        pad_to = 16 if step % 3 == 1 else None
+        shape = (pad_to or len(batch), int(counts.sum()) if pad_to is None else 16)
+        with _DeviceOps() as ops:
+            meta = attention.prepare(batch, counts, pad_to=pad_to, rows=rows if step % 2 else None,
+                                     token_ids=[rng.randrange(100) for _ in range(int(counts.sum()))])
+        device_work = [(f, a) for f, a in ops.calls if not f.is_view]
+        assert [f for f, _ in device_work] == [torch.ops.aten.copy_.default], step
+        dst, src = device_work[0][1][:2]
+        assert dst.is_meta and src.device.type == "cpu"
+        assert meta.attn.token_ids.is_meta and meta.attn.slot_mapping.is_meta
+        if shape in seen:  # a known batch shape: no view is made either
+            assert len(ops.calls) == 1, step
+        seen.add(shape)
+    assert len(seen) < 12  # some shapes came back
 
 
 def _probe(device):
