@@ -8,14 +8,16 @@
 //     FP8 V is read transposed (tokens innermost), where TMA traps on a box start that is not
 //     16-byte aligned: a sequence's key tiles then start at its first key rounded down to 16
 //     and the keys before it are masked (the "key offset");
-//   * a tile scheduler over "virtual" tiles (floor(cu_q[b] / M) + b), found by binary search
-//     on cu_seqlens_q: no host sync, no pre-pass, CUDA-graph safe;
+//   * tile schedulers over "virtual" tiles (floor(cu_q[b] / M) + b), found by binary search
+//     on cu_seqlens_q: no host sync, no pre-pass, CUDA-graph safe; either one CTA per work tile,
+//     or (-DATTN_PERSISTENT=1) a persistent grid whose CTAs loop over the work tiles;
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
 //   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3.
 //
-// One translation unit per (element, head dim), chosen by -DATTN_ELEMENT_<E4M3|BF16|FP16> and
-// -DATTN_HEAD_DIM=<128|256>; torch_ops/cutlass.py builds and links them.
+// One translation unit per (element, head dim, persistent or not), chosen by
+// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<128|256> and -DATTN_PERSISTENT=<0|1>;
+// torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -49,8 +51,13 @@ using Element = cutlass::half_t;
 #error "define one of ATTN_ELEMENT_E4M3, ATTN_ELEMENT_BF16, ATTN_ELEMENT_FP16"
 #endif
 
+#ifndef ATTN_PERSISTENT
+#define ATTN_PERSISTENT 0
+#endif
+
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
+constexpr bool kPersistent = ATTN_PERSISTENT;
 static_assert(kHeadDim == 128 || kHeadDim == 256, "head dims 128 and 256 are instantiated");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, unless
@@ -120,8 +127,15 @@ struct VarlenMask {
   }
 };
 
-using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-    Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask>;
+using cutlass::fmha::kernel::Option;
+using cutlass::fmha::kernel::Tag;
+
+// Persistent: the mainloop releases each tile's Q buffer and last V buffer, so that the pipelines
+// carry on into the CTA's next tile.
+template <class... Options>
+using MainloopWith = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+    Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask, Options...>;
+using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>>, MainloopWith<>>;
 
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
@@ -153,56 +167,106 @@ struct VarlenMainloop : Base {
     return SeqShape{1, get<1>(problem), s.lq, s.lk, get<4>(problem), p.causal, s.off};
   }
 
+  // TMA (source, smem destination) partitions of this tile's Q rows (one block per consumer
+  // warpgroup) and of its sequence's K and V tiles.
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static auto q_state(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                     SharedStorage& storage) {
+    using X = Underscore;
+    Sequence seq = sequence(blk, params);
+    int h = get<2, 1>(blk);
+    Tensor mQ = domain_offset(make_coord(seq.q0, _0{}, make_coord(_0{}, _0{})),
+                              params.tma_load_q.get_tma_tensor(make_shape(get<2>(problem), get<4>(problem), heads(problem))));
+    Tensor gQ_all = local_tile(mQ, TileShapeQK{}, make_coord(_, _, _), Step<_1, X, _1>{})(_, _, _, _0{}, make_coord(_0{}, h));
+    Tensor gQ = make_tensor(gQ_all.data() + NumMmaWarpGroups * int(get<0>(blk)) * stride<2>(gQ_all), gQ_all.layout());
+    return tma_state(params.tma_load_q, make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{}), gQ);
+  }
+
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static auto kv_state(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                      SharedStorage& storage, Sequence const& seq) {
+    using X = Underscore;
+    int hk = get<2, 1>(blk) / params.group, tk = get<3>(problem), d = get<4>(problem);
+    Tensor mK = domain_offset(make_coord(seq.k0, _0{}, make_coord(_0{}, _0{})),
+                              params.tma_load_k.get_tma_tensor(make_shape(tk, d, heads(problem))));
+    Tensor gK = local_tile(mK, TileShapeQK{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _, _0{}, make_coord(_0{}, hk));
+    Tensor mV = domain_offset(make_coord(_0{}, seq.k0, make_coord(_0{}, _0{})),
+                              params.tma_load_v.get_tma_tensor(make_shape(d, tk, heads(problem))));
+    Tensor gV = local_tile(mV, TileShapePV{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _0{}, _, make_coord(_0{}, hk));
+    return make_tuple(tma_state(params.tma_load_k, make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{}), gK),
+                      tma_state(params.tma_load_v, make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{}), gV));
+  }
+
+  template <class ProblemShape>
+  CUTLASS_DEVICE static auto heads(ProblemShape const& problem) { return make_shape(1, get<1>(problem)); }
+
+  template <class Tma, class Smem, class Gmem>
+  CUTLASS_DEVICE static auto tma_state(Tma const& tma, Smem smem, Gmem g) {
+    auto slice = tma.get_slice(0);
+    return make_tuple(slice.partition_S(g), slice.partition_D(smem));
+  }
+
+  // The K/V load warp. Non-persistent (kLoadQ): it loads Q too, the first K tile and the first Q
+  // block before anything else so that the first QK^T starts as early as possible. Persistent:
+  // the Q warp (load_maybe_q) loads Q, and on a CTA's first tile this warp waits until the first
+  // Q block is issued before it issues V (the same order); later tiles' K/V loads run ahead into
+  // the free pipeline stages while the consumers finish the previous tile.
   template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void load_kv_maybe_q(int, BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                       MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
                                       MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
-                                      SharedStorage& storage, LoadWarpBarrier&, bool) {
-    static_assert(kLoadQ, "Q is loaded by the K/V warp (cooperative, non-persistent kernel)");
-    using X = Underscore;
+                                      SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile) {
+    static_assert(kLoadQ != kPersistent, "the persistent kernel loads Q in its own warp");
     Sequence seq = sequence(blk, params);
     int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(seq, problem, params));
-    int h = get<2, 1>(blk), hk = h / params.group;
-    int tq = get<2>(problem), tk = get<3>(problem), d = get<4>(problem);
-    auto heads = make_shape(1, get<1>(problem));
-
-    Tensor mQ = domain_offset(make_coord(seq.q0, _0{}, make_coord(_0{}, _0{})),
-                              params.tma_load_q.get_tma_tensor(make_shape(tq, d, heads)));
-    Tensor gQ_all = local_tile(mQ, TileShapeQK{}, make_coord(_, _, _), Step<_1, X, _1>{})(_, _, _, _0{}, make_coord(_0{}, h));
-    Tensor gQ = make_tensor(gQ_all.data() + NumMmaWarpGroups * int(get<0>(blk)) * stride<2>(gQ_all), gQ_all.layout());
-    Tensor mK = domain_offset(make_coord(seq.k0, _0{}, make_coord(_0{}, _0{})),
-                              params.tma_load_k.get_tma_tensor(make_shape(tk, d, heads)));
-    Tensor gK = local_tile(mK, TileShapeQK{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _, _0{}, make_coord(_0{}, hk));
-    Tensor mV = domain_offset(make_coord(_0{}, seq.k0, make_coord(_0{}, _0{})),
-                              params.tma_load_v.get_tma_tensor(make_shape(d, tk, heads)));
-    Tensor gV = local_tile(mV, TileShapePV{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _0{}, _, make_coord(_0{}, hk));
-
-    auto state = [](auto const& tma, auto smem, auto g) {
-      auto slice = tma.get_slice(0);
-      return make_tuple(slice.partition_S(g), slice.partition_D(smem));
-    };
-    auto state_q = state(params.tma_load_q, make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{}), gQ);
-    auto state_k = state(params.tma_load_k, make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{}), gK);
-    auto state_v = state(params.tma_load_v, make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{}), gV);
-
-    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    auto state_kv = kv_state(blk, params, problem, storage, seq);
     LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
     LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
     int lane_predicate = cute::elect_one_sync();
-    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
     auto k_iter = make_coord_iterator(trips);
-    int q_count = NumMmaWarpGroups, k_count = 2 * trips;  // K and V tiles share the pipeline
+    int k_count = 2 * trips;  // K and V tiles share the pipeline
 
-    // First K tile and the first Q tile before V, so the first QK^T starts as early as possible.
-    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-    load_k.template step<false>(k_iter, state_k, smem_pipe_write, lane_predicate, k_count);
-    while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-    load_v.template step<true>(k_iter, state_v, smem_pipe_write, lane_predicate, k_count);
+    if constexpr (kLoadQ) {
+      auto state_q = q_state(blk, params, problem, storage);
+      LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+      auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
+      int q_count = NumMmaWarpGroups;
+      load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    } else {
+      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      if (first_tile) {
+        q_issued.arrive();
+        q_issued.wait(0);
+      }
+    }
+    load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
     CUTLASS_PRAGMA_NO_UNROLL
     while (k_count > 0) {
-      load_k.template step<false>(k_iter, state_k, smem_pipe_write, lane_predicate, k_count);
-      load_v.template step<true>(k_iter, state_v, smem_pipe_write, lane_predicate, k_count);
+      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
     }
+  }
+
+  // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that
+  // warpgroup has released its previous tile's block (at the end of its mainloop, so the load
+  // overlaps that tile's epilogue).
+  template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_maybe_q(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                   MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
+                                   SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile) {
+    auto state_q = q_state(blk, params, problem, storage);
+    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    int lane_predicate = cute::elect_one_sync();
+    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
+    int q_count = NumMmaWarpGroups;
+    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    if (first_tile) {
+      q_issued.arrive();
+      q_issued.wait(0);
+    }
+    while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
   }
 
   template <class BlkCoord, class ProblemShape, class... Pipes>
@@ -296,44 +360,107 @@ struct VarlenEpilogue {
   }
 };
 
-// Tiles of sequence b are the "virtual" tiles [floor(cu_q[b] / M) + b, floor(cu_q[b+1] / M) + b + 1):
-// at least ceil(Lq / M) of them, at most one spare (a CTA that finds it past Lq exits). The
-// grid is floor(total_q / M) + B tiles by Hq heads; a CTA finds its sequence by binary search.
-struct VarlenScheduler {
+// Work tiles: sequence b owns the "virtual" q tiles [floor(cu_q[b] / M) + b, floor(cu_q[b+1] / M) + b + 1)
+// of each head, at least ceil(Lq / M) of them and at most one spare (found past Lq and skipped).
+// There are floor(total_q / M) + B virtual tiles per head, known on the host without reading the
+// lengths; a tile's sequence is found by binary search on cu_seqlens_q.
+constexpr int kBlockM = get<0>(TileShape{});
+
+struct VirtualTile {
+  int m_block, b;
+  bool valid;
+};
+
+CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (cu_q[mid] / kBlockM + mid <= t) lo = mid; else hi = mid - 1;
+  }
+  int m_block = t - (cu_q[lo] / kBlockM + lo);
+  return {m_block, lo, m_block * kBlockM < cu_q[lo + 1] - cu_q[lo]};
+}
+
+#if !ATTN_PERSISTENT
+// One CTA per work tile: grid (virtual tiles, Hq); a CTA with the spare tile exits. Causal: the
+// highest tiles (most keys) are launched first.
+struct Scheduler {
   struct Params {
     dim3 grid;
     const int* cu_q;
     int num_seqs;
-    bool longest_first;  // causal: start the tiles with the most keys first
+    bool longest_first;
   };
 
-  static constexpr int M = get<0>(TileShape{});
-  int m_block = 0, b = 0, h = 0;
-  bool valid = false;
+  VirtualTile tile;
+  int h;
 
-  CUTLASS_DEVICE VarlenScheduler(Params const& p) {
-    int t = p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-      int mid = (lo + hi + 1) / 2;
-      if (p.cu_q[mid] / M + mid <= t) lo = mid; else hi = mid - 1;
-    }
-    b = lo;
-    m_block = t - (p.cu_q[b] / M + b);
-    h = blockIdx.y;
-    valid = m_block * M < p.cu_q[b + 1] - p.cu_q[b];
+  CUTLASS_DEVICE Scheduler(Params const& p)
+      : tile(find_tile(p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), p.cu_q, p.num_seqs)),
+        h(blockIdx.y) {}
+
+  static Params make_params(AttnFmhaArgs const& a, int tiles) {
+    return {dim3(tiles, a.hq, 1), a.cu_seqlens_q, a.num_seqs, a.causal != 0};
   }
-
   static dim3 get_grid_shape(Params const& p) { return p.grid; }
-  CUTLASS_DEVICE bool is_valid() const { return valid; }
-  CUTLASS_DEVICE auto get_block_coord() const { return make_coord(m_block, _0{}, make_coord(b, h)); }
-  CUTLASS_DEVICE VarlenScheduler& operator++() {
-    valid = false;
+  CUTLASS_DEVICE bool is_valid() const { return tile.valid; }
+  CUTLASS_DEVICE auto get_block_coord() const { return make_coord(tile.m_block, _0{}, make_coord(tile.b, h)); }
+  CUTLASS_DEVICE Scheduler& operator++() {
+    tile.valid = false;
     return *this;
   }
 };
 
-using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, VarlenScheduler>;
+using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, Scheduler>;
+#else
+// Persistent: `num_ctas` CTAs (one per SM), CTA c runs work items c, c + num_ctas, c + 2 num_ctas, ...
+// of the tiles x Hq items, ordered by (head section, virtual tile, head within the section): the
+// `section_heads` heads of a section (chosen on the host so that their K/V fit in L2) run each q
+// tile together, and causal tiles go from the highest (most keys) down, so the shortest run last
+// and the tail is short. Every warp of a CTA walks the same sequence of items, so the producer and
+// consumer warps agree on each tile without talking to each other.
+struct Scheduler {
+  struct Params {
+    const int* cu_q;
+    int num_seqs, num_tiles, num_items, section_heads, num_ctas;
+    bool longest_first;
+  };
+
+  Params const& p;
+  int item;
+  VirtualTile tile;
+  int h;
+
+  CUTLASS_DEVICE Scheduler(Params const& params) : p(params), item(blockIdx.x) { seek(); }
+
+  // From `item` on, the first item whose tile holds query rows (skips spare tiles).
+  CUTLASS_DEVICE void seek() {
+    for (; item < p.num_items; item += gridDim.x) {
+      int rest = item / p.section_heads;
+      int x = rest % p.num_tiles;
+      h = rest / p.num_tiles * p.section_heads + item % p.section_heads;
+      tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs);
+      if (tile.valid) return;
+    }
+  }
+
+  static Params make_params(AttnFmhaArgs const& a, int tiles) {
+    return {a.cu_seqlens_q, a.num_seqs, tiles, tiles * a.hq, a.section_heads, a.num_ctas, a.causal != 0};
+  }
+  static dim3 get_grid_shape(Params const& p) { return dim3(p.num_ctas, 1, 1); }
+  CUTLASS_DEVICE bool is_valid() const { return item < p.num_items; }
+  CUTLASS_DEVICE auto get_block_coord() const { return make_coord(tile.m_block, _0{}, make_coord(tile.b, h)); }
+  CUTLASS_DEVICE Scheduler& operator++() {
+    item += gridDim.x;
+    seek();
+    return *this;
+  }
+};
+
+// A separate Q load warp, so that the K/V loads of a CTA's next tile need not wait for its Q.
+using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, Scheduler,
+                                                                   Option<Tag::kLoadsQSeparately, true_type>>;
+#endif
 
 // The kernel's problem shape is (B, Hq, total_q, total_k, D); `causal` rides in the mainloop params.
 static_assert(std::is_same_v<Kernel::ProblemShape, cute::tuple<int, int, int, int, int>>);
@@ -371,9 +498,12 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale};
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
-  dim3 grid(tq / VarlenScheduler::M + a.num_seqs, a.hq, 1);
-  VarlenScheduler::Params sched{grid, a.cu_seqlens_q, a.num_seqs, a.causal != 0};
+  if (kPersistent && (a.num_ctas < 1 || a.section_heads < 1 || a.hq % a.section_heads != 0)) {
+    return fail("persistent grid: need num_ctas >= 1 and section_heads dividing hq");
+  }
+  Scheduler::Params sched = Scheduler::make_params(a, tq / kBlockM + a.num_seqs);
   Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
+  dim3 grid = Kernel::get_grid_shape(params);
 
   static_assert(sizeof(Kernel::Params) < 4096, "kernel parameters must fit the launch limit");
   constexpr int smem = Kernel::SharedStorageSize;
@@ -391,9 +521,14 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 }  // namespace
 }  // namespace attn_fmha
 
-#define ATTN_CAT2(a, b, c) attn_fmha_sm90_##a##_d##b
-#define ATTN_CAT(a, b) ATTN_CAT2(a, b, )
-#define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM)
+#if ATTN_PERSISTENT
+#define ATTN_VARIANT _persistent
+#else
+#define ATTN_VARIANT
+#endif
+#define ATTN_CAT2(a, b, c) attn_fmha_sm90_##a##_d##b##c
+#define ATTN_CAT(a, b, c) ATTN_CAT2(a, b, c)
+#define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM, ATTN_VARIANT)
 
 // the library is built with -fvisibility=hidden: only the entry points are exported
 extern "C" __attribute__((visibility("default"))) int ATTN_ENTRY(AttnFmhaArgs const* args, void* stream, char* err, int err_len) {

@@ -36,12 +36,15 @@ typedef struct {
   int32_t causal;           // bottom-right aligned
   int32_t q_scale_stride, k_scale_stride, v_scale_stride;
   int32_t out_dtype;        // AttnOutDtype
+  // persistent kernels only: CTAs in the grid, and heads per section of the work order (divides hq)
+  int32_t num_ctas, section_heads;
   float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
 } AttnFmhaArgs;
 
-// Each instantiation (input dtype x head dim) exports one entry point:
-//   int attn_fmha_sm90_<e4m3|bf16|fp16>_d<D>(const AttnFmhaArgs*, void* stream, char* err, int err_len)
-// returning 0 on success, else nonzero with a message in err.
+// Each instantiation (input dtype x head dim x grid) exports one entry point:
+//   int attn_fmha_sm90_<e4m3|bf16|fp16>_d<D>[_persistent](const AttnFmhaArgs*, void* stream, char* err, int err_len)
+// returning 0 on success, else nonzero with a message in err. The plain kernels launch one CTA per
+// 128 query rows per head; the _persistent ones num_ctas CTAs that loop over those work tiles.
 
 #ifdef __cplusplus
 }

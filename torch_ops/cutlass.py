@@ -1,9 +1,14 @@
 """The `cutlass` backend: `attn::context_attention` on Hopper through csrc/fmha_sm90.cu.
 
 The CUDA code is built against the CUTLASS headers of the `nvidia-cutlass` wheel (and the FMHA
-collectives of its example 88), one translation unit per (input dtype, head dim) in `KERNELS`,
-linked into one shared library with a plain C ABI (`csrc/fmha_sm90.h`) that Python calls through
-ctypes: the build never sees torch headers, and a CPU install never needs nvcc.
+collectives of its example 88), one translation unit per (input dtype, head dim) in `KERNELS` and
+grid (`VARIANTS`: one CTA per work tile, or persistent), linked into one shared library with a
+plain C ABI (`csrc/fmha_sm90.h`) that Python calls through ctypes: the build never sees torch
+headers, and a CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
+
+`PERSISTENT` picks the grid: True runs the persistent kernels (one CTA per SM, each looping over
+work tiles), False the plain ones, None (the default) reads `ATTN_CUTLASS_PERSISTENT` (0 or 1,
+default 0).
 
 The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
@@ -38,8 +43,13 @@ SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
 ARCH = "90a"
+VARIANTS = {False: "", True: "_persistent"}   # persistent grid -> entry point suffix
+BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
+L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one persistent section may share in L2
 
-# (input dtype, head dim) -> the translation unit's element name; entry `attn_fmha_sm90_<e>_d<D>`.
+PERSISTENT: bool | None = None   # the persistent kernels or not; None: ATTN_CUTLASS_PERSISTENT
+
+# (input dtype, head dim) -> the translation unit's element name; entry `attn_fmha_sm90_<e>_d<D><variant>`.
 KERNELS = {
     (torch.float8_e4m3fn, 128): "e4m3", (torch.float8_e4m3fn, 256): "e4m3",
     (torch.bfloat16, 128): "bf16", (torch.bfloat16, 256): "bf16",
@@ -75,12 +85,14 @@ def find_nvcc() -> str | None:
 
 
 def compile_command(nvcc: str, element: str, head_dim: int, output: Path, include_dirs: list[Path],
-                    defines: tuple[str, ...] = ()) -> list[str]:
-    """nvcc command line that compiles the `element` x `head_dim` instantiation to an object."""
+                    defines: tuple[str, ...] = (), persistent: bool = False) -> list[str]:
+    """nvcc command line that compiles the `element` x `head_dim` instantiation, with the
+    persistent grid or not, to an object."""
     return [
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo",
-        f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}", *(f"-D{d}" for d in defines),
+        f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}", f"-DATTN_PERSISTENT={int(persistent)}",
+        *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
     ]
@@ -108,14 +120,16 @@ def build_key(nvcc: str, defines: tuple[str, ...] = ()) -> str:
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
     flags = compile_command("nvcc", "x", 0, Path("o"), [], defines)
-    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags), *sorted(set(KERNELS.values()))):
+    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags), *sorted(set(KERNELS.values())),
+                 *VARIANTS.values()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
 def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None,
           kernels: dict = KERNELS) -> Path:
-    """Compile the instantiations in `kernels` in parallel and link them into `output`."""
+    """Compile the instantiations in `kernels`, each in both `VARIANTS`, in parallel and link
+    them into `output`."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise RuntimeError("no nvcc found (set ATTN_NVCC or CUDA_HOME) to build the CUTLASS kernels")
@@ -123,9 +137,9 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        units = sorted({(e, d) for (_, d), e in kernels.items()})
-        objects = [Path(tmp) / f"{e}_d{d}.o" for e, d in units]
-        commands = [compile_command(nvcc, e, d, o, include_dirs, defines) for (e, d), o in zip(units, objects)]
+        units = sorted({(e, d, p) for (_, d), e in kernels.items() for p in VARIANTS})
+        objects = [Path(tmp) / f"{e}_d{d}{VARIANTS[p]}.o" for e, d, p in units]
+        commands = [compile_command(nvcc, e, d, o, include_dirs, defines, p) for (e, d, p), o in zip(units, objects)]
         with ThreadPoolExecutor(jobs) as pool:
             for cmd, result in zip(commands, pool.map(_run_tool, commands)):
                 if result.returncode != 0:
@@ -173,7 +187,7 @@ def library_path() -> Path:
     with _file_lock(target.parent.with_suffix(".lock")):
         if not target.exists():
             log.warning("attn-ops: compiling the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, %d instantiations, "
-                        "sm_%s) with %s into %s", len(KERNELS), ARCH, nvcc, target.parent)
+                        "sm_%s) with %s into %s", len(KERNELS) * len(VARIANTS), ARCH, nvcc, target.parent)
             start = time.perf_counter()
             build(target, nvcc=nvcc)
             log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
@@ -191,17 +205,53 @@ class FmhaArgs(ctypes.Structure):
                                        "v_row_stride", "v_head_stride", "v_dim_stride", "out_row_stride",
                                        "out_head_stride", "lse_row_stride")),
         *((n, ctypes.c_int32) for n in ("total_q", "total_k", "num_seqs", "hq", "hkv", "head_dim", "causal",
-                                       "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype")),
+                                       "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype",
+                                       "num_ctas", "section_heads")),
         ("softmax_scale", ctypes.c_float),
     ]
 
 
 @functools.cache
-def _entry(element: str, head_dim: int):
-    fn = getattr(ctypes.CDLL(str(library_path())), f"attn_fmha_sm90_{element}_d{head_dim}")
+def _entry(element: str, head_dim: int, persistent: bool):
+    fn = getattr(ctypes.CDLL(str(library_path())), f"attn_fmha_sm90_{element}_d{head_dim}{VARIANTS[persistent]}")
     fn.argtypes = [ctypes.POINTER(FmhaArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+# ---- the persistent grid -------------------------------------------------------------------------
+
+
+def use_persistent() -> bool:
+    """Whether calls run the persistent kernels: `PERSISTENT` if set, else `ATTN_CUTLASS_PERSISTENT`."""
+    if PERSISTENT is not None:
+        if not isinstance(PERSISTENT, bool):
+            raise TypeError(f"torch_ops.cutlass.PERSISTENT must be True, False or None, got {PERSISTENT!r}")
+        return PERSISTENT
+    value = os.environ.get("ATTN_CUTLASS_PERSISTENT", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"ATTN_CUTLASS_PERSISTENT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def persistent_grid(total_q: int, num_seqs: int, hq: int, hkv: int, total_k: int, head_dim: int,
+                    element_size: int, num_sms: int) -> tuple[int, int]:
+    """`(num_ctas, section_heads)` of the persistent kernel, from shapes only (CUDA-graph safe).
+
+    One CTA per SM (a CTA's shared memory fills most of an SM), no more than there are work tiles
+    (`(total_q // BLOCK_M + num_seqs) * hq`). Work runs in sections of `section_heads` query heads,
+    the largest divisor of `hq` whose KV heads, at the mean key length, fit `L2_SECTION_BYTES`.
+    """
+    tiles = (total_q // BLOCK_M + num_seqs) * hq
+    kv_head_bytes = 2 * -(-total_k // num_seqs) * head_dim * element_size   # K and V of one KV head
+    group = hq // hkv
+    fits = [s for s in range(1, hq + 1) if hq % s == 0 and -(-s // group) * kv_head_bytes <= L2_SECTION_BYTES]
+    return min(tiles, num_sms), max(fits, default=1)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # ---- the backend ---------------------------------------------------------------------------------
@@ -299,6 +349,11 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     cu_k = cu_seqlens_k.to(torch.int32).contiguous()
     scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
+    persistent = use_persistent()
+    num_ctas, section_heads = 0, 0
+    if persistent:
+        num_ctas, section_heads = persistent_grid(tq, cu_q.shape[0] - 1, hq, hkv, tk, d, query.element_size(),
+                                                  _num_sms(query.device.index))
     args = FmhaArgs(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=o.data_ptr(), lse=l.data_ptr(),
         cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
@@ -308,13 +363,13 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
         v_dim_stride=v.stride(1) if fp8 else 0, out_row_stride=o.stride(0), out_head_stride=o.stride(1),
         lse_row_stride=l.stride(0), total_q=tq, total_k=tk, num_seqs=cu_q.shape[0] - 1, hq=hq, hkv=hkv,
         head_dim=d, causal=int(causal), q_scale_stride=qs_stride, k_scale_stride=ks_stride,
-        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype],
+        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype], num_ctas=num_ctas, section_heads=section_heads,
         softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
     )
     err = ctypes.create_string_buffer(256)
     with torch.cuda.device(query.device):
         stream = torch.cuda.current_stream().cuda_stream
-        if _entry(KERNELS[(query.dtype, d)], d)(ctypes.byref(args), stream, err, len(err)) != 0:
+        if _entry(KERNELS[(query.dtype, d)], d, persistent)(ctypes.byref(args), stream, err, len(err)) != 0:
             raise RuntimeError(f"CUTLASS context_attention failed: {err.value.decode()}")
     if target is None:
         out.copy_(o)
