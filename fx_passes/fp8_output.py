@@ -4,7 +4,8 @@
     y = (layout(o) / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     ->  o8 = attention(..., out_scale=scale);  y = layout(o8)
 
-`attention` is `context_attention_bhsd` (from `sdpa_to_attn`) or the `out` of an explicit
+`attention` is `context_attention_bhsd` (from `sdpa_to_attn`), `paged_decode_bhsd` (from
+`decode_to_paged`) or the `out` of an explicit
 `attn::context_attention`/`paged_prefill`/`paged_decode` call without `out_scale`. `layout` is any
 chain of transposes, permutes, views, reshapes, flattens and `contiguous` (they move FP8 bytes
 as well as bf16 ones). `scale` is a one-element fp32 tensor (a buffer or input: static
@@ -23,7 +24,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from .replacements import context_attention_bhsd
+from .replacements import context_attention_bhsd, paged_decode_bhsd
 from .torch_ir import Decline, call, declined, erase_unused, fake_eval, insert_call, is_tensor, value
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _layout_chain(x) -> tuple[list[fx.Node], tuple[fx.Node, fx.Node] | None]:
     while (c := call(x)) is not None and c.name in _LAYOUT:
         chain.append(x)
         x = c.input
-    if isinstance(x, fx.Node) and x.target is context_attention_bhsd:
+    if isinstance(x, fx.Node) and x.target in (context_attention_bhsd, paged_decode_bhsd):
         return chain, (x, x)
     if isinstance(x, fx.Node) and call(x) is not None and call(x).name == "getitem" and x.args[1] == 0:
         op = x.args[0]

@@ -11,14 +11,20 @@ eager attention of a Llama, GPT-NeoX or GPT-J gets a materialized mask, built by
 
 `is_causal(mask)` decides, for every value of the symbolic sizes, whether such a mask is true
 exactly where `key index <= query index` (top-left causal) and does not depend on the batch or
-head index. It interprets the mask's producers abstractly, over two kinds of value:
+head index. `is_key_prefix(mask)` decides whether a one-query mask keeps the same prefix of the
+keys in every row, of a length known only at run time: a decode step over a static cache,
+`arange(S_max) <= arange(1) + cumulative_length`. It interprets the mask's producers abstractly,
+over two kinds of value:
 
 * `Affine`: an integer tensor whose element at index `i` is `const + sum(coef[d] * i[d])`;
 * `Conj`: a bool tensor that is true at `i` iff `a(i) >= 0` for each `Affine` `a` of `ge`
   (the empty conjunction is true everywhere).
 
-Every op it does not understand, or any input (a placeholder: a user's padding mask, position
-ids passed in, a buffer), makes the answer "not recognized". Integer arithmetic is exact (no
+An integer tensor of one element that it cannot follow further (an input such as a static
+cache's token count, or an op it does not understand) is a run-time constant: a term of `const`
+whose value is unknown (`Affine.runtime`), so only `is_key_prefix` can use it. Any other op it
+does not understand, or any other input (a user's padding mask, position ids passed in, a
+buffer), makes the answer "not recognized". Integer arithmetic is exact (no
 overflow at index magnitudes); tensor indices must be provably non-negative (a negative index
 wraps around).
 """
@@ -39,21 +45,32 @@ from .torch_ir import call, is_tensor, known_equal, value
 class Affine:
     coef: tuple[int, ...]
     const: Any = 0  # int or SymInt
+    runtime: tuple[tuple[fx.Node, int], ...] = ()  # + sum(k * value of node): one-element tensors
 
     def aligned(self, ndim: int) -> "Affine":
-        return Affine((0,) * (ndim - len(self.coef)) + self.coef, self.const)
+        return Affine((0,) * (ndim - len(self.coef)) + self.coef, self.const, self.runtime)
 
     def plus(self, other: "Affine", sign: int = 1) -> "Affine":
         n = max(len(self.coef), len(other.coef))
         a, b = self.aligned(n), other.aligned(n)
-        return Affine(tuple(x + sign * y for x, y in zip(a.coef, b.coef)), a.const + sign * b.const)
+        runtime = dict(a.runtime)
+        for node, k in b.runtime:
+            runtime[node] = runtime.get(node, 0) + sign * k
+        return Affine(tuple(x + sign * y for x, y in zip(a.coef, b.coef)), a.const + sign * b.const,
+                      tuple(sorted(((n, k) for n, k in runtime.items() if k), key=lambda nk: nk[0].name)))
 
     def scaled(self, k: int) -> "Affine":
-        return Affine(tuple(k * c for c in self.coef), k * self.const)
+        return Affine(tuple(k * c for c in self.coef), k * self.const, tuple((n, k * c) for n, c in self.runtime))
 
     @property
     def is_constant(self) -> bool:
+        """The same value at every index (possibly a run-time value)."""
         return not any(self.coef)
+
+    @property
+    def is_known(self) -> bool:
+        """Constant and free of run-time values: decidable at compile time."""
+        return self.is_constant and not self.runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +92,28 @@ def is_causal(mask: fx.Node, nodes: list | None = None) -> bool:
         return False
     n = value(mask).dim()
     causal = (0,) * (n - 2) + (1, -1)
-    left = [a.aligned(n) for a in result.ge if not (a.is_constant and statically_known_true(a.const >= 0))]
-    return bool(left) and all(a.coef == causal and known_equal(a.const, 0) for a in left)
+    left = _nontrivial(result, n)
+    return bool(left) and all(a.coef == causal and known_equal(a.const, 0) and not a.runtime for a in left)
+
+
+def is_key_prefix(mask: fx.Node, nodes: list | None = None) -> bool:
+    """Whether bool `mask [..., 1, Sk]` (one query) is true exactly at keys `k < n` for one
+    count `n` (possibly a run-time value, e.g. a static cache's filled length) at every leading
+    index: then `n` is the number of true keys in any row. Collects the nodes it read."""
+    if not is_tensor(mask) or value(mask).dtype != torch.bool or value(mask).dim() < 2 \
+            or not known_equal(value(mask).shape[-2], 1):
+        return False
+    result = analyze(mask, nodes if nodes is not None else [])
+    if not isinstance(result, Conj):
+        return False
+    n = value(mask).dim()
+    key_upper_bound = (0,) * (n - 1) + (-1,)  # k <= c  <=>  -k + c >= 0
+    return all(a.coef == key_upper_bound for a in _nontrivial(result, n))
+
+
+def _nontrivial(result: Conj, ndim: int) -> list[Affine]:
+    """The conditions of `result` that are not known to hold everywhere."""
+    return [a.aligned(ndim) for a in result.ge if not (a.is_known and statically_known_true(a.const >= 0))]
 
 
 def analyze(x: Any, nodes: list) -> Affine | Conj | None:
@@ -85,15 +122,17 @@ def analyze(x: Any, nodes: list) -> Affine | Conj | None:
         return TRUE if x else FALSE
     if isinstance(x, (int, torch.SymInt)):
         return Affine((), x)
-    c = call(x)
-    if c is None or not is_tensor(x):
+    if not is_tensor(x):
         return None
     v = value(x)
     if v.dtype.is_floating_point or v.dtype.is_complex:
         return None
-    result = _eval(c, v, nodes)
+    c = call(x)
+    result = _eval(c, v, nodes) if c is not None else None
     if result is None:
-        return None
+        if v.dtype == torch.bool or not all(known_equal(s, 1) for s in v.shape):
+            return None
+        result = Affine((0,) * v.dim(), 0, ((x, 1),))  # one integer of unknown value (an input, ...)
     nodes.append(x)
     return _normalized(result, v.shape)
 
@@ -102,7 +141,7 @@ def _normalized(r: Affine | Conj, shape) -> Affine | Conj:
     """Coefficients of size-1 dims are irrelevant (their index is 0): zero them."""
     def norm(a: Affine) -> Affine:
         a = a.aligned(len(shape))
-        return Affine(tuple(0 if known_equal(s, 1) else k for k, s in zip(a.coef, shape)), a.const)
+        return Affine(tuple(0 if known_equal(s, 1) else k for k, s in zip(a.coef, shape)), a.const, a.runtime)
 
     return norm(r) if isinstance(r, Affine) else Conj(tuple(norm(a) for a in r.ge))
 
@@ -140,8 +179,8 @@ def _eval(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
             return Conj((d.scaled(sign).plus(Affine((), off)),))
         if name == "eq":
             return Conj((d, d.scaled(-1)))
-        if not d.is_constant:
-            return None  # `!=` of varying values is a disjunction
+        if not d.is_known:
+            return None  # `!=` of varying or run-time values is a disjunction
         return TRUE if statically_known_true(d.const != 0) else FALSE if known_equal(d.const, 0) else None
     if name in ("and", "and_", "logical_and", "bitwise_and") or (name == "mul" and is_bool):
         a, b = analyze(c.input, nodes), analyze(c.arg(1, "other"), nodes)
@@ -162,7 +201,8 @@ def _eval_shape_op(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
         if not isinstance(d, int):
             return None
         d = d % (ndim + 1)
-        return _map(a, lambda f: Affine(f.aligned(ndim).coef[:d] + (0,) + f.aligned(ndim).coef[d:], f.const))
+        return _map(a, lambda f: Affine(f.aligned(ndim).coef[:d] + (0,) + f.aligned(ndim).coef[d:], f.const,
+                                        f.runtime))
     if name in ("expand", "expand_as"):
         return _map(a, lambda f: f.aligned(v.dim()))  # expanded dims have size 1: coefficient 0
     if name == "getitem":
@@ -187,7 +227,7 @@ def _eval_shape_op(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
             return None
         p = p.aligned(ndim)
         others = all(p.coef[d] == a.coef[d] for d in range(ndim) if d != dim)
-        if not others or not known_equal(p.const, a.const - a.coef[dim]):
+        if not others or not known_equal(p.const, a.const - a.coef[dim]) or p.runtime != a.runtime:
             return None
     return Affine((0,) * ndim, a.coef[dim])
 
@@ -222,7 +262,7 @@ def _getitem(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine | Conj
                 const = const + k * start
             else:
                 return None
-        return Affine(tuple(coef), const)
+        return Affine(tuple(coef), const, f.runtime)
 
     return _map(a, apply)
 
@@ -234,12 +274,12 @@ def _advanced_index(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine
     rest = ndim - len(index)
     out = v.dim()
     a = a.aligned(ndim)
-    result = Affine((0,) * (out - rest) + a.coef[len(index):], a.const)
+    result = Affine((0,) * (out - rest) + a.coef[len(index):], a.const, a.runtime)
     for k, i in zip(a.coef, index):
         f = analyze(i, nodes)
         if not isinstance(f, Affine) or value(i).dtype not in (torch.int64, torch.int32):
             return None
-        if any(c < 0 for c in f.coef) or not statically_known_true(f.const >= 0):
+        if any(c < 0 for c in f.coef) or f.runtime or not statically_known_true(f.const >= 0):
             return None  # a negative index would wrap around
         result = result.plus(Affine(f.aligned(out - rest).coef + (0,) * rest, f.const).scaled(k))
     return result
@@ -255,8 +295,8 @@ def _map(a: Affine | Conj, f) -> Affine | Conj | None:
 def _constant(a: Affine | Conj) -> Any:
     """The value of a constant tensor (a bool as 0/1), else None."""
     if isinstance(a, Affine):
-        return a.const if a.is_constant else None
-    if not all(f.is_constant for f in a.ge):
+        return a.const if a.is_known else None
+    if not all(f.is_known for f in a.ge):
         return None
     if all(statically_known_true(f.const >= 0) for f in a.ge):
         return 1

@@ -2,11 +2,13 @@
 
 Order (`PASSES`):
 
-1. `sdpa_to_attn`: attention (SDPA, matmul-softmax-matmul) onto `attn::context_attention`.
-2. `rope_fusion`: RoPE of q and k into that op, or into `attn::kv_cache_write` before a paged
+1. `decode_to_paged`: a decode step's SDPA (one query over a `[B, H, S, D]` cache) onto
+   `attn::paged_decode`, reading the cache in place.
+2. `sdpa_to_attn`: attention (SDPA, matmul-softmax-matmul) onto `attn::context_attention`.
+3. `rope_fusion`: RoPE of q and k into that op, or into `attn::kv_cache_write` before a paged
    attention (reads the attention nodes the first pass made).
-3. `fp8_output`: static FP8 quantization of an attention's output into its `out_scale`.
-4. `qkv_fusion`: the q, k, v projections of one input into one GEMM and a split (only under
+4. `fp8_output`: static FP8 quantization of an attention's output into its `out_scale`.
+5. `qkv_fusion`: the q, k, v projections of one input into one GEMM and a split (only under
    `torch._inductor.config.freezing`, which folds the weight concatenation at compile time).
 
 A pass is a module with `apply(graph: torch.fx.Graph) -> int` that rewrites Dynamo's torch-level
@@ -24,13 +26,14 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import fp8_output, qkv_fusion, rope_fusion, sdpa_to_attn
+from . import decode_to_paged, fp8_output, qkv_fusion, rope_fusion, sdpa_to_attn
 
 
 @dataclasses.dataclass(frozen=True)
 class PassConfig:
     """One switch per pass, named after its module."""
 
+    decode_to_paged: bool = True
     sdpa_to_attn: bool = True
     rope_fusion: bool = True
     fp8_output: bool = True
@@ -38,6 +41,7 @@ class PassConfig:
 
 
 PASSES: dict[str, Callable[[fx.Graph], int]] = {
+    "decode_to_paged": decode_to_paged.apply,
     "sdpa_to_attn": sdpa_to_attn.apply,
     "rope_fusion": rope_fusion.apply,
     "fp8_output": fp8_output.apply,

@@ -111,13 +111,13 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
         q, k = value(c.arg(0, "query")), value(c.arg(1, "key"))
         if causal or not is_tensor(mask) or not is_tensor(q) or not is_tensor(k):
             raise Decline("attn_mask is given with is_causal=True or is not a tensor")
-        _check_mask_shape(mask, (*q.shape[:-1], k.shape[-2]))
+        check_mask_shape(mask, (*q.shape[:-1], k.shape[-2]))
         if not index_mask.is_causal(mask, mask_nodes):
             raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
                           "(only is_causal and a bool mask provably equal to k <= q are served)")
         causal = True
     factors = []
-    if _is_scalar_node(scale):
+    if is_scalar_node(scale):
         factors, scale = [(scale, False)], 1.0
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline(f"scale {scale} is not a number")
@@ -177,7 +177,7 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
-    (k_base, k_reps, k_nodes), (v_base, v_reps, v_nodes) = _unrepeat(k), _unrepeat(v)
+    (k_base, k_reps, k_nodes), (v_base, v_reps, v_nodes) = unrepeat(k), unrepeat(v)
     if known_equal(k_reps, v_reps):
         k, v = k_base, v_base
         nodes = nodes + k_nodes + v_nodes
@@ -252,14 +252,14 @@ def _scaling(c: Call) -> tuple[fx.Node, float | fx.Node]:
     a, b = c.input, c.arg(1, "other")
     if c.name == "mul" and not is_tensor(a):
         a, b = b, a
-    if _is_scalar_node(b) and c.kwargs.get("rounding_mode") is None:
+    if is_scalar_node(b) and c.kwargs.get("rounding_mode") is None:
         return a, b
     if c.kwargs.get("rounding_mode") is not None or isinstance(b, bool) or not isinstance(b, (int, float)):
         raise Decline(f"scores {c.name} by {getattr(b, 'name', b)}, not by a number")
     return a, float(b)
 
 
-def _is_scalar_node(x) -> bool:
+def is_scalar_node(x) -> bool:
     """A node computing a (symbolic) Python number, e.g. `t.item()` of a lifted float attribute."""
     return isinstance(x, fx.Node) and isinstance(value(x), (torch.SymFloat, torch.SymInt, float, int)) \
         and not isinstance(value(x), bool)
@@ -273,7 +273,7 @@ def _causal_fill(c: Call, nodes: list) -> fx.Node:
         raise Decline(f"masked_fill with {getattr(fill, 'name', fill)}, not -inf")
     if not is_tensor(mask):
         raise Decline("the masked_fill mask is not a tensor")
-    _check_mask_shape(mask, value(scores).shape)
+    check_mask_shape(mask, value(scores).shape)
     if _triangle(mask, nodes) != ("triu", 1) and not _is_causal_complement(mask, nodes):
         raise Decline(f"mask {mask.name} is not recognized as causal (triu(ones, 1) or its complement)")
     return scores
@@ -294,7 +294,7 @@ def _causal_bias(c: Call, nodes: list) -> fx.Node:
     if not zero or not isinstance(fill, (int, float)) or not fill <= torch.finfo(value(scores).dtype).min:
         raise Decline(f"additive mask where({mask}, {getattr(keep, 'name', keep)}, {fill}) is not "
                       "where(mask, 0, -inf)")
-    _check_mask_shape(bias, value(scores).shape)
+    check_mask_shape(bias, value(scores).shape)
     if not index_mask.is_causal(mask, nodes):
         raise Decline(f"additive mask from {getattr(mask, 'name', mask)}, not recognized as causal")
     nodes.append(bias)
@@ -319,7 +319,7 @@ def _is_causal_complement(mask, nodes: list) -> bool:
     return False
 
 
-def _check_mask_shape(mask, scores_shape) -> None:
+def check_mask_shape(mask, scores_shape) -> None:
     """A mask of shape `[..., Sq, Sk]` broadcasting to the scores `[B, H, Sq, Sk]`."""
     mask_shape = value(mask).shape
     if len(mask_shape) > len(scores_shape) or not known_equal(mask_shape[-2:], scores_shape[-2:]) or not all(
@@ -373,7 +373,7 @@ def _untransposed(kt) -> fx.Node:
     raise Decline("the keys in q @ k^T are not k transposed in the last two dims")
 
 
-def _unrepeat(x) -> tuple[fx.Node, int, list[fx.Node]]:
+def unrepeat(x) -> tuple[fx.Node, int, list[fx.Node]]:
     """`(base, n, nodes)` if `x` repeats each head of `base [B, Hkv, S, D]` n times along dim 1
     (head h of `x` is head h // n of `base`), computed by `nodes`; else `(x, 1, [])`."""
     c = call(x)

@@ -17,6 +17,7 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 SCALE_DTYPES = (torch.float16, torch.float32)
 MAX_QUERIES_PER_DECODE_SEQ = 8
+MAX_BLOCK_SIZE = 256  # paged_prefill, kv_cache_write; paged_decode takes any block size
 
 
 def debug_checks_enabled() -> bool:
@@ -50,6 +51,13 @@ def check_vector(t, name: str, length, device, dtypes, desc: str) -> None:
     check_tensor(t, name, 1, desc, device, dtypes)
     if not t.shape[0] == length:
         raise ValueError(f"{name} must have shape {desc} = ({length},), got {tuple(t.shape)}")
+    check_unit_stride(t, name)
+
+
+def check_unit_stride(t: torch.Tensor, name: str) -> None:
+    """A 1-D index or parameter vector is read as consecutive elements by the kernels."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}; pass .contiguous()")
 
 
 def check_options(
@@ -95,11 +103,12 @@ def check_per_head_scale(t, name: str, num_heads: int, device) -> None:
 
 def check_paged_cache(
     query: torch.Tensor, k_cache, v_cache, k_scale, v_scale, *, mutable_scales: bool = False,
-    head_dim: int | None = None,
+    head_dim: int | None = None, max_block_size: int | None = MAX_BLOCK_SIZE,
 ) -> KVFormat:
     """`k_cache`/`v_cache [num_blocks, block_size, Hkv, D]` (D/2 bytes for INT4) and their scales.
 
-    Returns the cache format. `head_dim` defaults to the query's last dim.
+    Returns the cache format. `head_dim` defaults to the query's last dim; `max_block_size` None
+    lifts the block size limit (paged_decode: one page per sequence, e.g. a static cache).
     """
     dev = query.device
     d = query.shape[-1] if head_dim is None else head_dim
@@ -113,8 +122,9 @@ def check_paged_cache(
         raise TypeError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
     fmt = kv_format(k_cache.dtype)
     num_blocks, block_size, hkv, dc = k_cache.shape
-    if not 1 <= block_size <= 256:
-        raise ValueError(f"k_cache block_size (dim 1) must be in 1..256, got {block_size}")
+    if not (block_size >= 1 and (max_block_size is None or block_size <= max_block_size)):
+        expected = ">= 1" if max_block_size is None else f"in 1..{max_block_size}"
+        raise ValueError(f"k_cache block_size (dim 1) must be {expected}, got {block_size}")
     expected_dc = d // 2 if fmt is KVFormat.INT4 else d
     if not dc == expected_dc:
         raise ValueError(f"k_cache last dim must be {expected_dc} for head dim {d} "
@@ -159,6 +169,7 @@ def _check_query(query) -> None:
 
 def _check_block_tables(block_tables, seq_lens, dev) -> None:
     check_tensor(seq_lens, "seq_lens", 1, "[B]", dev, INDEX_DTYPES)
+    check_unit_stride(seq_lens, "seq_lens")
     check_tensor(block_tables, "block_tables", 2, "[B, max_blocks_per_seq]", dev, INDEX_DTYPES)
     if not block_tables.shape[0] == seq_lens.shape[0]:
         raise ValueError(f"block_tables must have one row per sequence (B = {seq_lens.shape[0]}), "
@@ -170,7 +181,7 @@ def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_sca
     dev = query.device
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     _check_block_tables(block_tables, seq_lens, dev)
-    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale)
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, max_block_size=None)
     _check_heads(query, k_cache.shape[2], "k_cache")
     b, t = seq_lens.shape[0], query.shape[0]
     if b == 0:
@@ -228,6 +239,7 @@ def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, ca
         raise ValueError(f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
     _check_heads(query, key.shape[1], "key")
     check_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[B + 1]", dev, INDEX_DTYPES)
+    check_unit_stride(cu_seqlens_q, "cu_seqlens_q")
     b1 = cu_seqlens_q.shape[0]
     if not b1 >= 1:
         raise ValueError("cu_seqlens_q must have B + 1 >= 1 entries")

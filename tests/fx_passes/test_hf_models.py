@@ -8,7 +8,8 @@ Models run with `use_cache=False` (prefill without a KV cache), so RoPE moves in
 (`masking_utils._ignore_causal_mask_sdpa` cannot skip it while compiling), so these tests also
 cover `index_mask`, which proves that mask is plain causal. GPT-J has no SDPA implementation in
 transformers ("does not support an attention implementation through SDPA"): eager only.
-No network: configs only, random weights, random token ids.
+A decode step over transformers' `StaticCache` is rewritten onto `attn::paged_decode` instead
+(`decode_to_paged`). No network: configs only, random weights, random token ids.
 """
 
 import copy
@@ -21,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fx_passes
-from fx_passes.replacements import context_attention_bhsd
+from fx_passes.replacements import context_attention_bhsd, paged_decode_bhsd
 from torch_ops.testing import assert_error_ratio
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
@@ -95,6 +96,11 @@ def passes_then_eager(ops):
                 factor = " q_factor" if node.kwargs["q_factor"] is not None else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
                            f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{rope}")
+            elif node.target is paged_decode_bhsd:
+                q, k = (a.meta["example_value"] for a in node.args[:2])
+                mask = "prefix" if node.args[3] is not None else "none"
+                ops.append(f"{name} q[*, {q.shape[1]}, 1, {q.shape[3]}] cache[*, {k.shape[1]}, {k.shape[2]}, "
+                           f"{k.shape[3]}] scale={node.kwargs['scale']} mask={mask}")
             elif name in ("scaled_dot_product_attention", "matmul", "softmax"):
                 ops.append(name)
         return gm.forward
@@ -156,3 +162,30 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_fac
         self.assertExpectedInline(self.compile_and_check(gpt_j("eager")), """\
 context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor rope=gptj/8
 context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor rope=gptj/8""")
+
+    def test_llama_static_cache_decode(self):
+        """Decode steps over transformers' `StaticCache`: each layer's SDPA (one query, GQA by
+        `repeat_kv`, the mask `key <= cumulative_length`) runs as paged_decode over the cache in
+        place; three steps of one graph match eager bf16 against a float64 twin."""
+        model = llama("sdpa").to(torch.bfloat16).eval()
+        model64 = copy.deepcopy(model).double()
+        b, prompt, capacity = 2, 11, 24
+        caches = [transformers.StaticCache(config=model.config, max_cache_len=capacity) for _ in range(3)]
+        ids = torch.randint(0, VOCAB, (b, prompt))
+        with torch.no_grad():
+            for m, cache in zip((model, model, model64), caches):
+                m(ids, past_key_values=cache, use_cache=True)
+        ops = []
+        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
+        with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            for pos in range(prompt, prompt + 3):
+                step = dict(input_ids=torch.randint(0, VOCAB, (b, 1)), use_cache=True,
+                            cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos))
+                out = compiled(past_key_values=caches[0], **step).logits
+                want = model(past_key_values=caches[1], **step).logits
+                truth = model64(past_key_values=caches[2], **step).logits
+                assert_error_ratio(out, truth, want, name=f"logits (position {pos})")
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        self.assertExpectedInline("\n".join(ops), """\
+paged_decode_bhsd q[*, 4, 1, 16] cache[*, 2, 24, 16] scale=0.25 mask=prefix
+paged_decode_bhsd q[*, 4, 1, 16] cache[*, 2, 24, 16] scale=0.25 mask=prefix""")

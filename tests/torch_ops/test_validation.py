@@ -56,7 +56,7 @@ BAD = [
     # layouts
     ("paged_decode", "gqa", _set(1, lambda k: k.transpose(1, 3)), ValueError, "k_cache"),
     ("paged_decode", "gqa", _set(1, lambda k: k.repeat(1, 1, 1, 2)[..., ::2]), ValueError, "contiguous last dim"),
-    ("paged_decode", "gqa", _both(1, 2, lambda k: k.repeat(1, 65, 1, 1)), ValueError, "block_size"),
+    ("paged_prefill", "mixed", _both(1, 2, lambda k: k.repeat(1, 65, 1, 1)), ValueError, "block_size"),
     ("cache_attention", "offset", _set("cache_layout", 5), ValueError, "cache_layout must be one of"),
     ("cache_attention", "offset", _set(10, lambda c: c.transpose(0, 1)), ValueError, "cache must be"),
     # scales
@@ -94,7 +94,22 @@ BAD = [
     ("cache_attention", "offset", _set(11, torch.ones(1)), ValueError, "scale is only for quantized caches"),
     ("cache_attention", "int4", _set("quant_group", 1), ValueError, "INT4 needs an even quant_group"),
     ("cache_attention", "int4", _set(12, lambda m: m[:-1]), ValueError, "attn_mask must be"),
+    # 1-D metadata is read as consecutive elements
+    ("paged_decode", "gqa", _set(4, lambda s: s.repeat_interleave(2)[::2]), ValueError, "seq_lens must be contiguous"),
+    ("context_attention", "causal", _set(3, lambda c: c.repeat_interleave(2)[::2]), ValueError,
+     "cu_seqlens_q must be contiguous"),
+    ("kv_cache_write", "bf16", _set(4, lambda s: s.repeat_interleave(2)[::2]), ValueError,
+     "slot_mapping must be contiguous"),
 ]
+
+
+def test_paged_decode_takes_any_block_size():
+    """One page per sequence (a static cache) needs pages longer than 256 tokens."""
+    args, kwargs = samples.sample("paged_decode", "gqa")
+    q, k, v, bt, sl = args
+    long_k, long_v = (c.repeat(1, 65, 1, 1) for c in (k, v))
+    out, _ = torch.ops.attn.paged_decode(q, long_k, long_v, bt, sl, **kwargs)
+    assert out.shape == q.shape
 
 
 @pytest.mark.parametrize("op,variant,edit,error,match", BAD, ids=[f"{b[0]}-{b[4][:30]}" for b in BAD])

@@ -49,7 +49,7 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
-multiple of 4 or whose strides/alignment do not allow 4-value words. Block sizes 1..256, any
+multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
 GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
 
 Module knobs (for tests and tuning): `FORCE_NUM_SPLITS`, `MIN_SPLIT_TOKENS`, `CONFIG_OVERRIDE`,
@@ -94,6 +94,7 @@ _FMT = {
 }
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
+ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page block tables
 # Quantized tiles stop at 32 rows: at 64 their lane accumulators take ~250 registers, and with
 # 16-value groups Triton 3.6 fails to compile them for sm_90 (TritonGPUOptimizeDotOperands).
 MAX_BLOCK_M_QUANTIZED = 32
@@ -732,6 +733,9 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         block_dw = max(16, _pow2(d // 4))
         block_d = 4 * block_dw
     max_blocks = block_tables.shape[1]
+    # With one page per sequence every key is in it: any tile lies in one page (and one compiled
+    # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
+    page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
     per_sm = PROGRAMS_PER_SM or _PROGRAMS_PER_SM[fmt]
     num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, num_sms(query.device), per_sm)
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
@@ -802,7 +806,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles,
-        PAGE=page, ONE_PAGE=page % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
+        PAGE=page_span, ONE_PAGE=page_span % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
         FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
         PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,

@@ -169,6 +169,23 @@ def test_odd_dims_groups_pages(kernel_device, knobs, d, bs, cache_dtype, group):
     run_and_check(problem)
 
 
+def static_cache_problem(device, *, lens, capacity, hq, hkv, d, qps=1):
+    """A contiguous per-sequence cache `[B, Hkv, S, D]` (Hugging Face's StaticCache layout) as one
+    page of S = `capacity` tokens per sequence: the `[B, S, Hkv, D]` view, block table `[[0], [1], ...]`."""
+    b = len(lens)
+    k, v = (torch.randn(b, hkv, capacity, d, dtype=BF16, device=device) for _ in range(2))
+    cache = kv_cache.PagedKVCache(k.transpose(1, 2), v.transpose(1, 2))
+    table = torch.arange(b, dtype=torch.int32, device=device).unsqueeze(1)
+    q = torch.randn(b * qps, hq, d, dtype=BF16, device=device)
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def test_one_page_per_sequence(kernel_device, knobs):
+    # pages longer than 256 and not a multiple of the tile: one table load per tile all the same
+    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    run_and_check(static_cache_problem(kernel_device, lens=[300, 0, 17], capacity=301, hq=4, hkv=2, d=32, qps=2))
+
+
 def test_unsupported_reasons(kernel_device):
     q = torch.randn(2, 4, 512, dtype=BF16)
     cache = torch.empty(4, 16, 2, 512, dtype=BF16)
@@ -291,6 +308,14 @@ def test_dequant_asm_matches_plain(kernel_device, knobs, cache_dtype, group):
     knobs(DEQUANT_ASM=False)
     o2, l2 = run_and_check(problem)
     assert max_error(o1, o2) <= 1e-2 * o2.float().abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [2049, 8192])
+def test_one_page_per_sequence_gpu(kernel_device, capacity):
+    rng = random.Random(torch.randint(0, 2**31, ()).item())
+    lens = [capacity, 1, 0, rng.randint(2, capacity), rng.randint(2, 300)]
+    run_and_check(static_cache_problem(kernel_device, lens=lens, capacity=capacity, hq=32, hkv=8, d=128))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,110 @@
+"""Rewrite a decode step's attention, one query over a `[B, H, S, D]` KV cache, onto
+`torch.ops.attn.paged_decode`, which reads the cache in place.
+
+Recognized, in Dynamo's torch-level graph: `F.scaled_dot_product_attention(q [B, Hq, 1, D],
+k, v [B, Hkv, S, D], attn_mask=..., scale=...)` with k/v repeated to Hq heads (Hugging Face's
+`repeat_kv`, `repeat_interleave`, MQA `expand`) or passed with `enable_gqa`, no dropout, and a
+mask that is absent (all S keys) or a bool mask that `index_mask.is_key_prefix` proves keeps the
+same prefix of the keys in every row, of a length known only at run time: what Hugging Face
+builds for a `StaticCache` decode step, `arange(S_max) <= arange(1) + cumulative_length`. The
+cache becomes one page per sequence (`k.transpose(1, 2)`, block table `arange(B)[:, None]`) and
+the length is the number of true keys of the mask's first row (an `[S]` reduction).
+
+Why: stock compile runs SDPA over k/v that `repeat_kv` has copied to Hq heads (the whole cache
+per layer and step, read and written), with a masked SDPA kernel on top; `paged_decode` reads
+each KV head once for its group of query heads and stops at the length.
+
+Declined, with the reason logged at DEBUG on logger `fx_passes`: `is_causal=True` (top-left:
+the one query would see key 0 only), masks it cannot prove (float masks, padding masks, sliding
+windows), dropout, query dtypes other than fp16/bf16 or other op rejections, autograd. Queries
+of more than one token are left to `sdpa_to_attn`. At the edge: a length of 0 (an all-false
+mask row) gives zeros where SDPA gives NaN.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from . import index_mask
+from .replacements import paged_decode_bhsd
+from .sdpa_to_attn import check_mask_shape, is_scalar_node, unrepeat
+from .torch_ir import Decline, call, declined, erase_unused, is_tensor, known_equal, value
+
+log = logging.getLogger(__name__)
+
+NAME = "decode_to_paged"
+
+
+def apply(graph: fx.Graph) -> int:
+    """Rewrite every one-query SDPA over a cache that `paged_decode` can serve; returns how many."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        c = call(node)
+        if c is None or c.name != "scaled_dot_product_attention" or not _is_decode(c):
+            continue
+        try:
+            args, kwargs, repeats = _match(node, c)
+            example = _example_output(args, kwargs)
+        except Decline as reason:
+            declined(log, NAME, node, reason)
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(paged_decode_bhsd, args, kwargs)
+        new.meta.update(node.meta)
+        new.meta["example_value"] = example
+        node.replace_all_uses_with(new)
+        erase_unused(graph, [node, *repeats])
+        rewritten += 1
+    return rewritten
+
+
+def _is_decode(c) -> bool:
+    """One query over more than one key, all 4-D."""
+    q, k = c.arg(0, "query"), c.arg(1, "key")
+    if not (is_tensor(q) and is_tensor(k) and value(q).dim() == value(k).dim() == 4):
+        return False
+    return known_equal(value(q).shape[2], 1) and not known_equal(value(k).shape[2], 1)
+
+
+def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
+    """(args, kwargs of `paged_decode_bhsd`, the K/V repetition nodes it makes dead)."""
+    dropout_p = c.arg(4, "dropout_p", 0.0)
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise Decline(f"dropout_p={dropout_p} (only 0 is served)")
+    if c.arg(5, "is_causal", False) is not False:
+        raise Decline("is_causal=True with one query: SDPA aligns the mask top-left (key 0 only)")
+    if value(node).requires_grad:
+        raise Decline("autograd records it; attn ops are inference-only (run under torch.no_grad())")
+    q, mask = c.arg(0, "query"), c.arg(3, "attn_mask")
+    (k, k_reps, k_nodes), (v, v_reps, v_nodes) = unrepeat(c.arg(1, "key")), unrepeat(c.arg(2, "value"))
+    if not known_equal(k_reps, v_reps):
+        raise Decline(f"key and value are repeated differently ({k_reps} vs {v_reps} times)")
+    if mask is not None:
+        if not is_tensor(mask):
+            raise Decline("attn_mask is not a tensor")
+        check_mask_shape(mask, (*value(q).shape[:-1], value(k).shape[-2]))
+        if not index_mask.is_key_prefix(mask):
+            raise Decline(f"attn_mask {mask.name} is not recognized as a prefix of the keys of one run-time "
+                          "length (served: none, or Hugging Face's static-cache decode mask)")
+    scale, q_factor = c.arg(6, "scale"), None
+    if is_scalar_node(scale):  # known at run time only: it multiplies the query
+        scale, q_factor = 1.0, scale
+    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise Decline(f"scale {scale} is not a number")
+    kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor}
+    return (q, k, v, mask), kwargs, k_nodes + v_nodes
+
+
+def _example_output(args, kwargs):
+    """The replacement's output on the example values; the op's own checks run here."""
+    q = value(args[0])
+    values = [value(a) if isinstance(a, fx.Node) else a for a in args]
+    factor = kwargs["q_factor"]
+    try:
+        with q.fake_mode:
+            return paged_decode_bhsd(*values, scale=kwargs["scale"],
+                                     q_factor=value(factor) if factor is not None else None)
+    except (TypeError, ValueError) as e:
+        raise Decline(f"attn::paged_decode rejects the inputs: {e}") from e
