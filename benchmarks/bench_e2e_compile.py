@@ -35,8 +35,9 @@ Notes
 * Targets (issue 6): prefill >= 1.15x and decode >= 1.3x stock compile; passes add <= 10% to
   compile time; zero graph breaks and recompilations. Expected from the passes as they are:
   prefill is rewritten onto attn::context_attention with RoPE inside; the decode step's SDPA (one
-  query over the static cache) is declined (counted) and runs as stock compile; the q/k/v
-  projections fuse only with `--freezing`.
+  query over the static cache, with k/v repeated by `repeat_kv`) onto attn::paged_decode reading
+  the `[B, Hkv, S, D]` cache in place (`decode_to_paged`); the q/k/v projections fuse only with
+  `--freezing`.
 """
 
 from __future__ import annotations

@@ -23,17 +23,18 @@ class StaticCacheDecode(torch.nn.Module):
     """Hugging Face's static-cache decode step in miniature: write the new k/v at the filled
     length, advance it, attend over the whole cache with the mask `key <= position`."""
 
-    def __init__(self, spelling="repeat_kv", mask="prefix", b=2, hkv=2, d=16, filled=23, dtype=torch.bfloat16):
+    def __init__(self, spelling="repeat_kv", mask="prefix", b=2, hkv=2, d=16, filled=23, dtype=torch.bfloat16,
+                 device="cpu"):
         super().__init__()
         self.spelling, self.mask = spelling, mask
-        self.register_buffer("k_cache", torch.randn(b, hkv, CAPACITY, d, dtype=dtype))
-        self.register_buffer("v_cache", torch.randn(b, hkv, CAPACITY, d, dtype=dtype))
-        self.register_buffer("length", torch.tensor([filled]))
+        self.register_buffer("k_cache", torch.randn(b, hkv, CAPACITY, d, dtype=dtype, device=device))
+        self.register_buffer("v_cache", torch.randn(b, hkv, CAPACITY, d, dtype=dtype, device=device))
+        self.register_buffer("length", torch.tensor([filled], device=device))
 
     def forward(self, q, k, v):
         b, hq = q.shape[:2]
-        position = torch.arange(1) + self.length
-        keys = torch.arange(CAPACITY)[None, None, None, :]
+        position = torch.arange(1, device=q.device) + self.length
+        keys = torch.arange(CAPACITY, device=q.device)[None, None, None, :]
         mask = keys <= position[None, None, :, None]
         if self.mask == "window":
             mask = mask & (keys > position[None, None, :, None] - WINDOW)
@@ -51,14 +52,14 @@ class StaticCacheDecode(torch.nn.Module):
                                               is_causal=True)
 
 
-def step_inputs(b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16):
-    return tuple(torch.randn(b, h, 1, d, dtype=dtype) for h in (hq, hkv, hkv))
+def step_inputs(b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16, device="cpu"):
+    return tuple(torch.randn(b, h, 1, d, dtype=dtype, device=device) for h in (hq, hkv, hkv))
 
 
 def truth(model: StaticCacheDecode, q: torch.Tensor) -> torch.Tensor:
     """The step's attention in float64 over `model`'s cache after the step (keys < length)."""
     n = q.shape[1] // model.k_cache.shape[1]
-    keys = torch.arange(CAPACITY).view(1, 1, 1, CAPACITY)
+    keys = torch.arange(CAPACITY, device=q.device).view(1, 1, 1, CAPACITY)
     visible = keys < (1 if model.spelling == "causal" else model.length)  # is_causal: top-left, key 0 only
     if model.mask == "window":
         visible = visible & (keys >= model.length - WINDOW)
@@ -71,13 +72,13 @@ def truth(model: StaticCacheDecode, q: torch.Tensor) -> torch.Tensor:
 def run_steps(model: StaticCacheDecode, steps=3):
     """`steps` calls of one compiled graph, each checked against an eager twin that keeps its
     own copy of the cache; returns the generated code of the first call."""
-    twin = StaticCacheDecode(model.spelling, model.mask, dtype=model.k_cache.dtype)
+    twin = StaticCacheDecode(model.spelling, model.mask, dtype=model.k_cache.dtype, device=model.k_cache.device)
     twin.load_state_dict(model.state_dict())
     codes = []
     with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         compiled = torch.compile(model, fullgraph=True)
         for _ in range(steps):
-            inputs = step_inputs(dtype=model.k_cache.dtype)
+            inputs = step_inputs(dtype=model.k_cache.dtype, device=model.k_cache.device)
             if codes:
                 out = compiled(*inputs)
             else:
@@ -93,6 +94,14 @@ def run_steps(model: StaticCacheDecode, steps=3):
 def test_static_cache_steps_onto_paged_decode(spelling, mask):
     """The length advances at run time in one graph; the cache is read in place (no repeat)."""
     code = run_steps(StaticCacheDecode(spelling, mask))
+    assert counters["attn"]["decode_to_paged_matched"] == 1
+    assert OP in code
+
+
+@pytest.mark.gpu
+def test_static_cache_steps_cuda():
+    """On CUDA the rewritten step runs the Triton paged_decode kernel (one page per sequence)."""
+    code = run_steps(StaticCacheDecode(device="cuda"))
     assert counters["attn"]["decode_to_paged_matched"] == 1
     assert OP in code
 
