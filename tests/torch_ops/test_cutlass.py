@@ -1,9 +1,9 @@
 """The `cutlass` backend (torch_ops/cutlass.py, csrc/fmha_sm90.cu).
 
-CPU: build-command construction, the C ABI mirror, the JIT cache, the registry's reasons. GPU
-(marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass wheel; the first call builds the library,
-about a minute on 16 cores): `context_attention` against the float64 reference with the
-error-ratio rule. FP8 kernels round the softmax probabilities P to e4m3 before the PV product
+CPU: build-command construction, the C ABI mirror, the JIT cache, the persistent-grid knob and
+grid size, the registry's reasons. GPU (marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass
+wheel; the first call builds the library, about a minute on 16 cores): `context_attention` on the
+plain and the persistent kernels against the float64 reference with the error-ratio rule. FP8 kernels round the softmax probabilities P to e4m3 before the PV product
 (as FA3/FlashInfer FP8 do), so their baseline is a PyTorch computation that does the same.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,35 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     cmd = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")], ("X=1",))
     assert cmd[0] == "/opt/nvcc"
     assert "-gencode=arch=compute_90a,code=sm_90a" in cmd
-    assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DX=1", "-I/inc/a", "-I/inc/b", f"-I{cutlass.CSRC}"} <= set(cmd)
+    assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DATTN_PERSISTENT=0", "-DX=1", "-I/inc/a", "-I/inc/b",
+            f"-I{cutlass.CSRC}"} <= set(cmd)
     assert cmd[-4:] == ["-c", str(cutlass.CSRC / "fmha_sm90.cu"), "-o", str(tmp_path / "x.o")]
+    persistent = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [], persistent=True)
+    assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
     link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
+
+
+def test_build_compiles_every_instantiation_in_both_grids_and_links_them(monkeypatch, tmp_path):
+    commands = []
+
+    def fake_tool(cmd):
+        commands.append(cmd)
+        Path(cmd[-1]).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cutlass, "_run_tool", fake_tool)
+    monkeypatch.setattr(cutlass, "cutlass_include_dirs", lambda: [Path("/inc")])
+    library = cutlass.build(tmp_path / "out" / "lib.so", nvcc="/opt/nvcc", jobs=1)
+    *compiles, link = commands
+    defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT")))
+               for c in compiles}
+    expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}")
+                for (_, d), e in cutlass.KERNELS.items() for p in (0, 1)}
+    assert defines == expected and len(compiles) == len(expected) == 12
+    objects = [c[-1] for c in compiles]
+    assert len(set(objects)) == len(objects) and set(objects) <= set(link)
+    assert library.exists()
 
 
 def test_every_shipped_element_is_defined_in_the_source():
@@ -65,6 +91,14 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
     assert key != cutlass.build_key("nvcc", ("ATTN_SOMETHING=1",))
     monkeypatch.setattr(cutlass, "_nvcc_version", lambda nvcc: "release 13.1")
     assert key != cutlass.build_key("nvcc")
+
+
+def test_entry_points_in_the_source_match_the_names_python_looks_up():
+    source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
+    assert "attn_fmha_sm90_##a##_d##b##c" in source and "#define ATTN_VARIANT _persistent" in source
+    assert cutlass.VARIANTS == {False: "", True: "_persistent"}
+    # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
+    assert set(re.findall(r"Shape<_(\d+), ", source)) == {str(cutlass.BLOCK_M)}
 
 
 def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
@@ -100,6 +134,64 @@ def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
             cutlass.library_path()
     finally:
         cutlass._build_unavailable.cache_clear()
+
+
+# ---- persistent grid (CPU) -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def knob(monkeypatch):
+    """Clears the PERSISTENT knob and its environment variable; returns monkeypatch."""
+    monkeypatch.setattr(cutlass, "PERSISTENT", None)
+    monkeypatch.delenv("ATTN_CUTLASS_PERSISTENT", raising=False)
+    return monkeypatch
+
+
+def test_persistent_knob_defaults_off_and_reads_the_environment(knob):
+    assert cutlass.use_persistent() is False
+    knob.setenv("ATTN_CUTLASS_PERSISTENT", "1")
+    assert cutlass.use_persistent() is True
+    knob.setenv("ATTN_CUTLASS_PERSISTENT", " 0 ")
+    assert cutlass.use_persistent() is False
+    knob.setattr(cutlass, "PERSISTENT", True)   # the attribute wins over the environment
+    assert cutlass.use_persistent() is True
+    knob.setenv("ATTN_CUTLASS_PERSISTENT", "1")
+    knob.setattr(cutlass, "PERSISTENT", False)
+    assert cutlass.use_persistent() is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", ""])
+def test_persistent_environment_value_must_be_0_or_1(knob, value):
+    knob.setenv("ATTN_CUTLASS_PERSISTENT", value)
+    with pytest.raises(ValueError, match="ATTN_CUTLASS_PERSISTENT must be 0 or 1"):
+        cutlass.use_persistent()
+
+
+def test_persistent_attribute_must_be_a_bool_or_none(knob):
+    knob.setattr(cutlass, "PERSISTENT", 1)
+    with pytest.raises(TypeError, match="PERSISTENT must be True, False or None"):
+        cutlass.use_persistent()
+
+
+def test_persistent_grid_is_one_cta_per_sm_at_most_one_per_work_tile():
+    # S = 8k x 2 sequences, H = 32: (16384 // 128 + 2) * 32 work tiles >> 132 SMs
+    assert cutlass.persistent_grid(16384, 2, 32, 32, 16384, 128, 1, 132)[0] == 132
+    # 300 query rows in 3 sequences, 2 heads: (300 // 128 + 3) * 2 = 10 work tiles
+    assert cutlass.persistent_grid(300, 3, 2, 2, 300, 128, 2, 132)[0] == 10
+
+
+@pytest.mark.parametrize("hq,hkv,total_k,num_seqs,d,size,heads", [
+    (32, 32, 16384, 2, 128, 1, 16),     # FP8 8k: 2 MiB of K/V per head, 16 heads in 32 MiB
+    (32, 32, 16384, 2, 128, 2, 8),      # bf16: 4 MiB per head
+    (32, 8, 16384, 2, 128, 2, 32),      # GQA: 4 query heads share each 4 MiB KV head
+    (16, 16, 16384, 2, 256, 1, 8),      # D = 256
+    (32, 32, 16384, 8, 128, 1, 32),     # 2k sequences: everything fits
+    (12, 12, 16384, 2, 128, 2, 6),      # a divisor of hq, not a power of two
+    (32, 32, 1 << 20, 1, 256, 2, 1),    # one head's K/V alone exceeds the budget
+])
+def test_persistent_sections_are_the_largest_head_divisor_whose_kv_fits_l2(hq, hkv, total_k, num_seqs, d, size, heads):
+    _, section = cutlass.persistent_grid(16384, num_seqs, hq, hkv, total_k, d, size, 132)
+    assert section == heads and hq % section == 0
 
 
 # ---- registry (CPU) ------------------------------------------------------------------------------
@@ -212,6 +304,13 @@ def fp8_p_baseline(problem, *, causal, q_scale, k_scale, v_scale, scale=None):
     return out * v_scale_per_q_head[:, None]
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "persistent"])
+def grid(request, monkeypatch):
+    """Runs a GPU test on the plain kernels (one CTA per work tile) and on the persistent ones."""
+    monkeypatch.setattr(cutlass, "PERSISTENT", request.param)
+    return request.param
+
+
 def run_cutlass(problem, out_dtype, **options):
     out = torch.empty(problem[0].shape, dtype=out_dtype, device=problem[0].device)
     lse = torch.empty(problem[0].shape[:2], dtype=torch.float32, device=problem[0].device)
@@ -241,6 +340,7 @@ RAGGED = [([300, 0, 17, 129, 64], [300, 0, 700, 129, 0]), ([1000], [1000]), ([5,
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
 @pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (256, 4, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
@@ -253,6 +353,7 @@ def test_fp8_context_attention(d, hq, hkv, causal, per_head, lens):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
 @pytest.mark.parametrize("dtype,d", [(BF16, 128), (FP16, 128), (BF16, 256)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_16bit_context_attention(dtype, d, causal):
@@ -267,6 +368,7 @@ def test_16bit_context_attention(dtype, d, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
 def test_fp8_output_scale():
     problem, scales = fp8_problem("cuda", [200, 77], [300, 77], 8, 8, 128, per_head=True)
     out_scale = torch.tensor(0.05, device="cuda")
@@ -279,6 +381,7 @@ def test_fp8_output_scale():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
 def test_strided_inputs_and_outputs():
     """q/k/v as views of one fused qkv tensor, and an out buffer with a padded head stride."""
     t, h, d = 333, 4, 128
@@ -293,6 +396,7 @@ def test_strided_inputs_and_outputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
 def test_cuda_graph_replay_follows_new_lengths():
     """Lengths live in device tensors: a captured graph replays new batches without recapture."""
     d, hq, hkv, cap = 128, 8, 2, 1024
@@ -317,3 +421,28 @@ def test_cuda_graph_replay_follows_new_lengths():
         check(problem, o, l, fp8_p_baseline(problem, causal=True, **scales), causal=True, **scales)
 
     assert_replays_match_eager(call, fill, [out, lse], verify)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ctas,section_heads", [(1, 1), (7, 2), (64, 8)])
+@pytest.mark.parametrize("dtype,d", [(E4M3, 128), (BF16, 128), (E4M3, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_ctas_loop_over_many_tiles(monkeypatch, num_ctas, section_heads, dtype, d, causal):
+    """Few CTAs, each running many work tiles in turn (one CTA: all of them): the pipelines carry
+    their state from tile to tile, spare tiles are skipped, every row of every head is written."""
+    monkeypatch.setattr(cutlass, "PERSISTENT", True)
+    monkeypatch.setattr(cutlass, "persistent_grid", lambda *shape: (num_ctas, section_heads))
+    q_lens, k_lens = [300, 0, 17, 129, 64, 1000, 255], [300, 0, 700, 129, 0, 1000, 601]
+    hq, hkv = 8, 2
+    if dtype == E4M3:
+        problem, scales = fp8_problem("cuda", q_lens, k_lens, hq, hkv, d, per_head=True)
+        baseline = fp8_p_baseline(problem, causal=causal, **scales)
+    else:
+        problem = (torch.randn(sum(q_lens), hq, d, device="cuda", dtype=dtype),
+                   torch.randn(sum(k_lens), hkv, d, device="cuda", dtype=dtype),
+                   torch.randn(sum(k_lens), hkv, d, device="cuda", dtype=dtype),
+                   cumsum0(q_lens, "cuda"), cumsum0(k_lens, "cuda"))
+        scales = {}
+        baseline, _ = reference.context_attention(*problem, compute_dtype=dtype, causal=causal)
+    out, lse = run_cutlass(problem, BF16, causal=causal, **scales)
+    check(problem, out, lse, baseline, causal=causal, **scales)
