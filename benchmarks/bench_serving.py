@@ -1,9 +1,11 @@
 """Serving benchmark (GPU): decode throughput and per-step latency of the engine (triton
 backend, CUDA-graph decode steps) at batch 1..128 vs transformers' generate with a static cache
 and torch.compile(mode="reduce-overhead") on the same random-weight Llama, plus the metadata
-build CPU time at 256 sequences (target <= 50 us). JSON under benchmarks/results/.
+build CPU time at 256 sequences (target <= 50 us), and one replayed decode step at batch 64
+against the sum of its kernels' durations (target <= 1.05). JSON under benchmarks/results/.
 
-    python benchmarks/bench_serving.py                  # full grid
+    python benchmarks/bench_serving.py                  # full grid (> 10 min on an H200)
+    python benchmarks/bench_serving.py --grid           # batch 1 16 64 128, 64 new tokens, one repetition
     python benchmarks/bench_serving.py --quick          # smoke run: small model, batch 1 and 8
     python benchmarks/bench_serving.py --metadata-only  # CPU or GPU: per-step metadata + append µs
     (--out DIR: where the JSON goes, default benchmarks/results)
@@ -33,6 +35,7 @@ from torch_ops.serving.model import Llama, LlamaConfig, attention_config  # noqa
 OUT = Path(__file__).resolve().parent / "results"
 MODEL = LlamaConfig(vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                     head_dim=64, intermediate_size=5632, max_position=8192)
+REPLAY_BATCH = 64  # the decode step whose replay is compared with its kernels' times
 QUICK_MODEL = LlamaConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                           head_dim=64, intermediate_size=512)
 
@@ -131,19 +134,23 @@ def metadata_grid(device: str, steps: int) -> list[dict]:
     return rows
 
 
-def ours(config, batch, prompt_len, new_tokens) -> dict:
-    """Engine decode steps of `batch` requests (prefill excluded from the decode timing)."""
-    dtype, device = torch.bfloat16, torch.device("cuda")
+def ours(model, config, batch, prompt_len, new_tokens) -> tuple[dict, Engine]:
+    """Engine decode steps of `batch` requests (prefill excluded from the decode timing) with
+    `model`'s weights and a fresh cache and attention backend; returns the row and the engine.
+    On CUDA: the triton backend in bf16 with CUDA-graph decode steps; on CPU (a smoke run) the
+    vanilla backend in fp32, eagerly."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
     block_size = 16
     blocks = batch * (-(-(prompt_len + new_tokens) // block_size)) + 8
     kv = KVCacheManager(config.num_layers, blocks, block_size, config.num_kv_heads, config.head_dim,
                         dtype, device=device)
-    attention = get_backend("triton")(attention_config(config, device), kv, max_num_seqs=batch,
-                                      max_num_tokens=max(batch, prompt_len * batch),
-                                      max_blocks_per_seq=blocks)
-    model = Llama(config, attention).init_random_(0).to(device, dtype)
+    model.attention = get_backend("triton" if cuda else "vanilla")(
+        attention_config(config, device), kv, max_num_seqs=batch,
+        max_num_tokens=max(batch, prompt_len * batch), max_blocks_per_seq=blocks)
     engine = Engine(model, kv, max_num_seqs=batch, max_num_tokens=max(batch, prompt_len * batch),
-                    graph_buckets=(batch,))
+                    graph_buckets=(batch,) if cuda else ())
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(Request(i, torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist(),
@@ -153,17 +160,56 @@ def ours(config, batch, prompt_len, new_tokens) -> dict:
         t0 = time.perf_counter()
         stats = engine.step()
         steps.append((stats, (time.perf_counter() - t0) * 1e6))
-    decode = [(s, wall) for s, wall in steps if s.graph and s.num_seqs == batch]
+    decode = [(s, wall) for s, wall in steps if s.graph == cuda and s.num_seqs == s.num_tokens == batch]
     wall = sum(w for _, w in decode)
     return {"decode_steps": len(decode), "tokens_per_s": batch * len(decode) / (wall / 1e6),
             "step_wall_us": statistics.median(w for _, w in decode),
-            "step_gpu_us": statistics.median(s.gpu_us for s, _ in decode),
-            "metadata_us": statistics.median(s.metadata_us for s, _ in decode)}
+            "step_gpu_us": statistics.median(s.gpu_us for s, _ in decode) if cuda else None,
+            "metadata_us": statistics.median(s.metadata_us for s, _ in decode),
+            "host_us": statistics.median(s.host_us for s, _ in decode)}, engine
 
 
-def transformers_static(config, batch, prompt_len, new_tokens) -> dict:
-    """transformers' greedy generate, static cache, compiled with mode="reduce-overhead"; the
-    decode rate is (new_tokens - 1) tokens over (time(new_tokens) - time(1 token))."""
+def replay_vs_kernels(engine: Engine, bucket: int, replays: int = 100) -> dict:
+    """One captured decode step replayed `replays` times on the last step's metadata: the
+    median wall time of a replay (CUDA events around `graph.replay()`) and the median over
+    replays of the sum of its kernels' durations (torch.profiler, CUDA activity)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine._graphs[bucket][0]
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        walls.append(start.elapsed_time(end) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    row = {"batch": bucket, "replays": replays, "replay_wall_us": statistics.median(walls),
+           "kernels_per_replay": len(kernels) / replays}
+    if not kernels or len(kernels) % replays:
+        row["error"] = f"{len(kernels)} CUDA events for {replays} replays: cannot split them per replay"
+        row["kernel_sum_us"] = sum(d for _, d in kernels) / replays
+    else:
+        n = len(kernels) // replays
+        row["kernel_sum_us"] = statistics.median(sum(d for _, d in kernels[i:i + n])
+                                                 for i in range(0, len(kernels), n))
+    row["ratio"] = row["replay_wall_us"] / row["kernel_sum_us"] if row["kernel_sum_us"] else None
+    return row
+
+
+def hf_model(config):
+    """transformers' Llama with the same shapes (its own random weights: the speed does not
+    depend on them), `forward` compiled once with mode="reduce-overhead" for every batch."""
     import transformers
 
     hf_cfg = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -172,8 +218,16 @@ def transformers_static(config, batch, prompt_len, new_tokens) -> dict:
                                       num_attention_heads=config.num_heads,
                                       num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
                                       max_position_embeddings=config.max_position)
-    model = transformers.LlamaForCausalLM(hf_cfg).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
     model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return model
+
+
+def transformers_static(model, config, batch, prompt_len, new_tokens, reps: int) -> dict:
+    """transformers' greedy generate with a static cache on `hf_model`; the decode rate is
+    (new_tokens - 1) tokens over (time(new_tokens) - time(1 token)), median of `reps`.
+    `warmup_s`: the first calls at this batch size (compilation, CUDA-graph recording)."""
     ids = torch.randint(0, config.vocab_size, (batch, prompt_len), device="cuda")
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
 
@@ -184,16 +238,22 @@ def transformers_static(config, batch, prompt_len, new_tokens) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for _ in range(2):  # compile and warm up both shapes
+    t0 = time.perf_counter()
+    for _ in range(1 if reps == 1 else 2):  # compile and warm up both shapes
         run(new_tokens), run(1)
-    decode_s = statistics.median(run(new_tokens) - run(1) for _ in range(3))
+    warmup_s = time.perf_counter() - t0
+    decode_s = statistics.median(run(new_tokens) - run(1) for _ in range(reps))
     return {"tokens_per_s": batch * (new_tokens - 1) / decode_s,
-            "step_wall_us": decode_s / (new_tokens - 1) * 1e6}
+            "step_wall_us": decode_s / (new_tokens - 1) * 1e6, "warmup_s": warmup_s}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--grid", action="store_true",
+                        help="the trimmed GPU grid: --batches, --new-tokens, one repetition, no metadata rows")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: per mode)")
+    parser.add_argument("--new-tokens", type=int, help="generated tokens per request (default: per mode)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--metadata-only", action="store_true",
                         help="only the per-step metadata and append CPU time (runs on CPU too)")
@@ -205,29 +265,54 @@ def main():
         print("wrote", write_json(args.out, "serving_metadata", payload))
         return
     config = QUICK_MODEL if args.quick else MODEL
-    batches = (1, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128)
-    prompt_len, new_tokens = (32, 16) if args.quick else (512, 128)
-    payload = {"env": environment(), "model": config.__dict__, "prompt_len": prompt_len,
-               "new_tokens": new_tokens, "metadata": metadata_grid(device, steps=100 if args.quick else 400),
-               "rows": []}
+    default_batches = (1, 8) if args.quick else (1, 16, 64, 128) if args.grid else (1, 2, 4, 8, 16, 32, 64, 128)
+    batches = args.batches or default_batches
+    prompt_len = 32 if args.quick else 512
+    new_tokens = args.new_tokens or (16 if args.quick else 64 if args.grid else 128)
+    reps = 1 if args.grid else 3
+    try:
+        import transformers
+        hf_version = transformers.__version__
+    except ImportError as e:
+        hf_version = f"unavailable: {e}"
+    payload = {"env": {**environment(), "transformers": hf_version}, "model": config.__dict__,
+               "prompt_len": prompt_len, "new_tokens": new_tokens, "hf_reps": reps,
+               "metadata": [] if args.grid else metadata_grid(device, steps=100 if args.quick else 400),
+               "rows": [], "replay": None}
+    name = "serving_grid" if args.grid else "serving"
+    cuda = device == "cuda"
+    model = Llama(config).init_random_(0).to(device, torch.bfloat16 if cuda else torch.float32)
+    hf = None
     for batch in batches:
-        row = {"batch": batch, **{f"ours_{k}": v for k, v in ours(config, batch, prompt_len, new_tokens).items()}}
-        if not args.no_transformers:
+        row, engine = ours(model, config, batch, prompt_len, new_tokens)
+        row = {"batch": batch, **{f"ours_{k}": v for k, v in row.items()}}
+        if cuda and (batch == REPLAY_BATCH or (payload["replay"] is None and batch == max(batches))):
+            payload["replay"] = replay_vs_kernels(engine, batch)
+        del engine
+        if cuda and not args.no_transformers:
             try:
+                if hf is None:
+                    hf = hf_model(config)
                 row.update({f"hf_{k}": v for k, v in
-                            transformers_static(config, batch, prompt_len, new_tokens).items()})
+                            transformers_static(hf, config, batch, prompt_len, new_tokens, reps).items()})
                 row["speedup"] = row["ours_tokens_per_s"] / row["hf_tokens_per_s"]
             except Exception as e:  # noqa: BLE001 - a failing peer is recorded, not fatal
                 row["hf_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         payload["rows"].append(row)
-        write_partial(args.out, "serving", payload)
-        torch.cuda.empty_cache()
+        write_partial(args.out, name, payload)
+        if cuda:
+            torch.cuda.empty_cache()
     print(table(payload["rows"], [("batch", "batch", "d"), ("ours_tokens_per_s", "ours tok/s", ".0f"),
                                   ("ours_step_wall_us", "step us", ".1f"), ("ours_step_gpu_us", "gpu us", ".1f"),
-                                  ("ours_metadata_us", "meta us", ".1f"), ("hf_tokens_per_s", "hf tok/s", ".0f"),
-                                  ("speedup", "x hf", ".2f")]))
+                                  ("ours_host_us", "host us", ".1f"), ("ours_metadata_us", "meta us", ".1f"),
+                                  ("hf_tokens_per_s", "hf tok/s", ".0f"), ("speedup", "x hf", ".2f")]))
+    replay = payload["replay"]
+    if replay is not None:
+        print(f"decode step replay at batch {replay['batch']}: {replay['replay_wall_us']:.1f} us wall, "
+              f"{replay['kernel_sum_us']:.1f} us of kernels ({replay['kernels_per_replay']:.0f} per replay), "
+              f"ratio {replay['ratio']:.3f} (target <= 1.05)" + (f"; {replay['error']}" if "error" in replay else ""))
     if not args.quick:
-        print("wrote", write_json(args.out, "serving", payload))
+        print("wrote", write_json(args.out, name, payload))
 
 
 if __name__ == "__main__":
