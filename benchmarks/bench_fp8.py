@@ -13,6 +13,9 @@ unquantized bf16 inputs (the whole quantization error, not only the kernel's). `
 is the rotation of q and k alone (two bf16 matmuls, unfused), per call.
 
     python benchmarks/bench_fp8.py [--quick] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
+
+`ATTN_CUTLASS_PERSISTENT=1` runs the cutlass rows on the persistent kernels (recorded in the JSON
+as `cutlass_persistent`; benchmarks/probe_cutlass.py puts both grids side by side).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch_ops  # noqa: E402
-from torch_ops import quant, reference  # noqa: E402
+from torch_ops import cutlass, quant, reference  # noqa: E402
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 TOKENS = 16384
@@ -209,6 +212,8 @@ def main():
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
     peers = args.peers.split(",") if args.peers else []
+    persistent = cutlass.use_persistent()
+    print(f"cutlass kernels: {'persistent' if persistent else 'plain'} grid", flush=True)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
     for d, heads, seqlen in shapes:
@@ -227,7 +232,8 @@ def main():
                 for k in r:
                     if isinstance(r[k], str) and r[k].startswith("unavailable"):
                         print(f"   {k}: {r[k]}", flush=True)
-    path = common.write_json(args.out, "fp8", {"env": common.environment(), "rows": rows})
+    path = common.write_json(args.out, "fp8", {"env": common.environment(), "cutlass_persistent": persistent,
+                                               "rows": rows})
     print(f"wrote {path}")
 
 
