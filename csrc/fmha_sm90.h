@@ -36,9 +36,9 @@ typedef struct {
   int32_t causal;           // bottom-right aligned
   int32_t q_scale_stride, k_scale_stride, v_scale_stride;
   int32_t out_dtype;        // AttnOutDtype
+  float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
   // persistent kernels only: CTAs in the grid, and heads per section of the work order (divides hq)
   int32_t num_ctas, section_heads;
-  float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
 } AttnFmhaArgs;
 
 // Each instantiation (input dtype x head dim x grid) exports one entry point:

@@ -205,9 +205,9 @@ class FmhaArgs(ctypes.Structure):
                                        "v_row_stride", "v_head_stride", "v_dim_stride", "out_row_stride",
                                        "out_head_stride", "lse_row_stride")),
         *((n, ctypes.c_int32) for n in ("total_q", "total_k", "num_seqs", "hq", "hkv", "head_dim", "causal",
-                                       "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype",
-                                       "num_ctas", "section_heads")),
+                                       "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype")),
         ("softmax_scale", ctypes.c_float),
+        *((n, ctypes.c_int32) for n in ("num_ctas", "section_heads")),
     ]
 
 
