@@ -209,7 +209,10 @@ def replay_vs_kernels(engine: Engine, bucket: int, replays: int = 100) -> dict:
 
 def hf_model(config):
     """transformers' Llama with the same shapes (its own random weights: the speed does not
-    depend on them), `forward` compiled once with mode="reduce-overhead" for every batch."""
+    depend on them). `generate` with a static cache compiles `forward` itself (its
+    `compile_config`, here fullgraph with mode="reduce-overhead", once for all batches) and marks
+    each CUDA-graph step; compiling `forward` by hand as well made generate read CUDA-graph
+    outputs that the next replay had overwritten."""
     import transformers
 
     hf_cfg = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -220,7 +223,8 @@ def hf_model(config):
                                       max_position_embeddings=config.max_position)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    model.generation_config.compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+    model.generation_config.disable_compile = False
     return model
 
 

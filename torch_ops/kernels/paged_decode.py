@@ -622,9 +622,11 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
     if fmt == FMT_PLAIN:
-        # 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and 512
-        # programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
-        block_n = 32
+        # D = 128: 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and
+        # 512 programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
+        # D <= 64: 64 keys (H200, 32/8 heads, D = 64: B=32 ctx 2k 45.6 -> 41.5 us, B=64 ctx 4k
+        # 154 -> 132 us, B=128 ctx 2k 159 -> 149 us; B=1 and B=8 within 0.5-1 us).
+        block_n = 64 if block_d <= 64 else 32
     else:
         block_n = 128 if block_d <= 128 else 64
     warps = 8 if block_m * block_d >= 64 * 256 else 4
