@@ -3,8 +3,9 @@
 CPU: build-command construction, the C ABI mirror, the JIT cache, the persistent-grid knob and
 grid size, the registry's reasons. GPU (marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass
 wheel; the first call builds the library, about a minute on 16 cores): `context_attention` on the
-plain and the persistent kernels against the float64 reference with the error-ratio rule. FP8 kernels round the softmax probabilities P to e4m3 before the PV product
-(as FA3/FlashInfer FP8 do), so their baseline is a PyTorch computation that does the same.
+plain and the persistent kernels against the float64 reference with the error-ratio rule. FP8
+kernels round the softmax probabilities P to e4m3 before the PV product (as FA3/FlashInfer FP8
+do), so their baseline is a PyTorch computation that does the same.
 """
 
 from __future__ import annotations
