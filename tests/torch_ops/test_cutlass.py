@@ -43,7 +43,10 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
-def test_build_compiles_every_instantiation_in_both_grids_and_links_them(monkeypatch, tmp_path):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
+    """The plain grid always; the persistent one only when chosen (it is slower: not built by default)."""
+    monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
     def fake_tool(cmd):
@@ -58,8 +61,8 @@ def test_build_compiles_every_instantiation_in_both_grids_and_links_them(monkeyp
     defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT")))
                for c in compiles}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}")
-                for (_, d), e in cutlass.KERNELS.items() for p in (0, 1)}
-    assert defines == expected and len(compiles) == len(expected) == 12
+                for (_, d), e in cutlass.KERNELS.items() for p in ((0, 1) if persistent else (0,))}
+    assert defines == expected and len(compiles) == len(expected) == (12 if persistent else 6)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -105,7 +108,7 @@ def test_entry_points_in_the_source_match_the_names_python_looks_up():
 def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
     builds = []
 
-    def fake_build(target, nvcc):
+    def fake_build(target, nvcc, variants):
         builds.append(target)
         target.parent.mkdir(parents=True)
         target.write_bytes(b"\0" * 1000)
@@ -114,7 +117,7 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cutlass, "PREBUILT", tmp_path / "missing.so")
     monkeypatch.setenv("ATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cutlass, "find_nvcc", lambda: "/opt/nvcc")
-    monkeypatch.setattr(cutlass, "build_key", lambda nvcc: "abc123")
+    monkeypatch.setattr(cutlass, "build_key", lambda nvcc, variants: "abc123")
     monkeypatch.setattr(cutlass, "build", fake_build)
     with caplog.at_level(logging.WARNING, logger="torch_ops.cutlass"):
         first = cutlass.library_path()
