@@ -1,16 +1,20 @@
-"""paged_decode tile configs across decode shapes (GPU), the evidence behind
-`torch_ops.kernels.paged_decode.config()`.
+"""paged_decode tile configs and split counts across decode shapes (GPU), the evidence behind
+`torch_ops.kernels.paged_decode.config()` and `split_count()`.
 
-    python benchmarks/sweep_decode_config.py
+    python benchmarks/sweep_decode_config.py              # the shapes of the first sweep
+    python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
 
-Prints one row per shape (B, Hq, Hkv, context, D; 16-token pages on a random permutation, every
-sequence at full context) with µs per call (CUDA-graph replays, rotating input sets) for each
-(BLOCK_N, warps, stages) config, with the automatic split count (after the slash) and with one
-split. The committed output: benchmarks/results/decode_config_sweep_*.log.
+Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
+per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
+split count ("auto": the heuristic's, shown after the slash). Layouts: "p16", 16-token pages
+on a random permutation; "one", one page per sequence read as `[B, Hkv, S, D].transpose(1, 2)`
+(the static cache `fx_passes.decode_to_paged` hands over). Then each config's compiled
+registers and shared memory. The committed output: benchmarks/results/decode_config_sweep_*.log.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,44 +25,75 @@ import common  # noqa: E402
 
 from torch_ops.kernels import paged_decode as pd  # noqa: E402
 
-CONFIGS = {"n32": (32, 4, 5), "n64": (64, 4, 5), "n128": (128, 4, 5), "n64w8": (64, 8, 4)}
-SHAPES = [(1, 32, 32, 1024, 128), (1, 32, 8, 16384, 128), (8, 32, 8, 4096, 128), (32, 32, 8, 2048, 128),
-          (64, 32, 8, 4096, 128), (128, 32, 8, 2048, 128), (128, 32, 32, 1024, 128), (1, 32, 8, 4096, 64),
-          (8, 32, 8, 4096, 64), (32, 32, 8, 2048, 64), (64, 32, 8, 4096, 64), (128, 32, 8, 2048, 64)]
+SETS = {
+    "first": dict(
+        configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n128": (128, 4, 5), "n64w8": (64, 8, 4)},
+        splits=(None, 1), layouts=("p16",),
+        shapes=[(1, 32, 32, 1024, 128), (1, 32, 8, 16384, 128), (8, 32, 8, 4096, 128), (32, 32, 8, 2048, 128),
+                (64, 32, 8, 4096, 128), (128, 32, 8, 2048, 128), (128, 32, 32, 1024, 128), (1, 32, 8, 4096, 64),
+                (8, 32, 8, 4096, 64), (32, 32, 8, 2048, 64), (64, 32, 8, 4096, 64), (128, 32, 8, 2048, 64)]),
+    "mid": dict(
+        configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n64s4": (64, 4, 4), "n128": (128, 4, 5),
+                 "n128s3": (128, 4, 3), "n128w8": (128, 8, 4)},
+        splits=(None, 1, 2, 4), layouts=("p16", "one"),
+        shapes=[(16, 32, 8, 2048, 64), (32, 32, 8, 2048, 64), (64, 32, 8, 2048, 64), (32, 32, 8, 4096, 64),
+                (16, 32, 8, 4096, 128), (32, 32, 8, 2048, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
+                (64, 32, 32, 512, 128)]),
+}
 BLOCK_SIZE = 16
 
 
-def input_sets(b, hq, hkv, ctx, d, dev):
+def input_sets(b, hq, hkv, ctx, d, layout, dev):
     """Enough random (q, k_cache, v_cache, block_tables) sets to cycle through ~3x 60 MB of KV."""
-    nb = b * (ctx // BLOCK_SIZE)
-    count = max(1, min(4, int(3 * 60e6 // (2 * nb * BLOCK_SIZE * hkv * d * 2)) + 1))
+    count = max(1, min(4, int(3 * 60e6 // (2 * b * ctx * hkv * d * 2)) + 1))
     sets = []
     for _ in range(count):
-        k = torch.randn(nb, BLOCK_SIZE, hkv, d, device=dev, dtype=torch.bfloat16)
-        sets.append((torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16), k, torch.randn_like(k),
-                     torch.randperm(nb, device=dev, dtype=torch.int32).view(b, -1)))
+        q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+        if layout == "one":
+            k, v = (torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+            table = torch.arange(b, device=dev, dtype=torch.int32)[:, None]
+        else:
+            nb = b * (ctx // BLOCK_SIZE)
+            k, v = (torch.randn(nb, BLOCK_SIZE, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            table = torch.randperm(nb, device=dev, dtype=torch.int32).view(b, -1)
+        sets.append((q, k, v, table))
     return sets
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--set", default="first", choices=sorted(SETS))
+    sweep = SETS[p.parse_args().set]
     dev = torch.device("cuda")
-    print("shape (B, Hq, Hkv, ctx, D) | " + " | ".join(f"{c}:auto {c}:1" for c in CONFIGS))
-    for b, hq, hkv, ctx, d in SHAPES:
-        sets = input_sets(b, hq, hkv, ctx, d, dev)
-        seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-        cells = []
-        for block_n, warps, stages in CONFIGS.values():
-            for splits in (None, 1):
-                if block_n == 128 and d == 128:
-                    cells.append("      -")
-                    continue
-                pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-                pd.FORCE_NUM_SPLITS = splits
-                calls = [lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
-                t, _ = common.time_us(calls, calls=8, replays=10)
-                cells.append(f"{t:7.1f}" + (f"/{pd.LAST_NUM_SPLITS}" if splits is None else "  "))
-        print(f"{(b, hq, hkv, ctx, d)} {2 * b * hkv * ctx * d * 2 / 1e6:.0f}MB | " + " ".join(cells), flush=True)
+    names = [f"{c}:{s or 'auto'}" for c in sweep["configs"] for s in sweep["splits"]]
+    print("shape (B, Hq, Hkv, ctx, D) layout | " + " ".join(f"{n:>10}" for n in names), flush=True)
+    resources = {}
+    for b, hq, hkv, ctx, d in sweep["shapes"]:
+        for layout in sweep["layouts"]:
+            sets = input_sets(b, hq, hkv, ctx, d, layout, dev)
+            seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            cells = []
+            for name, (block_n, warps, stages) in sweep["configs"].items():
+                for splits in sweep["splits"]:
+                    if block_n == 128 and d == 128 and stages == 5:   # does not fit shared memory
+                        cells.append(f"{'-':>10}")
+                        continue
+                    pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                    pd.FORCE_NUM_SPLITS = splits
+                    calls = [lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
+                    try:
+                        t, _ = common.time_us(calls, calls=8, replays=10)
+                        cell = f"{t:.1f}" + (f"/{pd.LAST_NUM_SPLITS}" if splits is None else "")
+                        k = pd.LAST_KERNEL
+                        resources[(name, d)] = (k.n_regs, k.metadata.shared)
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit is shown, not fatal
+                        cell = type(e).__name__[:9]
+                    cells.append(f"{cell:>10}")
+            mb = 2 * b * hkv * ctx * d * 2 / 1e6
+            print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
     pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = None
+    for (name, d), (regs, smem) in sorted(resources.items()):
+        print(f"config {name} D={d}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ of the `fx_passes` logger and counts it in `counters["attn"]["<pass>_declined"]`
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,7 +55,8 @@ _SOURCES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
 class PassManager(CustomGraphPass):
     """Runs `user_passes` (what the hook held before; they see the graph as Dynamo made it),
     then the passes `config` enables, counting matches in
-    `torch._dynamo.utils.counters["attn"]["<pass>_matched"]`."""
+    `torch._dynamo.utils.counters["attn"]["<pass>_matched"]` and the microseconds each pass
+    took in `counters["attn"]["<pass>_us"]` (compile-time overhead, summed over graphs)."""
 
     def __init__(self, config: PassConfig | None = None, user_passes: tuple[Callable, ...] = ()):
         self.config = config or PassConfig()
@@ -65,7 +67,9 @@ class PassManager(CustomGraphPass):
             user_pass(graph)
         for name, apply in PASSES.items():
             if getattr(self.config, name):
+                start = time.perf_counter()
                 counters["attn"][f"{name}_matched"] += apply(graph)
+                counters["attn"][f"{name}_us"] += round((time.perf_counter() - start) * 1e6)
 
     def uuid(self) -> Any:
         """A hash of this package's sources, the config and the user passes' uuids; None (no
