@@ -33,7 +33,9 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   tanh; ALiBi per row; causal among the new tokens; sliding window + sink tokens skip whole tiles
   (the split range starts at the window, sink tiles are visited by split 0 only).
 - **Split-K.** `num_splits` comes from shapes only (B, Hkv, M tiles, `block_tables.shape[1]`,
-  block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. Inside, each
+  block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. When the batch
+  alone comes near filling the GPU, plain caches take tiles of twice the keys and one or two
+  splits instead (`large_tile_splits`). Inside, each
   sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
   at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
   past the span exit at once (they write nothing, and the merge kernel never reads them).
@@ -98,6 +100,11 @@ ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page blo
 # Quantized tiles stop at 32 rows: at 64 their lane accumulators take ~250 registers, and with
 # 16-value groups Triton 3.6 fails to compile them for sm_90 (TritonGPUOptimizeDotOperands).
 MAX_BLOCK_M_QUANTIZED = 32
+# Large tiles of the plain format (block_d -> BLOCK_N; 118 / 96 registers and 70 KB of shared
+# memory at D = 64 / 128, 5 stages: 3 programs per SM) and the M tiles they are used up to.
+LARGE_TILE_KEYS = {64: 128, 128: 64}
+LARGE_TILE_PROGRAMS_PER_SM = 3
+LARGE_TILE_MAX_BLOCK_M = 32
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -617,7 +624,7 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
     `num_stages = 5` keeps two tiles of each program in flight (three buffers) and 3-4 keep one;
     with 2-3 programs per SM that is 64-190 KB in flight per SM against the ~30-40 KB Little's
     law asks of HBM3/HBM3e (bench notes). Quantized formats take 128-key tiles so that a stage
-    still carries 16-32 KB."""
+    still carries 16-32 KB. `large_tile_splits` may double the plain format's tile."""
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
@@ -631,6 +638,23 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         block_n = 128 if block_d <= 128 else 64
     warps = 8 if block_m * block_d >= 64 * 256 else 4
     return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 5}
+
+
+def large_tile_splits(programs: int, sms: int) -> int:
+    """Split count for the plain format's large tiles (`LARGE_TILE_KEYS`), 0 where they do not
+    pay. When the batch alone (`programs` = B x Hkv x M tiles) comes near filling the `sms`, a
+    memory-bound SM streams the same bytes whether they come as a few long programs or many
+    split ones, so splitting only adds the merge; larger tiles keep more bytes in flight per
+    program instead. One split (two below one program per SM), as long as they fit one wave of
+    `LARGE_TILE_PROGRAMS_PER_SM`. H200, 32/8 heads, 16-token pages and the static-cache layout
+    (results/decode_config_sweep_H200_20261122f.log): D = 64 B = 32 ctx 2k 41.8 -> 37.3 us
+    (static cache 39.9 -> 36.1), B = 16 27.1 -> 24.8, B = 32 ctx 4k 73.8 -> 68.8; D = 128 B = 32
+    ctx 2k 73.1 -> 68.2, B = 16 ctx 4k 73.8 -> 72.6. Fewer programs (long contexts at small
+    batch) want many splits of small tiles; more than a wave (B = 64 at 8 KV heads) small tiles."""
+    if programs < sms // 2:
+        return 0
+    splits = -(-sms // programs)
+    return splits if programs * splits <= LARGE_TILE_PROGRAMS_PER_SM * sms else 0
 
 
 def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, block_size: int,
@@ -727,7 +751,6 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    block_n = cfg["BLOCK_N"]
     if fmt == FMT_PLAIN:
         block_d = max(16, _pow2(d))
         block_dw = 16
@@ -738,8 +761,17 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     # With one page per sequence every key is in it: any tile lies in one page (and one compiled
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
-    per_sm = PROGRAMS_PER_SM or _PROGRAMS_PER_SM[fmt]
-    num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, num_sms(query.device), per_sm)
+    sms = num_sms(query.device)
+    num_splits = 0
+    if (fmt == FMT_PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
+            and not CONFIG_OVERRIDE and FORCE_NUM_SPLITS is None):
+        num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
+        if num_splits:
+            cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
+    block_n = cfg["BLOCK_N"]
+    if not num_splits:
+        per_sm = PROGRAMS_PER_SM or _PROGRAMS_PER_SM[fmt]
+        num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
 
     dummy = lse

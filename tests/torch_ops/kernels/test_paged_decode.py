@@ -211,6 +211,20 @@ def test_split_count_depends_on_shapes_only():
     assert f(64, 8, 1, 256, 16, 32, 4) == 1                     # 512 programs fill 528 slots: one wave
 
 
+def test_large_tiles_when_the_batch_nearly_fills_the_gpu():
+    assert pd.large_tile_splits(256, 132) == 1     # B = 32 x 8 KV heads: one split
+    assert pd.large_tile_splits(128, 132) == 2     # just below one program per SM: two
+    assert pd.large_tile_splits(8, 132) == 0       # a long context at B = 1: many small splits
+    assert pd.large_tile_splits(512, 132) == 0     # more than a wave of large tiles: small ones
+
+
+def test_large_tiles_automatic(kernel_device):
+    # no knobs: 4 programs on the interpreter's 8 "SMs" take 128-key tiles in two splits
+    problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=64, bs=16)
+    run_and_check(problem)
+    assert pd.LAST_NUM_SPLITS == 2
+
+
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
 
 # (head dim, block size, (Hq, Hkv, q_per_seq), cache dtype, query dtype, extra)
