@@ -311,10 +311,16 @@ class BlockAllocator:
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._num_free = num_blocks
         self.refcounts = np.zeros(num_blocks, dtype=np.int32)
+        self._num_refs = 0  # refcounts.sum()
 
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def num_shared_refs(self) -> int:
+        """References beyond the first of each allocated block (0: no block is shared)."""
+        return self._num_refs - (self.num_blocks - self._num_free)
 
     def take(self, n: int) -> np.ndarray:
         """`n` free blocks `[n]` int32 with refcount 1; all or nothing (`OutOfBlocksError`)."""
@@ -326,6 +332,7 @@ class BlockAllocator:
         blocks = self._free[top - n:top][::-1].copy()
         self._num_free = top - n
         self.refcounts[blocks] = 1
+        self._num_refs += n
         return blocks
 
     def allocate(self, n: int) -> list[int]:
@@ -348,6 +355,7 @@ class BlockAllocator:
                 f"{int(self.refcounts[unique[b]])} (double free?)"
             )
         self.refcounts[unique] -= counts.astype(np.int32)
+        self._num_refs -= len(ids)
         zero = self.refcounts[unique] == 0
         last = len(ids) - 1 - first[zero]  # where each released block last occurs in `blocks`
         released = unique[zero][np.argsort(last)]
@@ -362,6 +370,7 @@ class BlockAllocator:
             raise ValueError(f"block {int(ids[np.argmax(unallocated)])} is not allocated, "
                              "cannot share it")
         np.add.at(self.refcounts, ids, 1)
+        self._num_refs += len(ids)
 
     def refcount(self, block: int) -> int:
         if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
@@ -406,6 +415,10 @@ class BlockTables:
         self.offsets = np.zeros(8, dtype=np.int64)
         self._rows: dict = {}
         self._free_rows = list(range(7, -1, -1))  # pop() hands out low rows first
+        # The last list of ids `rows` looked up and its answer, until a sequence comes or goes;
+        # the last answer of `rows` whose ids `append_batch` found distinct.
+        self._last_lookup: tuple[list, np.ndarray] | None = None
+        self._distinct_rows: np.ndarray | None = None
         self._copies: list[tuple[int, int]] = []
 
     def _row(self, seq_id) -> int:
@@ -414,12 +427,21 @@ class BlockTables:
         return self._rows[seq_id]
 
     def rows(self, seq_ids) -> np.ndarray:
-        """Row index of each sequence in `seq_ids` (the batch order), `[B]` intp."""
+        """Row index of each sequence in `seq_ids` (the batch order), `[B]` intp, read-only.
+        Asked again for an equal list, with no sequence added or freed in between (steady
+        decode steps), it returns the same array without looking the ids up."""
+        is_list = type(seq_ids) is list
+        if is_list and self._last_lookup is not None and self._last_lookup[0] == seq_ids:
+            return self._last_lookup[1]
         try:
-            return np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.intp,
+            rows = np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.intp,
                                count=len(seq_ids))
         except KeyError as e:
             raise KeyError(f"unknown sequence {e.args[0]!r}") from None
+        rows.flags.writeable = False
+        if is_list:
+            self._last_lookup = (list(seq_ids), rows)  # a copy: the caller may change its list
+        return rows
 
     def _new_row(self, seq_id) -> int:
         if seq_id in self._rows:
@@ -432,6 +454,7 @@ class BlockTables:
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         row = self._free_rows.pop()
         self._rows[seq_id] = row
+        self._last_lookup = None
         return row
 
     def _set_blocks(self, row: int, start: int, blocks: list[int]) -> None:
@@ -493,11 +516,13 @@ class BlockTables:
         nothing changes. Returns the sequences' rows `[B]` (as `rows(seq_ids)`)."""
         rows = self.rows(seq_ids)
         counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
-        if counts.shape != rows.shape or (counts < 0).any():
+        if counts.shape != rows.shape or counts.min(initial=0) < 0:
             raise ValueError(f"num_tokens must hold {len(rows)} ints >= 0 (one per sequence), "
                              f"got {np.asarray(num_tokens).tolist()}")
-        if len(rows) > 1 and np.bincount(rows).max() > 1:
-            raise ValueError("seq_ids must be distinct")
+        if rows is not self._distinct_rows:
+            if len(rows) > 1 and np.bincount(rows).max() > 1:
+                raise ValueError("seq_ids must be distinct")
+            self._distinct_rows = rows
         bs = self.block_size
         start, have = self.lens[rows], self.num_blocks[rows]
         need = (start + counts + bs - 1) // bs - have  # new blocks at the end of each table
@@ -531,9 +556,11 @@ class BlockTables:
         that block: `(indices into rows, source blocks)`. A partly filled last block receives
         tokens; if shared, its k-th writer in the batch (k = 0, 1, ...) copies it while its
         refcount, less the k copies before, is above 1, as one-by-one appends would."""
+        if not self.allocator.num_shared_refs:  # no block is shared: the common case, first
+            return rows[:0], rows[:0]
         last = self.array[rows, have - 1]  # (any block of an empty table: filtered out below)
         shared = self.allocator.refcounts[last] > 1
-        if not shared.any():  # the common case, checked first
+        if not shared.any():  # (e.g. only the full blocks of a prefix cache are shared)
             return rows[:0], last[:0]
         writers = np.flatnonzero(shared & (counts > 0) & (start % self.block_size != 0))
         src = last[writers]
@@ -600,6 +627,7 @@ class BlockTables:
         self.num_blocks[row] = self.lens[row] = self.offsets[row] = 0
         del self._rows[seq_id]
         self._free_rows.append(row)
+        self._last_lookup = None
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._rows

@@ -12,10 +12,13 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from torch_ops.kv_cache import BlockTables
+
 _INT32_MAX = 2**31 - 1
 # Sections of the flat int32 buffers, in this order; `block_tables` holds B * max_blocks_per_seq.
 _SECTIONS = ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions", "token_ids")
 _MAX_LAYOUTS = 256  # cached batch shapes (views are cheap to recreate; addresses never change)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by itemsize: negatives -> huge
 
 
 @dataclass
@@ -160,13 +163,69 @@ class MetadataBuilder:
         order) travel in the same copy and come back as `token_ids`.
         """
         seq, qlen, table, num_blocks, rows = self._parse(seq_lens, query_lens, block_tables,
-                                                         num_blocks, rows, pad_to)
+                                                         num_blocks, rows)
+        offsets = None if position_offsets is None else self._offsets_array(position_offsets, len(seq))
+        return self._fill(seq, qlen, table, rows, pad_to, offsets, token_ids, trusted=False)
+
+    def build_from_tables(
+        self,
+        tables: BlockTables,
+        rows: np.ndarray,
+        query_lens: Sequence[int] | np.ndarray,
+        *,
+        pad_to: int | None = None,
+        position_offsets: bool = False,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+    ) -> AttentionMetadata:
+        """`build` for the sequences at `rows [B]` of `tables` (e.g. what `append_batch`
+        returned), `query_lens[b]` new tokens each, with `tables.offsets[rows]` as the position
+        offsets if `position_offsets`; `pad_to`, `token_ids` as in `build`.
+
+        The serving fast path: `BlockTables` keeps each sequence's length within its blocks and
+        its block ids in the allocator's range, so when `tables.array` is `max_blocks_per_seq`
+        wide (`reserve_columns`) only `rows` and `query_lens` are checked, and the rows are
+        gathered straight into the staging buffer. Otherwise this is `build` with its checks.
+        """
+        if not isinstance(tables, BlockTables):
+            raise TypeError(f"tables must be a BlockTables, got {type(tables).__name__}")
+        if tables.block_size != self.block_size:
+            raise ValueError(f"tables has block_size {tables.block_size}, the builder "
+                             f"{self.block_size}")
+        qlen = np.asarray(query_lens, dtype=np.int64)
+        if qlen.ndim != 1:
+            raise ValueError(f"query_lens must be 1-D (one entry per sequence), got shape {qlen.shape}")
+        rows = self._rows_array(rows, len(qlen), len(tables.lens))
+        seq = tables.lens[rows]
+        offsets = tables.offsets[rows] if position_offsets else None
+        if (tables.array.shape[1] != self.max_blocks_per_seq
+                or tables.allocator.num_blocks * self.block_size > _INT32_MAX):
+            return self.build(seq, qlen, tables.array, rows=rows, num_blocks=tables.num_blocks[rows],
+                              pad_to=pad_to, position_offsets=offsets, token_ids=token_ids)
+        return self._fill(seq, qlen, tables.array, rows, pad_to, offsets, token_ids, trusted=True)
+
+    def _fill(self, seq, qlen, table, rows, pad_to, offsets, token_ids, trusted: bool):
+        """Write the host arrays of `B` sequences (`seq`, `qlen`, `offsets [B]`; the block table
+        `table [B, n]`, or `[N, n]` with `rows [B]`) into the staging buffer, copy it to the
+        device and return the metadata. The arrays passed `_parse`'s checks, or are `trusted`
+        (a `BlockTables`' own): either way only `qlen` against `seq` and the block ids copied
+        are left to check, the latter only if not `trusted`."""
         num_real = len(seq)
-        offsets = None if position_offsets is None else self._offsets_array(position_offsets, num_real)
-        # Uniform batches keep query rows in padding sequences (see the docstring).
-        max_query_len = int(qlen.max(initial=0))
-        q_per_seq = max_query_len if num_real and qlen.min() == max_query_len else 0
+        if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= num_real):
+            raise ValueError(f"pad_to must be an int >= the batch size {num_real}, got {pad_to!r}")
         batch = num_real if pad_to is None else pad_to
+        if batch > self.max_num_seqs:
+            raise ValueError(
+                f"the batch has {batch} sequences (padding included), more than "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        max_query_len = int(qlen.max(initial=0))
+        min_query_len = int(qlen.min(initial=max_query_len))
+        # `seq.min(initial=q) < q`: a sequence shorter than the q query tokens of all.
+        if trusted and (min_query_len < 0 or (seq.min(initial=max_query_len) < max_query_len
+                                              if min_query_len == max_query_len else (qlen > seq).any())):
+            self._raise_bad_query_lens(seq, qlen)
+        # Uniform batches keep query rows in padding sequences (see `build`).
+        q_per_seq = max_query_len if num_real and min_query_len == max_query_len else 0
         real_tokens = num_real * q_per_seq if q_per_seq else int(qlen.sum())
         num_tokens = real_tokens + (batch - num_real) * q_per_seq
         if num_tokens > self.max_num_tokens:
@@ -183,7 +242,8 @@ class MetadataBuilder:
         if rows is not None and table.shape[1] == m and table.dtype == np.int32:
             # e.g. BlockTables.reserve_columns(m); rows are checked, and "clip" writes unbuffered
             np.take(table, rows, axis=0, out=h_bt[:num_real], mode="clip")
-            self._check_block_ids(h_bt[:num_real])
+            if not trusted:
+                self._check_block_ids(h_bt[:num_real])
         else:
             width = min(table.shape[1], m)  # columns past m are zeros (num_blocks <= m, checked)
             src = table[:, :width] if rows is None else table[rows, :width]
@@ -195,26 +255,23 @@ class MetadataBuilder:
             h_bt[num_real:] = 0
             h_seq[num_real:] = 0
         if q_per_seq:
-            np.multiply(self._arange32[:batch + 1], q_per_seq, out=h_cu)
+            h_cu[:] = self._arange32[:batch + 1] * q_per_seq
         else:
             h_cu[0] = 0
             np.cumsum(qlen, out=h_cu[1:num_real + 1])
             h_cu[num_real + 1:] = real_tokens
 
         # Token t of the real batch: position pos[t] within the cache of the sequence whose
-        # table row starts at index row_start[t] of the flat h_bt.
+        # table row starts at index row_start[t] of the flat h_bt; its slot is
+        # table[block] * block_size + pos % block_size with block = pos // block_size.
         if q_per_seq == 1:  # decode: one token per sequence, the last one
             pos, row_start = seq - 1, self._row_starts[:num_real]
         else:
             pos = np.repeat(seq - h_cu[1:num_real + 1], qlen)
             pos += self._arange[:real_tokens]
             row_start = np.repeat(self._row_starts[:num_real], qlen)
-        block, offset = np.divmod(pos, self.block_size)
-        block += row_start
-        slots = h_slot[:real_tokens]
-        np.take(h_bt.reshape(-1), block, out=slots)
-        slots *= self.block_size
-        slots += offset
+        block = pos // self.block_size
+        h_slot[:real_tokens] = (h_bt.reshape(-1)[block + row_start] - block) * self.block_size + pos
         if offsets is not None:
             pos += offsets if q_per_seq == 1 else np.repeat(offsets, qlen)
         h_pos[:real_tokens] = pos
@@ -231,7 +288,7 @@ class MetadataBuilder:
                                  num_seqs=batch, num_tokens=num_tokens, max_query_len=max_query_len,
                                  max_seq_len=int(seq.max(initial=0)), q_per_seq=q_per_seq)
 
-    def _parse(self, seq_lens, query_lens, block_tables, num_blocks, rows, pad_to):
+    def _parse(self, seq_lens, query_lens, block_tables, num_blocks, rows):
         """Validated host arrays: `(seq_lens, query_lens, block table [B or N, n], blocks per
         sequence, rows or None)`; block ids are checked once copied (`_check_block_ids`)."""
         seq = np.asarray(seq_lens, dtype=np.int64)
@@ -242,14 +299,6 @@ class MetadataBuilder:
             raise ValueError(
                 "seq_lens, query_lens and block_tables (or rows) must have one entry per sequence, "
                 f"got {seq.shape}, {qlen.shape} and {num_tables} entries"
-            )
-        if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= len(seq)):
-            raise ValueError(f"pad_to must be an int >= the batch size {len(seq)}, got {pad_to!r}")
-        batch = len(seq) if pad_to is None else pad_to
-        if batch > self.max_num_seqs:
-            raise ValueError(
-                f"the batch has {batch} sequences (padding included), more than "
-                f"max_num_seqs={self.max_num_seqs}"
             )
         if array:
             table = np.asarray(block_tables)
@@ -282,7 +331,7 @@ class MetadataBuilder:
         rows = np.asarray(rows)
         # Negative rows are huge once seen as unsigned: one max checks both ends.
         if rows.shape != (num_seqs,) or (num_seqs and (
-                rows.dtype.kind not in "iu" or rows.view(f"u{rows.itemsize}").max() >= num_rows)):
+                rows.dtype.kind not in "iu" or rows.view(_UNSIGNED[rows.itemsize]).max() >= num_rows)):
             raise ValueError(f"rows must hold {num_seqs} row indices of block_tables (0.."
                              f"{num_rows - 1}), one per sequence, got {rows.tolist()}")
         return rows
@@ -290,13 +339,14 @@ class MetadataBuilder:
     def _check_block_ids(self, table: np.ndarray) -> None:
         """Block ids must be >= 0 with `(id + 1) * block_size` within int32: one pass over the
         ids seen as unsigned, where negative ids are huge."""
-        if table.size and (int(table.view(f"u{table.itemsize}").max()) + 1) * self.block_size > _INT32_MAX:
+        if table.size and (int(table.view(_UNSIGNED[table.itemsize]).max()) + 1) * self.block_size > _INT32_MAX:
             raise ValueError(
                 "block ids must be >= 0 with (block + 1) * block_size within int32, got ids in "
                 f"{int(table.min())}..{int(table.max())}"
             )
 
-    def _raise_bad_lengths(self, seq: np.ndarray, qlen: np.ndarray, num_blocks: np.ndarray):
+    @staticmethod
+    def _raise_bad_query_lens(seq: np.ndarray, qlen: np.ndarray):
         bad = (qlen < 0) | (qlen > seq)
         if bad.any():
             b = int(np.argmax(bad))
@@ -304,6 +354,9 @@ class MetadataBuilder:
                 f"need 0 <= query_lens[b] <= seq_lens[b], got query_lens[{b}]={int(qlen[b])}, "
                 f"seq_lens[{b}]={int(seq[b])}"
             )
+
+    def _raise_bad_lengths(self, seq: np.ndarray, qlen: np.ndarray, num_blocks: np.ndarray):
+        self._raise_bad_query_lens(seq, qlen)
         too_long = num_blocks > self.max_blocks_per_seq
         if too_long.any():
             b = int(np.argmax(too_long))

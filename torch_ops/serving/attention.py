@@ -111,9 +111,10 @@ class AttentionBackend(abc.ABC):
         tables = self.kv.tables
         if rows is None:
             rows = tables.rows(seq_ids)
-        md = self.builder.build(tables.lens[rows], query_lens, tables.array, rows=rows,
-                                num_blocks=tables.num_blocks[rows], pad_to=pad_to, token_ids=token_ids,
-                                position_offsets=tables.offsets[rows] if self.kv.window_left >= 0 else None)
+        elif len(rows) != len(seq_ids):
+            raise ValueError(f"rows must hold one row per sequence: {len(seq_ids)}, got {len(rows)}")
+        md = self.builder.build_from_tables(tables, rows, query_lens, pad_to=pad_to, token_ids=token_ids,
+                                            position_offsets=self.kv.window_left >= 0)
         return self.step_metadata(md)
 
     def step_metadata(self, md: AttentionMetadata) -> StepMetadata:
