@@ -17,7 +17,8 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   hardware `cvt.rn.f16x2.e4m3x2`/`e5m2x2`, INT8/INT4 by the fp16 magic number (`prmt`/`lop3`
   build the bit pattern 0x6400|bits = 1024 + bits, one `sub.f16x2`/`fma.rn.f16x2` removes the
   offset, two values per instruction), in PTX on the GPU and in plain Triton integer code under
-  the interpreter, then times the fp16 group scale. Lane j of K is dotted with lane j of q
+  the interpreter, then times the group scale (a packed fp16 multiply for fp16 scale caches, in
+  fp32 for fp32/bf16 ones, so that the product is rounded to fp16 once, as the reference does). Lane j of K is dotted with lane j of q
   (q[:, j::4]) and P @ V accumulates 4 lane accumulators, re-interleaved once in the epilogue,
   so no shuffle ever restores the dim order inside the loop; and the tiles are read from shared
   memory as whole words (a byte-wise layout made Triton emit one `ld.shared.b8` per value).
@@ -245,10 +246,20 @@ def _load_plain(Base, rows, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr)
 
 
 @triton.jit
+def _scaled(x, s, SCALE_F16: tl.constexpr):
+    """fp16 value `x` (an exact integer) times its group scale, rounded once to fp16 as the
+    reference does: a packed fp16 multiply for fp16 scales, else in fp32 (rounding an fp32 or bf16
+    scale to fp16 first would round twice)."""
+    if SCALE_F16:
+        return x * s
+    return (x.to(tl.float32) * s.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _load_lanes(Base, rows, n_ok, SBase, srows,
                 FMT: tl.constexpr, E5M2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr, QGROUP: tl.constexpr,
-                SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr):
+                SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr, SCALE_F16: tl.constexpr):
     """One quantized K or V tile of BLOCK_N token rows as 4 dequantized fp16 lanes
     [BLOCK_N, NGP * GW]: lane j, column c holds dim 4c + j. `rows` are the rows' offsets in words
     (4 values each); the words are grouped [BLOCK_N, NGP, GW] by scale group (GW words per group)
@@ -263,17 +274,17 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
         if SCALE_PER_GRP:
             # a 2-D load (vectorized along the groups, so the pipeliner can stage it)
             s = tl.load(SBase + srows[:, None] + grp[None, :], mask=n_ok[:, None] & (grp < NG)[None, :], other=0.0)
-            s = tl.expand_dims(s.to(tl.float16), 2)
-            x0 = x0 * s
-            x1 = x1 * s
-            x2 = x2 * s
-            x3 = x3 * s
+            s = tl.expand_dims(s, 2)
+            x0 = _scaled(x0, s, SCALE_F16)
+            x1 = _scaled(x1, s, SCALE_F16)
+            x2 = _scaled(x2, s, SCALE_F16)
+            x3 = _scaled(x3, s, SCALE_F16)
         else:
             sp = SBase + srows[:, None, None]
-            x0 = x0 * tl.load(sp + (4 * col + 0) // QGROUP, mask=mask, other=0.0).to(tl.float16)
-            x1 = x1 * tl.load(sp + (4 * col + 1) // QGROUP, mask=mask, other=0.0).to(tl.float16)
-            x2 = x2 * tl.load(sp + (4 * col + 2) // QGROUP, mask=mask, other=0.0).to(tl.float16)
-            x3 = x3 * tl.load(sp + (4 * col + 3) // QGROUP, mask=mask, other=0.0).to(tl.float16)
+            x0 = _scaled(x0, tl.load(sp + (4 * col + 0) // QGROUP, mask=mask, other=0.0), SCALE_F16)
+            x1 = _scaled(x1, tl.load(sp + (4 * col + 1) // QGROUP, mask=mask, other=0.0), SCALE_F16)
+            x2 = _scaled(x2, tl.load(sp + (4 * col + 2) // QGROUP, mask=mask, other=0.0), SCALE_F16)
+            x3 = _scaled(x3, tl.load(sp + (4 * col + 3) // QGROUP, mask=mask, other=0.0), SCALE_F16)
     shape: tl.constexpr = (BLOCK_N, NGP * GW)
     return tl.reshape(x0, shape), tl.reshape(x1, shape), tl.reshape(x2, shape), tl.reshape(x3, shape)
 
@@ -288,7 +299,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
           QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-          DOT_F32: tl.constexpr, SVEC: tl.constexpr):
+          DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr):
     """Tile `it` of this program's key ranges (sink tiles first): one online-softmax step."""
     if HAS_WINDOW:
         in_sink = it < n_sink
@@ -319,7 +330,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             ks_rows = tl.multiple_of(ks_rows, SVEC)
             vs_rows = tl.multiple_of(vs_rows, SVEC)
         k0, k1, k2, k3 = _load_lanes(K, k_rows, n_ok, KS, ks_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
-                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM)
+                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
         qk = tl.dot(q0, tl.trans(k0))
         qk = tl.dot(q1, tl.trans(k1), qk)
         qk = tl.dot(q2, tl.trans(k2), qk)
@@ -356,7 +367,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         acc0 = tl.dot(p_op, v, acc0 * alpha[:, None])
     else:
         v0, v1, v2, v3 = _load_lanes(V, v_rows, n_ok, VS, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
-                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM)
+                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
         p_op = p.to(tl.float16)
         acc0 = tl.dot(p_op, v0, acc0 * alpha[:, None])
         acc1 = tl.dot(p_op, v1, acc1 * alpha[:, None])
@@ -403,6 +414,7 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
+    SCALE_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -496,7 +508,7 @@ def _paged_decode_kernel(
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC)
+                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
         # trip count with the tail skipped; same arithmetic
@@ -508,7 +520,7 @@ def _paged_decode_kernel(
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                     HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC)
+                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
 
     # ---- epilogue ------------------------------------------------------------------------------
     if FMT == 0:
@@ -847,6 +859,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
         DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
+        SCALE_F16=ks.dtype == vs.dtype == torch.float16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
