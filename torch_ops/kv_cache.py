@@ -415,8 +415,8 @@ class BlockTables:
         self.offsets = np.zeros(8, dtype=np.int64)
         self._rows: dict = {}
         self._free_rows = list(range(7, -1, -1))  # pop() hands out low rows first
-        # The last list of ids `rows` looked up and its answer, until a sequence comes or goes;
-        # the last answer of `rows` whose ids `append_batch` found distinct.
+        # The last list of ids `rows` looked up and its answer, until a sequence is freed; the
+        # last answer of `rows` whose ids `append_batch` found distinct.
         self._last_lookup: tuple[list, np.ndarray] | None = None
         self._distinct_rows: np.ndarray | None = None
         self._copies: list[tuple[int, int]] = []
@@ -428,8 +428,8 @@ class BlockTables:
 
     def rows(self, seq_ids) -> np.ndarray:
         """Row index of each sequence in `seq_ids` (the batch order), `[B]` intp, read-only.
-        Asked again for an equal list, with no sequence added or freed in between (steady
-        decode steps), it returns the same array without looking the ids up."""
+        Asked again for an equal list with no sequence freed in between (steady decode steps),
+        it returns the same array without looking the ids up."""
         is_list = type(seq_ids) is list
         if is_list and self._last_lookup is not None and self._last_lookup[0] == seq_ids:
             return self._last_lookup[1]
@@ -454,23 +454,25 @@ class BlockTables:
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         row = self._free_rows.pop()
         self._rows[seq_id] = row
-        self._last_lookup = None
         return row
 
     def _set_blocks(self, row: int, start: int, blocks: list[int]) -> None:
         """Write `blocks` at columns `start..` of `row` (its block count becomes their end)."""
         end = start + len(blocks)
-        self.reserve_columns(end)
+        self._fit_columns(end)
         self.array[row, start:end] = blocks
         self.num_blocks[row] = end
 
     def reserve_columns(self, n: int) -> None:
-        """Make `array` at least `n` columns wide now (it doubles when a table outgrows it):
-        with exactly a metadata builder's `max_blocks_per_seq`, the builder copies rows as
-        they are."""
+        """Make `array` at least `n` columns wide now, exactly `n` if it grows: a metadata
+        builder whose `max_blocks_per_seq` is the width copies rows as they are
+        (`MetadataBuilder.build_from_tables`). A table that outgrows it doubles it."""
         if n > self.array.shape[1]:
-            cols = max(n, 2 * self.array.shape[1])
-            self.array = np.pad(self.array, ((0, 0), (0, cols - self.array.shape[1])))
+            self.array = np.pad(self.array, ((0, 0), (0, n - self.array.shape[1])))
+
+    def _fit_columns(self, n: int) -> None:
+        if n > self.array.shape[1]:
+            self.reserve_columns(max(n, 2 * self.array.shape[1]))
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -545,7 +547,7 @@ class BlockTables:
             k = need[grow]
             seq = np.repeat(grow, k)
             nth = np.arange(len(seq)) - np.repeat(np.cumsum(k) - k, k)  # 0.. within a sequence
-            self.reserve_columns(int((have + need).max()))
+            self._fit_columns(int((have + need).max()))
             self.array[rows[seq], have[seq] + nth] = blocks[first[seq] + nth]
             self.num_blocks[rows] = have + need
         self.lens[rows] = start + counts

@@ -57,6 +57,7 @@ class _Layout(NamedTuple):
     ends: tuple[int, int]               # the filled prefix without and with the token ids
     copies: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]  # per staging buffer and end:
     # (device prefix, staging prefix)
+    uniform_cu: np.ndarray  # cu_seqlens_q [B + 1] if the batch is uniform (T / B tokens each)
 
 
 class MetadataBuilder:
@@ -124,6 +125,7 @@ class MetadataBuilder:
                 device=views(self._device_buf),
                 ends=ends,
                 copies=[tuple((self._device_buf[:n], buf[:n]) for n in ends) for buf in self._staging],
+                uniform_cu=self._arange32[:batch + 1] * (num_tokens // max(batch, 1)),
             )
             self._layouts[batch, num_tokens] = layout
         return layout
@@ -255,7 +257,7 @@ class MetadataBuilder:
             h_bt[num_real:] = 0
             h_seq[num_real:] = 0
         if q_per_seq:
-            h_cu[:] = self._arange32[:batch + 1] * q_per_seq
+            h_cu[:] = layout.uniform_cu
         else:
             h_cu[0] = 0
             np.cumsum(qlen, out=h_cu[1:num_real + 1])

@@ -3,6 +3,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -644,6 +645,30 @@ def test_block_tables_host_arrays_follow_every_change():
         tables.rows(["nope"])
 
 
+def test_block_tables_rows_remembers_its_last_list_until_a_sequence_is_freed():
+    tables = BlockTables(BlockAllocator(64), block_size=2)
+    for seq in range(4):
+        tables.add(seq, 3)
+    ids = [3, 0, 2]
+    rows = tables.rows(ids)
+    assert tables.rows([3, 0, 2]) is rows and not rows.flags.writeable
+    ids[0] = 1  # the caller's list changes: a new lookup
+    assert tables.rows(ids).tolist() == [tables.rows((1,))[0], rows[1], rows[2]]
+    assert tables.append_batch(ids, [1, 1, 1]) is tables.append_batch(ids, [1, 1, 1])
+    assert tables.seq_len(1) == 5
+    tables.free(0)
+    with pytest.raises(KeyError, match="unknown sequence 0"):
+        tables.rows([1, 0, 2])
+    tables.rows([1, 2])
+    tables.add(0, 1)  # takes the freed row again
+    tables.add(9, 1)
+    assert tables.rows([1, 9]).tolist() == [tables.rows((1,))[0], tables.rows((9,))[0]]
+    assert tables.rows([0])[0] == rows[1]
+    tables.rows([2, 2])
+    with pytest.raises(ValueError, match="seq_ids must be distinct"):
+        tables.append_batch([2, 2], [1, 1])
+
+
 def test_block_tables_drop_blocks_counts_the_offset():
     tables = BlockTables(BlockAllocator(8), block_size=2)
     tables.add(0, 7)
@@ -699,6 +724,9 @@ def test_block_tables_append_batch_equals_one_by_one():
         assert batched.take_copies() == expected
         copies += len(expected)
         assert _tables_state(batched, live) == _tables_state(one_by_one, live)
+        # append_batch looks for copies only while this count is not 0
+        refcounts = batched.allocator.refcounts
+        assert batched.allocator.num_shared_refs == np.maximum(refcounts - 1, 0).sum()
     assert copies  # copy-on-write happened
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from torch_ops.kv_cache import BlockAllocator, BlockTables
 from torch_ops.metadata import AttentionMetadata, MetadataBuilder
 
 BLOCK_SIZE = 4
@@ -288,3 +289,83 @@ def test_block_ids_checked_in_the_copied_columns(dtype):
             builder().build([4, 4], [1, 1], table, rows=[1, 0], num_blocks=[1, 1])
     with pytest.raises(TypeError, match="block_tables must hold integer block ids, got float32"):
         builder().build([4], [1], np.zeros((1, 2), dtype=np.float32))
+
+
+def random_tables(rng: random.Random, num_seqs: int, columns: int = MAX_BLOCKS):
+    """A `BlockTables` of `num_seqs` sequences (ids 0.., 1 to 40 tokens, tables `columns` wide)
+    spread over rows that hold freed sequences in between; some tokens dropped from the front."""
+    tables = BlockTables(BlockAllocator(num_seqs * (MAX_BLOCKS + 2)), BLOCK_SIZE)
+    tables.reserve_columns(columns)
+    for seq in range(num_seqs):
+        tables.add(("gone", seq), rng.randint(0, 9))
+        tables.add(seq, rng.randint(1, 40))
+        tables.free(("gone", seq))
+        if rng.random() < 0.3 and tables.seq_len(seq) >= 2 * BLOCK_SIZE:
+            tables.drop_blocks(seq, 0, 1)
+    assert tables.array.shape[1] == columns  # as reserved: build_from_tables trusts its rows
+    return tables
+
+
+def assert_same_metadata(got: AttentionMetadata, want: AttentionMetadata):
+    for name in ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions", "token_ids"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None and w is None) or torch.equal(g, w), name
+    for name in ("num_seqs", "num_tokens", "max_query_len", "max_seq_len", "q_per_seq"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
+@pytest.mark.parametrize("kind", ["decode", "uniform", "mixed"])
+def test_build_from_tables_equals_build(kind):
+    """The serving path (rows of a BlockTables, checks left to the tables) gives what `build`
+    gives for the same sequences as ragged lists, steps after steps on one builder, padded or
+    not, with position offsets and token ids; a narrower table takes the checked path."""
+    rng = fresh_rng()
+    tables = random_tables(rng, 12)
+    mb = builder()
+    for step in range(6):
+        seqs = rng.sample(range(12), rng.randint(1, 12))
+        lens = [tables.seq_len(s) for s in seqs]
+        q = {"decode": [1] * len(seqs), "uniform": [min(lens)] * len(seqs),
+             "mixed": [rng.randint(0, n) for n in lens]}[kind]
+        kwargs = dict(pad_to=rng.choice([None, 12]),
+                      token_ids=[rng.randrange(1000) for _ in range(sum(q))] if step % 2 else None)
+        offsets = [tables.position_offset(s) for s in seqs]
+        want = builder().build(lens, q, [tables.block_table(s) for s in seqs],
+                               position_offsets=offsets, **kwargs)
+        got = mb.build_from_tables(tables, tables.rows(seqs), np.array(q), position_offsets=True,
+                                   **kwargs)
+        assert_same_metadata(got, want)
+        without_offsets = builder().build(lens, q, [tables.block_table(s) for s in seqs], **kwargs)
+        assert_same_metadata(mb.build_from_tables(tables, tables.rows(seqs), q, **kwargs),
+                             without_offsets)
+    narrow = BlockTables(BlockAllocator(8), BLOCK_SIZE)  # 8 columns, not MAX_BLOCKS
+    narrow.add(0, 13)
+    assert_same_metadata(builder().build_from_tables(narrow, narrow.rows([0]), [2]),
+                         builder().build([13], [2], [narrow.block_table(0)]))
+
+
+def test_build_from_tables_bad_input():
+    rng = fresh_rng()
+    tables = random_tables(rng, 3)
+    rows = tables.rows([0, 1, 2])
+    lens = tables.lens[rows].tolist()
+    mb = builder()
+    with pytest.raises(TypeError, match="tables must be a BlockTables, got ndarray"):
+        mb.build_from_tables(tables.array, rows, [1, 1, 1])
+    with pytest.raises(ValueError, match="tables has block_size 8, the builder 4"):
+        mb.build_from_tables(BlockTables(BlockAllocator(2), 8), rows, [1, 1, 1])
+    for bad in ([0, 1], [0, 1, len(tables.lens)], [0, -1, 2], np.array([0.0, 1.0, 2.0])):
+        with pytest.raises(ValueError, match=r"rows must hold 3 row indices of block_tables"):
+            mb.build_from_tables(tables, bad, [1, 1, 1])
+    with pytest.raises(ValueError, match="query_lens must be 1-D"):
+        mb.build_from_tables(tables, rows, [[1, 1, 1]])
+    for q in ([lens[0] + 1] * 3, [1, 1, -1], [1, lens[1] + 1, 0]):  # uniform, then not
+        b = next(i for i in range(3) if not 0 <= q[i] <= lens[i])
+        with pytest.raises(ValueError, match=rf"got query_lens\[{b}\]={q[b]}, seq_lens\[{b}\]={lens[b]}"):
+            mb.build_from_tables(tables, rows, q)
+    with pytest.raises(ValueError, match="pad_to must be an int >= the batch size 3"):
+        mb.build_from_tables(tables, rows, [1, 1, 1], pad_to=2)
+    long = random_tables(rng, 1)
+    long.append(0, (MAX_BLOCKS + 1) * BLOCK_SIZE - long.seq_len(0))  # the table outgrows the builder
+    with pytest.raises(ValueError, match=rf"block_tables\[0\] has {MAX_BLOCKS + 1} blocks, more than"):
+        mb.build_from_tables(long, long.rows([0]), [1])
