@@ -443,6 +443,11 @@ class BlockTables:
             self._last_lookup = (list(seq_ids), rows)  # a copy: the caller may change its list
         return rows
 
+    def issued(self, rows: np.ndarray) -> bool:
+        """Whether `rows` is the array `rows` last returned, with no sequence freed since:
+        then it holds rows of live sequences, which callers need not check again."""
+        return self._last_lookup is not None and rows is self._last_lookup[1]
+
     def _new_row(self, seq_id) -> int:
         if seq_id in self._rows:
             raise ValueError(f"sequence {seq_id!r} already exists")

@@ -196,7 +196,8 @@ class MetadataBuilder:
         qlen = np.asarray(query_lens, dtype=np.int64)
         if qlen.ndim != 1:
             raise ValueError(f"query_lens must be 1-D (one entry per sequence), got shape {qlen.shape}")
-        rows = self._rows_array(rows, len(qlen), len(tables.lens))
+        if not (tables.issued(rows) and len(rows) == len(qlen)):
+            rows = self._rows_array(rows, len(qlen), len(tables.lens))
         seq = tables.lens[rows]
         offsets = tables.offsets[rows] if position_offsets else None
         if (tables.array.shape[1] != self.max_blocks_per_seq
@@ -222,12 +223,14 @@ class MetadataBuilder:
             )
         max_query_len = int(qlen.max(initial=0))
         min_query_len = int(qlen.min(initial=max_query_len))
-        # `seq.min(initial=q) < q`: a sequence shorter than the q query tokens of all.
-        if trusted and (min_query_len < 0 or (seq.min(initial=max_query_len) < max_query_len
-                                              if min_query_len == max_query_len else (qlen > seq).any())):
-            self._raise_bad_query_lens(seq, qlen)
+        uniform = min_query_len == max_query_len
+        if trusted:
+            # Uniform: is a sequence shorter than the max_query_len tokens of all?
+            short = seq.min(initial=max_query_len) < max_query_len if uniform else (qlen > seq).any()
+            if short or min_query_len < 0:
+                self._raise_bad_query_lens(seq, qlen)
         # Uniform batches keep query rows in padding sequences (see `build`).
-        q_per_seq = max_query_len if num_real and min_query_len == max_query_len else 0
+        q_per_seq = max_query_len if num_real and uniform else 0
         real_tokens = num_real * q_per_seq if q_per_seq else int(qlen.sum())
         num_tokens = real_tokens + (batch - num_real) * q_per_seq
         if num_tokens > self.max_num_tokens:

@@ -652,11 +652,14 @@ def test_block_tables_rows_remembers_its_last_list_until_a_sequence_is_freed():
     ids = [3, 0, 2]
     rows = tables.rows(ids)
     assert tables.rows([3, 0, 2]) is rows and not rows.flags.writeable
+    assert tables.issued(rows) and not tables.issued(rows.copy())
     ids[0] = 1  # the caller's list changes: a new lookup
     assert tables.rows(ids).tolist() == [tables.rows((1,))[0], rows[1], rows[2]]
     assert tables.append_batch(ids, [1, 1, 1]) is tables.append_batch(ids, [1, 1, 1])
     assert tables.seq_len(1) == 5
+    issued = tables.rows(ids)
     tables.free(0)
+    assert not tables.issued(issued)
     with pytest.raises(KeyError, match="unknown sequence 0"):
         tables.rows([1, 0, 2])
     tables.rows([1, 2])

@@ -357,6 +357,8 @@ def test_build_from_tables_bad_input():
     for bad in ([0, 1], [0, 1, len(tables.lens)], [0, -1, 2], np.array([0.0, 1.0, 2.0])):
         with pytest.raises(ValueError, match=r"rows must hold 3 row indices of block_tables"):
             mb.build_from_tables(tables, bad, [1, 1, 1])
+    with pytest.raises(ValueError, match=r"rows must hold 2 row indices"):  # rows the tables issued
+        mb.build_from_tables(tables, rows, [1, 1])
     with pytest.raises(ValueError, match="query_lens must be 1-D"):
         mb.build_from_tables(tables, rows, [[1, 1, 1]])
     for q in ([lens[0] + 1] * 3, [1, 1, -1], [1, lens[1] + 1, 0]):  # uniform, then not
