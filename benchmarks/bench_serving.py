@@ -47,10 +47,11 @@ def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, s
     calls them: the cache appends of the step's new tokens (`KVCacheManager.append_batch`:
     `append_us`), then the metadata (`AttentionBackend.prepare` given the rows that
     `append_batch` returned: `MetadataBuilder`, the host-to-device copy: `prepare_us`); medians
-    over `steps` steps, and the median of their
-    per-step sums (`total_us`). `kind`: "decode" (one new token each), "prefill" (4096 new tokens
-    split evenly) or "mixed" (half decode, half prefill chunks of 2048 tokens in all). Tables
-    grow across block boundaries as the steps go.
+    over `steps` steps, and the median of their per-step sums (`total_us`). `kind`: "decode"
+    (one new token each), "prefill" (4096 new tokens split evenly) or "mixed" (half decode, half
+    prefill chunks of 2048 tokens in all). Tables grow across block boundaries as the steps go.
+    Each step gets a new list of the same ids, as in the engine's steady decode steps
+    (`BlockTables.rows` answers them from its last lookup).
     """
     rng = np.random.default_rng(num_seqs)
     chunk = {"decode": 1, "prefill": 4096 // num_seqs, "mixed": 4096 // num_seqs}[kind]
@@ -72,10 +73,11 @@ def metadata_step_us(num_seqs: int, kind: str, *, context=2048, block_size=16, s
                 kv.free(i)
                 kv.add(i)
                 kv.append(i, context // 2)
+        step_ids = list(ids)
         t0 = time.perf_counter()
-        rows = kv.append_batch(ids, query_lens)
+        rows = kv.append_batch(step_ids, query_lens)
         t1 = time.perf_counter()
-        attention.prepare(ids, query_lens, rows=rows)
+        attention.prepare(step_ids, query_lens, rows=rows)
         t2 = time.perf_counter()
         append_us.append((t1 - t0) * 1e6)
         prepare_us.append((t2 - t1) * 1e6)

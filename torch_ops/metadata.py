@@ -282,10 +282,10 @@ class MetadataBuilder:
         h_pos[:real_tokens] = pos
         if ids is not None:
             h_ids[:real_tokens] = ids
-            h_ids[real_tokens:] = 0
         if num_tokens > real_tokens:
             h_slot[real_tokens:] = -1
             h_pos[real_tokens:] = 0
+            h_ids[real_tokens:] = 0
 
         self._copy_to_device(layout, with_ids=ids is not None)
         d_seq, d_cu, d_bt, d_slot, d_pos, d_ids = layout.device
