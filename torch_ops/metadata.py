@@ -15,8 +15,6 @@ import torch
 from torch_ops.kv_cache import BlockTables
 
 _INT32_MAX = 2**31 - 1
-# Sections of the flat int32 buffers, in this order; `block_tables` holds B * max_blocks_per_seq.
-_SECTIONS = ("seq_lens", "cu_seqlens_q", "block_tables", "slot_mapping", "positions", "token_ids")
 _MAX_LAYOUTS = 256  # cached batch shapes (views are cheap to recreate; addresses never change)
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by itemsize: negatives -> huge
 
@@ -49,8 +47,10 @@ class AttentionMetadata:
 
 
 class _Layout(NamedTuple):
-    """Where the metadata of `B` sequences and `T` tokens lies in the flat buffers: the sections
-    packed one after the other, so that a step copies exactly the prefix it filled."""
+    """Where the metadata of `B` sequences and `T` tokens lies in the flat int32 buffers: the
+    sections `seq_lens [B]`, `cu_seqlens_q [B + 1]`, `block_tables [B * max_blocks_per_seq]`,
+    `slot_mapping [T]`, `positions [T]`, `token_ids [T]` packed one after the other, so that a
+    step copies exactly the prefix it filled."""
 
     host: list[tuple[np.ndarray, ...]]  # per staging buffer: one numpy view per section
     device: tuple[torch.Tensor, ...]    # one device view per section (block_tables [B, m])
@@ -209,9 +209,9 @@ class MetadataBuilder:
     def _fill(self, seq, qlen, table, rows, pad_to, offsets, token_ids, trusted: bool):
         """Write the host arrays of `B` sequences (`seq`, `qlen`, `offsets [B]`; the block table
         `table [B, n]`, or `[N, n]` with `rows [B]`) into the staging buffer, copy it to the
-        device and return the metadata. The arrays passed `_parse`'s checks, or are `trusted`
-        (a `BlockTables`' own): either way only `qlen` against `seq` and the block ids copied
-        are left to check, the latter only if not `trusted`."""
+        device and return the metadata. The arrays passed `_parse`'s checks, except for the
+        block ids (checked here as they are copied); or they are a `BlockTables`' own
+        (`trusted`): then only `qlen` against `seq` is checked here."""
         num_real = len(seq)
         if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= num_real):
             raise ValueError(f"pad_to must be an int >= the batch size {num_real}, got {pad_to!r}")
