@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def decode_section(data: dict, name: str) -> list[str]:
 
 def _header(data: dict, title: str, name: str) -> list[str]:
     env = data["env"]
-    return [f"## {title}: {env['gpu']} ({name})", "",
+    return [f"## {title}: {env.get('gpu', 'no GPU')} ({name})", "",
             f"{env['date']}, commit {env['git_commit']}; torch {env['torch']}, triton {env['triton']}, "
             f"FlashInfer {env.get('flashinfer', '-')}.", ""]
 
@@ -151,8 +152,79 @@ def e2e_compile_section(data: dict, name: str) -> list[str]:
     return lines + [""]
 
 
+def _metadata_table(rows: list[dict]) -> list[str]:
+    lines = ["| kind | seqs | tokens | prepare µs | append µs | total µs | host µs |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['num_seqs']} | {r.get('num_tokens', '-')} | {_us(r, 'prepare')} | "
+                     f"{_us(r, 'append')} | {_us(r, 'total')} | {_us(r, 'host')} |")
+    return lines + [""] + _failures([(f"{r['kind']} {r['num_seqs']}", r.get("error")) for r in rows])
+
+
+def _failures(errors: list[tuple[str, str | None]]) -> list[str]:
+    """A bullet per (what, error) with an error, then a blank line; nothing if none failed."""
+    bullets = [f"- {what} failed: {error}" for what, error in errors if error]
+    return bullets + [""] if bullets else []
+
+
+def serving_metadata_section(data: dict, name: str) -> list[str]:
+    return _header(data, "serving: host time per step", name) + [
+        "CPU µs per step (medians) of the host work between scheduling and launch, called as `Engine.step` "
+        "calls it: `append` = `KVCacheManager.append_batch` of the step's new tokens, `prepare` = "
+        "`AttentionBackend.prepare` (the metadata build and its one host-to-device copy), `total` = their "
+        "per-step sum. decode: 1 new token per sequence; prefill: 4096 tokens split evenly; mixed: half "
+        "decodes, half prefill chunks. `engine decode` = the same work inside `Engine.step` with CUDA-graph "
+        "decode steps (`append` = the whole scheduler, `host` = step start to launch). Issue 7 target: "
+        "metadata build (`prepare`) ≤ 50 µs per step at 256 sequences.", ""] + _metadata_table(data["metadata"])
+
+
+def serving_section(data: dict, name: str) -> list[str]:
+    m = data["model"]
+    lines = _header(data, "serving: engine decode vs transformers", name) + [
+        f"Random-weight Llama ({m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']}/"
+        f"{m['num_kv_heads']} heads of dim {m['head_dim']}, bf16), B requests of {data['prompt_len']} prompt "
+        f"tokens and {data['new_tokens']} new tokens. `ours` = the engine's decode steps (triton backend, a "
+        "CUDA graph per batch size); medians per step of the wall time, GPU time, host time (step start to "
+        f"launch) and metadata build (`prepare`). `hf` = transformers {data['env'].get('transformers', '-')} "
+        '`generate` with a static cache and `torch.compile(mode="reduce-overhead")` on the same shapes '
+        f"(median of {data['hf_reps']}). Issue 7 targets: `×hf` ≥ 2 at batch 64; a replayed decode step "
+        "≤ 1.05× the sum of its kernels' times.", "",
+        "| B | ours tok/s | step µs | GPU µs | host µs | metadata µs | hf tok/s | ×hf |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        hf = r.get("hf_tokens_per_s")
+        lines.append(f"| {r['batch']} | {r['ours_tokens_per_s']:.0f} | {_us(r, 'ours_step_wall')} | "
+                     f"{_us(r, 'ours_step_gpu')} | {_us(r, 'ours_host')} | {_us(r, 'ours_metadata')} | "
+                     f"{f'{hf:.0f}' if hf else '-'} | {_fmt_ratio(r.get('speedup'))} |")
+    lines += [""] + _failures([(f"transformers at B = {r['batch']}", r.get("hf_error")) for r in data["rows"]])
+    replay = data.get("replay")
+    if replay:
+        # Files from before `replay_us` timed replays one at a time only; their `ratio` is that one.
+        ratios = ((replay.get("ratio"), replay.get("ratio_isolated")) if "replay_us" in replay
+                  else (None, replay.get("ratio")))
+        lines += [f"One decode step replayed {replay['replays']} times at B = {replay['batch']}, back to back "
+                  "(GPU time per replay between two events: the target's ratio) and one at a time after a sync "
+                  "(the host's graph launch included), against the median sum of its kernels' durations "
+                  "(torch.profiler).", "",
+                  "| B | back to back µs | one at a time µs | kernel sum µs | kernels | ratio | one at a time |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {replay['batch']} | {_us(replay, 'replay')} | {_us(replay, 'replay_wall')} | "
+                  f"{_us(replay, 'kernel_sum')} | {replay['kernels_per_replay']:.0f} | "
+                  + " | ".join(f"{r:.3f}" if r else "-" for r in ratios) + " |", ""]
+        lines += _failures([("replay timing", replay.get("error"))])
+    if data.get("metadata"):
+        lines += ["Host time per step, as in the `serving_metadata` section:", ""] + _metadata_table(data["metadata"])
+    return lines
+
+
 SECTIONS = {"e2e_compile": e2e_compile_section, "decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
-            "cascade": cascade_section, "cache_attention": cache_attention_section}
+            "cascade": cascade_section, "cache_attention": cache_attention_section, "serving": serving_section,
+            "serving_grid": serving_section, "serving_metadata": serving_metadata_section}
+NEWEST_ONLY = ("serving", "serving_grid", "serving_metadata")  # later runs supersede earlier ones
+
+
+def _date(data: dict) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(data["env"]["date"])
 
 
 def main() -> None:
@@ -160,10 +232,17 @@ def main() -> None:
            "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; each "
            "table is one run on one GPU, peers measured in the same run.", ""]
     notes = ROOT / "docs" / "performance_notes.md"
+    runs = []  # (kind, file name, data), by file name
     for path in sorted(RESULTS.glob("*.json")):
-        kind = next((k for k in SECTIONS if path.stem.startswith(k + "_")), None)
-        if kind is not None:
-            out += SECTIONS[kind](json.loads(path.read_text()), path.name)
+        # The longest matching prefix: serving_metadata_* is not a serving_* file.
+        kind = max((k for k in SECTIONS if path.stem.startswith(k + "_")), key=len, default=None)
+        if kind is not None and not path.stem.endswith("_partial"):
+            runs.append((kind, path.name, json.loads(path.read_text())))
+    dated = sorted((r for r in runs if r[0] in NEWEST_ONLY), key=lambda r: _date(r[2]))
+    newest = {kind: name for kind, name, _ in dated}  # the last one of each kind stays
+    for kind, name, data in runs:
+        if kind not in NEWEST_ONLY or newest[kind] == name:
+            out += SECTIONS[kind](data, name)
     if notes.exists():
         out += [notes.read_text()]
     (ROOT / "docs" / "performance.md").write_text("\n".join(out))
