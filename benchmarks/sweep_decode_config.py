@@ -3,6 +3,7 @@
 
     python benchmarks/sweep_decode_config.py              # the shapes of the first sweep
     python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
+    python benchmarks/sweep_decode_config.py --set small  # B <= 16: split counts up to 16
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -39,6 +40,11 @@ SETS = {
         shapes=[(16, 32, 8, 2048, 64), (32, 32, 8, 2048, 64), (64, 32, 8, 2048, 64), (32, 32, 8, 4096, 64),
                 (16, 32, 8, 4096, 128), (32, 32, 8, 2048, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
                 (64, 32, 32, 512, 128)]),
+    "small": dict(
+        configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n64s3": (64, 4, 3), "n128": (128, 4, 5)},
+        splits=(None, 1, 2, 4, 8, 16), layouts=("p16",),
+        shapes=[(1, 32, 32, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 2048, 128), (8, 32, 8, 1024, 128),
+                (16, 32, 8, 1024, 64), (1, 32, 32, 1024, 64)]),
 }
 BLOCK_SIZE = 16
 
