@@ -18,7 +18,8 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   build the bit pattern 0x6400|bits = 1024 + bits, one `sub.f16x2`/`fma.rn.f16x2` removes the
   offset, two values per instruction), in PTX on the GPU and in plain Triton integer code under
   the interpreter, then times the group scale (a packed fp16 multiply for fp16 scale caches, in
-  fp32 for fp32/bf16 ones, so that the product is rounded to fp16 once, as the reference does). Lane j of K is dotted with lane j of q
+  fp32 for fp32/bf16 ones, so that the product is rounded to fp16 once, as the reference does).
+  Lane j of K is dotted with lane j of q
   (q[:, j::4]) and P @ V accumulates 4 lane accumulators, re-interleaved once in the epilogue,
   so no shuffle ever restores the dim order inside the loop; and the tiles are read from shared
   memory as whole words (a byte-wise layout made Triton emit one `ld.shared.b8` per value).
@@ -101,8 +102,8 @@ ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page blo
 # Quantized tiles stop at 32 rows: at 64 their lane accumulators take ~250 registers, and with
 # 16-value groups Triton 3.6 fails to compile them for sm_90 (TritonGPUOptimizeDotOperands).
 MAX_BLOCK_M_QUANTIZED = 32
-# Large tiles of the plain format (block_d -> BLOCK_N; 118 / 96 registers and 70 KB of shared
-# memory at D = 64 / 128, 5 stages: 3 programs per SM) and the M tiles they are used up to.
+# Large tiles of the plain format (block_d -> BLOCK_N; 70 KB of shared memory at 5 stages:
+# 3 programs per SM) and the M tiles they are used up to.
 LARGE_TILE_KEYS = {64: 128, 128: 64}
 LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
