@@ -418,13 +418,13 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     (ptxas, no GPU): every default uses wgmma, pipelines K/V with cp.async, fits 200 KB of shared
     memory (H100: 227 KB) and spills at most a few dozen bytes (D = 256 with every feature on).
     8 warps = two warpgroups of 64 rows. `causal` keeps D <= 64 at 64-key tiles (less waste on
-    the diagonal); `paged` takes 128-key tiles at D = 128 (measured) and adds a stage below, so
-    that the block-table load runs ahead of the K/V loads;
+    the diagonal); `paged` takes 128-key tiles at D <= 128 (measured), with 5 stages at D <= 64
+    so that the K/V loads behind the block-table load are double-buffered;
     `group_scaled` (INT8/INT4 caches, whose gathered scale tiles are staged in shared memory too)
     halves BLOCK_N at D = 256 (256 KB -> 160 KB). fp32 inputs take FMA ("ieee") dots, which spill
     beyond 16 x 16 tiles. `rows_per_seq` (query rows per sequence from shapes: ceil(T / B) x query
     heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU so far: the
-    paged D = 128 tiles; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
+    paged tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
@@ -436,13 +436,14 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
         cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    if paged and block_d == 128:
-        # 128-key tiles over a paged cache (H200, 4 x 2048 causal queries on 8k cached keys, GQA
-        # 32/8, 16-token pages: 309 -> 382 TFLOP/s; 64-key tiles at 3 to 5 stages 309-343;
-        # results/paged_prefill_config_sweep_H200_20261122f.log)
-        cfg.update(BLOCK_N=128, num_stages=3)
-    elif paged and block_d < 128:
-        cfg["num_stages"] += 1
+    if paged and block_d <= 128:
+        # 128-key tiles over a paged cache. Triton's pipeliner spends stages on the block-table
+        # load the K/V addresses depend on: the K/V tiles are single-buffered below 5 stages
+        # (TTGIR, sm_90a), double-buffered from 5. H200, 4 x 2048 causal queries on 8k cached
+        # keys, GQA 32/8, 16-token pages (results/paged_prefill_config_sweep*_20261122f.log):
+        # D = 128 309 -> 379-382 TFLOP/s at 3 stages (5 stages: 255 registers, 370);
+        # D = 64 201 -> 300 at 5 stages.
+        cfg.update(BLOCK_N=128, num_stages=3 if block_d == 128 else 5)
     if group_scaled and block_d > 128:
         cfg["BLOCK_N"] = 32
     if rows_per_seq is not None and rows_per_seq < cfg["BLOCK_M"]:
