@@ -132,22 +132,9 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
 
 
 @triton.jit
-def _page_ids(bt_row, stride_btp, start_n, kv_len, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-              ONE_PAGE: tl.constexpr):
-    """Pages of keys `start_n .. start_n + BLOCK_N - 1` (int64; one scalar when the tile lies in
-    one page); 0 past `kv_len`, so that the next tile's ids can be loaded past the last one."""
-    if ONE_PAGE:
-        page = tl.load(bt_row + (start_n // PAGE) * stride_btp, mask=start_n < kv_len, other=0)
-    else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=offs_n < kv_len, other=0)
-    return page.to(tl.int64)
-
-
-@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
-    K, V, KS, VS, page, stride_kb, stride_kt, stride_vb, stride_vt,
+    K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
@@ -157,12 +144,18 @@ def _attend_tile(
 ):
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
-    K/V, its sequence's first key); `page`: the tile's page ids when PAGED (`_page_ids`)."""
+    K/V, its sequence's first key)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     ks_rows = offs_n * 0
     vs_rows = offs_n * 0
     if PAGED:
+        if ONE_PAGE:
+            page = tl.load(bt_row + (start_n // PAGE) * stride_btp).to(tl.int64)
+        elif MASKED:
+            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp).to(tl.int64)
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
         v_rows = page * stride_vb + within * stride_vt
@@ -208,39 +201,6 @@ def _attend_tile(
 
 
 @triton.jit
-def _tile_start(it, n_sink, t_lo, SINK_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """First key of iteration `it`'s tile (see `_attend_range`)."""
-    tile = it
-    if SINK_TILES:
-        tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
-    return tile * BLOCK_N
-
-
-@triton.jit
-def _attend_step(
-    it, page, acc, m_i, l_i, n_sink, t_lo, q, row_scale, alibi, pos, kv_len, window_left, sink_tokens,
-    softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-    stride_ksb, stride_kst, stride_vsb, stride_vst,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
-):
-    """Iteration `it` of `_attend_range` on its tile's `page` ids; returns the next tile's."""
-    acc, m_i, l_i = _attend_tile(
-        acc, m_i, l_i, q, row_scale, alibi, pos, _tile_start(it, n_sink, t_lo, SINK_TILES, BLOCK_N), kv_len,
-        window_left, sink_tokens, softcap2, K, V, KS, VS, page, stride_kb, stride_kt, stride_vb, stride_vt,
-        stride_ksb, stride_kst, stride_vsb, stride_vst,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_ALIBI, MASKED, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
-    if PAGED:
-        page = _page_ids(bt_row, stride_btp, _tile_start(it + 1, n_sink, t_lo, SINK_TILES, BLOCK_N), kv_len,
-                         BLOCK_N, PAGE, ONE_PAGE)
-    return acc, m_i, l_i, page
-
-
-@triton.jit
 def _attend_range(
     acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
@@ -254,29 +214,31 @@ def _attend_range(
     INTERPRET: tl.constexpr,
 ):
     """Key tiles `it_lo .. it_hi - 1`; with SINK_TILES, iterations below `n_sink` are the sink
-    tiles 0.. and the rest continue from tile `t_lo`. Paged: each iteration loads the next
-    tile's page ids, so that the K/V addresses of a tile never wait on a load of its own
-    iteration (Triton's pipeliner then multi-buffers K/V as for packed K/V)."""
-    page = _page_ids(bt_row, stride_btp, _tile_start(it_lo, n_sink, t_lo, SINK_TILES, BLOCK_N), kv_len,
-                     BLOCK_N, PAGE, ONE_PAGE) if PAGED else it_lo
+    tiles 0.. and the rest continue from tile `t_lo`."""
     if INTERPRET:
         it = it_lo
         while it < it_hi:
-            acc, m_i, l_i, page = _attend_step(
-                it, page, acc, m_i, l_i, n_sink, t_lo, q, row_scale, alibi, pos, kv_len, window_left,
-                sink_tokens, softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb,
-                stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+            tile = it
+            if SINK_TILES:
+                tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+                stride_ksb, stride_kst, stride_vsb, stride_vst,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, SINK_TILES, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_SOFTCAP, HAS_ALIBI, MASKED, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
             it += 1
     else:
         for it in range(it_lo, it_hi):
-            acc, m_i, l_i, page = _attend_step(
-                it, page, acc, m_i, l_i, n_sink, t_lo, q, row_scale, alibi, pos, kv_len, window_left,
-                sink_tokens, softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb,
-                stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+            tile = it
+            if SINK_TILES:
+                tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+                stride_ksb, stride_kst, stride_vsb, stride_vst,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, SINK_TILES, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_SOFTCAP, HAS_ALIBI, MASKED, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
     return acc, m_i, l_i
 
 
