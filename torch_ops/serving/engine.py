@@ -83,8 +83,9 @@ class Engine:
     decode steps; a decode batch is padded to the smallest bucket that holds it.
 
     The running requests' counters are numpy arrays aligned with `running` (`_todo`: tokens
-    known but not yet in the cache, 1 for a decode; `_left`: tokens still to generate), so that
-    a step schedules and books its sequences with a few array operations, not per request.
+    known but not yet in the cache, 1 for a decode; `_left`: tokens still to generate; `_last`:
+    the last known token, a decode's input), so that a step schedules and books its sequences
+    with a few array operations, not per request.
     """
 
     def __init__(self, model: Llama, kv: KVCacheManager, *, max_num_seqs: int, max_num_tokens: int,
@@ -101,6 +102,7 @@ class Engine:
         self.running: list[Request] = []
         self._todo = np.zeros(0, dtype=np.int64)
         self._left = np.zeros(0, dtype=np.int64)
+        self._last = np.zeros(0, dtype=np.int64)
         self.finished: dict[int, Request] = {}
         self.buckets = tuple(sorted(graph_buckets))
         # bucket -> (graph, its logits output, the captured function, for eager comparisons)
@@ -198,13 +200,14 @@ class Engine:
         self.running.append(req)
         self._todo = np.append(self._todo, todo)
         self._left = np.append(self._left, req.max_new_tokens - len(req.output))
+        self._last = np.append(self._last, (req.output or req.prompt)[-1])
 
     def _remove_running(self, gone: np.ndarray) -> None:
         """Drop `running[i]` for each index in `gone`."""
         keep = np.ones(len(self.running), dtype=bool)
         keep[gone] = False
         self.running = [r for r, k in zip(self.running, keep.tolist()) if k]
-        self._todo, self._left = self._todo[keep], self._left[keep]
+        self._todo, self._left, self._last = self._todo[keep], self._left[keep], self._last[keep]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.id)
@@ -226,7 +229,7 @@ class Engine:
         self.kv.apply_pending()
         todo = self._todo[where]
         if todo.max() == 1:  # decodes (or one-token prompt tails): each one's last token
-            token_ids = [(r.output or r.prompt)[-1] for r in requests]
+            token_ids = self._last[where]
         else:
             token_ids = list(itertools.chain.from_iterable(
                 r.token_range(r.num_tokens - t, r.num_tokens - t + n)
@@ -248,23 +251,25 @@ class Engine:
             logits = self.model.logits(hidden[last])
         gpu_us = timer.stop()
         self.last_logits = logits
-        self._book(batch, logits.argmax(dim=-1).tolist())
+        self._book(batch, logits.argmax(dim=-1).cpu().numpy())
         return StepStats(len(requests), int(counts.sum()), bucket is not None, metadata_us, gpu_us,
                          schedule_us, host_us)
 
-    def _book(self, batch: _Batch, next_tokens: list[int]) -> None:
+    def _book(self, batch: _Batch, next_tokens: np.ndarray) -> None:
         """After the forward: the batch's tokens are in the cache; each request whose last
-        known token ran gets its sampled token; finished requests leave."""
+        known token ran gets its sampled token (`next_tokens [B]`); finished requests leave."""
         where = batch.where
         self._todo[where] -= batch.counts
         sampled = np.flatnonzero(self._todo[where] == 0)
+        tokens = next_tokens.tolist()
         if len(sampled) == len(where):
-            for req, token in zip(batch.requests, next_tokens):
+            for req, token in zip(batch.requests, tokens):
                 req.output.append(token)
         else:
             for j in sampled.tolist():
-                batch.requests[j].output.append(next_tokens[j])
+                batch.requests[j].output.append(tokens[j])
         grew = where[sampled]
+        self._last[grew] = next_tokens[sampled]
         self._todo[grew] = 1
         self._left[grew] -= 1
         done = grew[self._left[grew] <= 0]
