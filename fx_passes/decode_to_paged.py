@@ -8,7 +8,9 @@ mask that is absent (all S keys) or a bool mask that `index_mask.is_key_prefix` 
 same prefix of the keys in every row, of a length known only at run time: what Hugging Face
 builds for a `StaticCache` decode step, `arange(S_max) <= arange(1) + cumulative_length`. The
 cache becomes one page per sequence (`k.transpose(1, 2)`, block table `arange(B)[:, None]`) and
-the length is the number of true keys of the mask's first row (an `[S]` reduction).
+the length is the number of true keys of the mask's first row (an `[S]` reduction). When the
+batch (and, without a mask, the cache length) is static, the block table (and the lengths) are
+graph constants shared by every layer (`torch_ir.graph_constant`), not made by kernels per layer.
 
 Why: stock compile runs SDPA over k/v that `repeat_kv` has copied to Hq heads (the whole cache
 per layer and step, read and written), with a masked SDPA kernel on top; `paged_decode` reads
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 
 from . import index_mask
 from .replacements import paged_decode_bhsd
 from .sdpa_to_attn import check_mask_shape, is_scalar_node, unrepeat
-from .torch_ir import Decline, call, declined, erase_unused, is_tensor, known_equal, value
+from .torch_ir import Decline, call, declined, erase_unused, graph_constant, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def apply(graph: fx.Graph) -> int:
         except Decline as reason:
             declined(log, NAME, node, reason)
             continue
+        kwargs.update(_static_tables(graph, args))
         with graph.inserting_before(node):
             new = graph.call_function(paged_decode_bhsd, args, kwargs)
         new.meta.update(node.meta)
@@ -97,14 +101,25 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
     return (q, k, v, mask), kwargs, k_nodes + v_nodes
 
 
+def _static_tables(graph: fx.Graph, args: tuple) -> dict:
+    """The block table (and, without a mask, the lengths) as graph constants when the batch (and
+    the cache length) are static: made once at compile time instead of by kernels in every layer."""
+    q, k, mask = value(args[0]), value(args[1]), args[3]
+    b, s = q.shape[0], k.shape[2]
+    if not isinstance(b, int):
+        return {}
+    tables = {"block_tables": graph_constant(graph, [[i] for i in range(b)], torch.int32, q.device)}
+    if mask is None and isinstance(s, int):
+        tables["seq_lens"] = graph_constant(graph, [s] * b, torch.int32, q.device)
+    return tables
+
+
 def _example_output(args, kwargs):
     """The replacement's output on the example values; the op's own checks run here."""
     q = value(args[0])
     values = [value(a) if isinstance(a, fx.Node) else a for a in args]
-    factor = kwargs["q_factor"]
     try:
         with q.fake_mode:
-            return paged_decode_bhsd(*values, scale=kwargs["scale"],
-                                     q_factor=value(factor) if factor is not None else None)
+            return paged_decode_bhsd(*values, **{k: value(v) for k, v in kwargs.items()})
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::paged_decode rejects the inputs: {e}") from e

@@ -9,7 +9,8 @@
 `attn::context_attention`/`paged_prefill`/`paged_decode` call without `out_scale`. `layout` is any
 chain of transposes, permutes, views, reshapes, flattens and `contiguous` (they move FP8 bytes
 as well as bf16 ones). `scale` is a one-element fp32 tensor (a buffer or input: static
-quantization) or a number. Spellings: `clamp(min=, max=)`, `clip`, `clamp_min` + `clamp_max` in
+quantization) or a number; a number or `torch.tensor(number)` becomes one graph constant shared
+by every layer. Spellings: `clamp(min=, max=)`, `clip`, `clamp_min` + `clamp_max` in
 either order, bounds `+-448` (`torch.finfo(torch.float8_e4m3fn).max`); the cast by `.to(...)`
 or `.to(dtype=...)`. The op divides in fp32 (no rounding to the attention dtype first).
 
@@ -25,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .replacements import context_attention_bhsd, paged_decode_bhsd
-from .torch_ir import Decline, call, declined, erase_unused, fake_eval, insert_call, is_tensor, value
+from .torch_ir import Decline, call, declined, erase_unused, fake_eval, graph_constant, is_tensor, value
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +126,20 @@ def _layout_chain(x) -> tuple[list[fx.Node], tuple[fx.Node, fx.Node] | None]:
 
 
 def _scale_tensor(graph: fx.Graph, op: fx.Node, scale) -> fx.Node:
-    """`scale` as the op's `out_scale`: a one-element fp32 tensor node."""
+    """`scale` as the op's `out_scale`: a one-element fp32 tensor node; a graph constant when the
+    scale is a number or `torch.tensor(number)`."""
     device = value(op.args[0]).device
     if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0:
-        return insert_call(graph, op, torch.full, ((), float(scale)), {"dtype": torch.float32, "device": device})
+        return graph_constant(graph, float(scale), torch.float32, device)
     if not is_tensor(scale):
         raise Decline(f"scale {getattr(scale, 'name', scale)} is not a tensor or a positive number")
     s = value(scale)
     if s.dtype != torch.float32 or s.numel() != 1 or s.dim() > 1 or s.device != device:
         raise Decline(f"scale {scale.name} is {s.dtype} {tuple(s.shape)} on {s.device}, not one fp32 "
                       f"element on {device}")
+    literal = call(scale)
+    if literal is not None and literal.name == "tensor" and type(literal.input) in (int, float, list):
+        return graph_constant(graph, literal.input, torch.float32, device)
     order = {n: i for i, n in enumerate(graph.nodes)}
     if order[scale] > order[op]:
         if any(order[i] > order[op] for i in scale.all_input_nodes):

@@ -50,23 +50,27 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     return out.view(b, sq, hq, d).transpose(1, 2)
 
 
-def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None):
+def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None,
+                      block_tables=None, seq_lens=None):
     """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key`/`value [B, Hkv, S, D]`
     (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in place: each
     sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1], ...]`).
     `mask` (bool `[..., 1, S]`, proven by `index_mask.is_key_prefix` to keep the same prefix of
     the keys in every row; None: all S keys) gives the sequence length: its number of true keys.
-    Returns `[B, Hq, 1, D]`; `q_factor`/`out_scale` as in `context_attention_bhsd`."""
+    `block_tables` (int32 `[B, 1]`) and `seq_lens` (int32 `[B]`), when given, are those tables
+    already made (graph constants when B and S are static). Returns `[B, Hq, 1, D]`;
+    `q_factor`/`out_scale` as in `context_attention_bhsd`."""
     b, s = query.shape[0], key.shape[2]
     device = query.device
-    if mask is None:
+    if seq_lens is None and mask is None:
         seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
-    else:
+    elif seq_lens is None:
         row = mask[(0,) * (mask.dim() - 1)]
         seq_lens = row.sum(dtype=torch.int32).expand(b).contiguous()
     if q_factor is not None:
         query = query * q_factor
-    block_tables = torch.arange(b, dtype=torch.int32, device=device).unsqueeze(1)
+    if block_tables is None:
+        block_tables = torch.arange(b, dtype=torch.int32, device=device).unsqueeze(1)
     out, _ = torch.ops.attn.paged_decode(query[:, :, 0], key.transpose(1, 2), value.transpose(1, 2), block_tables,
                                          seq_lens, scale=scale, out_scale=out_scale)
     return out.unsqueeze(2)

@@ -125,3 +125,29 @@ def fake_eval(node: fx.Node) -> Any:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
+
+
+def graph_constant(graph: fx.Graph, data: list | float | int, dtype: torch.dtype, device: torch.device) -> fx.Node:
+    """A node whose value is `torch.tensor(data, dtype=dtype, device=device)`, made once at the
+    start of the graph and shared by every call asking for the same constant.
+
+    Inductor then keeps one constant buffer, and the copies that `torch.tensor` implies for its
+    consumers all read it, so they fuse into one kernel rather than one per consumer (an
+    attention op per layer). It inlines short 1-D constants instead (kernels per consumer), so
+    those are made 2-D and viewed back."""
+    shape = torch.Size([len(data)]) if isinstance(data, list) and not isinstance(data[0], list) else None
+    stored = [data] if shape is not None else data
+    kwargs = {"dtype": dtype, "device": device}
+    node = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.tensor
+                 and n.args == (stored,) and n.kwargs == kwargs), None)
+    if node is None:
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            node = graph.call_function(torch.tensor, (stored,), kwargs)
+        node.meta["example_value"] = fake_eval(node)
+    if shape is None:
+        return node
+    with graph.inserting_after(node):
+        view = graph.call_method("view", (node, tuple(shape)))
+    view.meta["example_value"] = fake_eval(view)
+    return view

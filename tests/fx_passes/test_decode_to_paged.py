@@ -117,3 +117,43 @@ def test_declines_with_reason(spelling, mask, dtype, reason, caplog):
     assert reason in caplog.text
     assert counters["attn"]["decode_to_paged_matched"] == 0
     assert OP not in code
+
+
+def two_layer_step(q, k1, v1, k2, v2):
+    """Two decode attentions over two caches of every key (no mask), as in two model layers."""
+    a = F.scaled_dot_product_attention(q, k1, v1, enable_gqa=True)
+    return F.scaled_dot_product_attention(a, k2, v2, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_static_batch_tables_are_shared_constants(dynamic):
+    """With a static batch and cache length, every layer's op reads one block table and one
+    length tensor made once (`torch.tensor` constants); with a dynamic batch each op makes them."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        fx_passes.PassManager()(gm.graph)
+        gm.recompile()
+        graphs.append(gm.graph)
+        return gm.forward
+
+    q = torch.randn(3, 4, 1, 16, dtype=torch.bfloat16)
+    caches = [torch.randn(3, 2, 11, 16, dtype=torch.bfloat16) for _ in range(4)]
+    if dynamic:
+        for t in (q, *caches):
+            torch._dynamo.mark_dynamic(t, 0)
+    with torch.no_grad():
+        out = torch.compile(two_layer_step, backend=backend, fullgraph=True)(q, *caches)
+    ops = [n for n in graphs[0].nodes if n.target is fx_passes.replacements.paged_decode_bhsd]
+    assert len(ops) == 2
+    constants = [n for n in graphs[0].nodes if n.target is torch.tensor]
+    if dynamic:
+        assert not constants and not any("block_tables" in op.kwargs for op in ops)
+    else:
+        assert len(constants) == 2
+        for name in ("block_tables", "seq_lens"):
+            made_by = {op.kwargs[name].args[0] if op.kwargs[name].op == "call_method" else op.kwargs[name]
+                       for op in ops}  # the constant itself or a view of it
+            assert len(made_by) == 1 and made_by <= set(constants)
+    truth = two_layer_step(*(t.double() for t in (q, *caches)))
+    assert_error_ratio(out, truth, two_layer_step(q, *caches))

@@ -131,3 +131,28 @@ def test_inductor_module_with_scale_buffer():
     assert "out_scale" in "\n".join(code)
     assert counters["attn"]["fp8_output_matched"] == 1
     check_fp8(out, args)
+
+
+def test_literal_scales_become_one_constant():
+    """Two attentions quantized with a number and with `torch.tensor(number)` share one
+    `out_scale` constant made at the start of the graph (not a tensor made per layer)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        PassManager()(gm.graph)
+        gm.recompile()
+        graphs.append(gm.graph)
+        return gm.forward
+
+    def two_layers(q, k, v, scale):
+        return torch_clamp_float_scale(q, k, v, scale), scale_made_inline(q, k, v, scale)
+
+    args = inputs()
+    with torch.no_grad():
+        outs = torch.compile(two_layers, backend=backend, fullgraph=True)(*args)
+    for out in outs:
+        check_fp8(out, args)
+    scales = {n.kwargs["out_scale"] for n in graphs[0].nodes if "out_scale" in n.kwargs}
+    assert len(scales) == 1
+    (scale,) = scales
+    assert scale.target is torch.tensor and scale.args == (SCALE,) and scale.kwargs["dtype"] == torch.float32
