@@ -4,6 +4,7 @@
     python benchmarks/sweep_decode_config.py              # the shapes of the first sweep
     python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
     python benchmarks/sweep_decode_config.py --set small  # B <= 16: split counts up to 16
+    python benchmarks/sweep_decode_config.py --set quant  # FP8/INT8/INT4 caches (D = 128, 16-token pages)
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -45,13 +46,24 @@ SETS = {
         splits=(None, 1, 2, 4, 8, 16), layouts=("p16",),
         shapes=[(1, 32, 32, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 2048, 128), (8, 32, 8, 1024, 128),
                 (16, 32, 8, 1024, 64), (1, 32, 32, 1024, 64)]),
+    "quant": dict(
+        configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n64s4": (64, 4, 4), "n128s3": (128, 4, 3),
+                 "n128": (128, 4, 5)},
+        splits=(None, 1, 2), layouts=("fp8", "int8", "int4"),
+        shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
+                (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128)]),
 }
 BLOCK_SIZE = 16
 
 
 def input_sets(b, hq, hkv, ctx, d, layout, dev):
-    """Enough random (q, k_cache, v_cache, block_tables) sets to cycle through ~3x 60 MB of KV."""
+    """Enough random (q, k_cache, v_cache, block_tables) sets to cycle through ~3x 60 MB of KV;
+    for a quantized layout (a `bench_decode.FORMATS` name), the calls themselves."""
     count = max(1, min(4, int(3 * 60e6 // (2 * b * ctx * hkv * d * 2)) + 1))
+    if layout not in ("p16", "one"):
+        from bench_decode import Case
+        case = Case(b, ctx, hq, hkv, layout, n_sets=count, device=dev)
+        return [case.ours(i) for i in range(count)]
     sets = []
     for _ in range(count):
         q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
@@ -81,25 +93,26 @@ def main() -> None:
             cells = []
             for name, (block_n, warps, stages) in sweep["configs"].items():
                 for splits in sweep["splits"]:
-                    if block_n == 128 and d == 128 and stages == 5:   # does not fit shared memory
+                    if block_n == 128 and d == 128 and stages == 5 and layout in ("p16", "one"):   # too big
                         cells.append(f"{'-':>10}")
                         continue
                     pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
                     pd.FORCE_NUM_SPLITS = splits
-                    calls = [lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
+                    calls = sets if callable(sets[0]) else [
+                        lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
                     try:
                         t, _ = common.time_us(calls, calls=8, replays=10)
                         cell = f"{t:.1f}" + (f"/{pd.LAST_NUM_SPLITS}" if splits is None else "")
                         k = pd.LAST_KERNEL
-                        resources[(name, d)] = (k.n_regs, k.metadata.shared)
+                        resources[(name, d, layout)] = (k.n_regs, k.metadata.shared)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is shown, not fatal
                         cell = type(e).__name__[:9]
                     cells.append(f"{cell:>10}")
-            mb = 2 * b * hkv * ctx * d * 2 / 1e6
+            mb = 2 * b * hkv * ctx * d * {"int4": 0.5, "int8": 1, "fp8": 1}.get(layout, 2) / 1e6
             print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
     pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = None
-    for (name, d), (regs, smem) in sorted(resources.items()):
-        print(f"config {name} D={d}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
+    for (name, d, layout), (regs, smem) in sorted(resources.items()):
+        print(f"config {name} D={d} {layout}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 
 
 if __name__ == "__main__":

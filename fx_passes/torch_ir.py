@@ -129,25 +129,25 @@ def fake_eval(node: fx.Node) -> Any:
 
 def graph_constant(graph: fx.Graph, data: list | float | int, dtype: torch.dtype, device: torch.device) -> fx.Node:
     """A node whose value is `torch.tensor(data, dtype=dtype, device=device)`, made once at the
-    start of the graph and shared by every call asking for the same constant.
+    start of the graph and shared by every node that asks for the same constant.
 
-    Inductor then keeps one constant buffer, and the copies that `torch.tensor` implies for its
-    consumers all read it, so they fuse into one kernel rather than one per consumer (an
-    attention op per layer). It inlines short 1-D constants instead (kernels per consumer), so
-    those are made 2-D and viewed back."""
-    shape = torch.Size([len(data)]) if isinstance(data, list) and not isinstance(data[0], list) else None
-    stored = [data] if shape is not None else data
+    Inductor keeps one constant buffer for it; the copies `torch.tensor` implies for each
+    consumer read that buffer and fuse into neighbouring kernels where the scheduler can (a
+    module buffer would need no copy, but AOTAutograd takes only buffers that Dynamo recorded).
+    Short 1-D constants are made 2-D and viewed back: Inductor would inline them as literals
+    into a kernel per consumer."""
+    as_list = isinstance(data, list) and not isinstance(data[0], list)
+    stored = [data] if as_list else data
     kwargs = {"dtype": dtype, "device": device}
     node = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.tensor
                  and n.args == (stored,) and n.kwargs == kwargs), None)
     if node is None:
-        first = next(n for n in graph.nodes if n.op != "placeholder")
-        with graph.inserting_before(first):
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
             node = graph.call_function(torch.tensor, (stored,), kwargs)
         node.meta["example_value"] = fake_eval(node)
-    if shape is None:
+    if not as_list:
         return node
     with graph.inserting_after(node):
-        view = graph.call_method("view", (node, tuple(shape)))
+        view = graph.call_method("view", (node, (len(data),)))
     view.meta["example_value"] = fake_eval(view)
     return view
