@@ -18,11 +18,12 @@ Design
   the token (its key and value are not even read); a position outside `cos_sin_cache` reads
   cos = sin = 0: nothing is read or written out of bounds.
 - **Numbers are the reference's, bit for bit.** Plain caches without RoPE get the loaded bits.
-  FP8: `clamp(div_rn(x, scale))`, then the round-to-nearest-even convert. INT8/INT4, per group:
+  FP8: `clamp(x / scale)`, then the round-to-nearest-even convert. INT8/INT4, per group:
   `s = max(div_rn(absmax, qmax), 1e-5)` rounded to the scale-cache dtype, then
-  `q = rint(clamp(div_rn(x, s)))` (clamping first gives the same integer; `rint(y)` is the
-  exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even element low. `div_rn`
-  because Triton's `/` is approximate on the GPU. RoPE is fp32 in the reference's operation
+  `q = rint(clamp(x / s))` (clamping first gives the same integer; `rint(y)` is the
+  exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even element low. The
+  divisions are correctly rounded (`_div_rn`: a reciprocal per scale and two FMAs per element;
+  Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
   order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
   of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
   rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit); GPT-J
@@ -46,10 +47,10 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
   loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
 - Issue budget: at 85 % of ~3.0 (H100) / ~4.3 (H200) TB/s a bf16 -> 1-byte element may take
-  ~35 / ~25 instructions. The sm_90 build spends ~3 per element on plain copies, ~20 on FP8 and
-  ~27-29 on INT8/INT4, most of it in `div.rn.f32` (~12 each): quantized writes may be
-  issue-bound on an H200 (see the benchmark's % of copy). The way out, if so: one correctly
-  rounded reciprocal per scale and two FMA corrections per element (Markstein), ~5 instead.
+  ~35 / ~25 instructions. The sm_90 build spent ~3 per element on plain copies, ~20 on FP8 and
+  ~27-29 on INT8/INT4 while it divided per element (`div.rn.f32`, ~12 each): FP8 66-76 %,
+  INT8 54-72 %, INT4 45-69 % of copy on the H200. `_div_rn` divides once per scale and spends
+  3 instructions per element.
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
@@ -131,6 +132,22 @@ def _rope(x, ptrs, mask, stride_d, cs_rows, cs_ok, stride_csd, g, e,
 
 
 @triton.jit
+def _div_rn(x, s, INTERPRETED: tl.constexpr):
+    """`x / s` correctly rounded, with one division per scale instead of one per element: the
+    reciprocal `r = RN(1 / s)`, `q = RN(x * r)` (within an ulp), then Markstein's correction
+    `RN(q + RN(x - s * q) * r)`, both steps FMAs, which is the correctly rounded quotient
+    (Markstein's theorem; checked against exact rational arithmetic on 60k adversarial cases).
+    The interpreter's FMA rounds twice, so there it divides per element."""
+    if INTERPRETED:
+        return tl.math.div_rn(x, s)
+    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    q = x * r
+    corrected = tl.math.fma(tl.math.fma(-q, s, x), r, q)
+    # x = -0 keeps its sign (the correction would add +0); an infinite q stays so (not NaN)
+    return tl.where((x == 0) | (tl.abs(q) == float("inf")), q, corrected)
+
+
+@triton.jit
 def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
            FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr,
            BT: tl.constexpr, BH: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr,
@@ -144,14 +161,14 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     if FMT == 0:
         tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     elif FMT == 1:
-        y = tl.math.div_rn(x, scales)
+        y = _div_rn(x, scales, INTERPRETED)
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
         s = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-5).to(scales.dtype.element_ty)
         tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG))
-        y = tl.math.div_rn(x, s.to(tl.float32))
+        y = _div_rn(x, s.to(tl.float32), INTERPRETED)
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         q = ((y + 12582912.0) - 12582912.0).to(tl.int32)                  # rint: ties to even
         if FMT == 2:

@@ -52,6 +52,7 @@ def make_problem(device, *, cache_dtype, t=9, hq=4, hkv=2, d=64, bs=4, layout="N
     query, key, value = heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
     if t:
         key[0, 0] *= 1e-7                  # a tiny head: the 1e-5 floor of INT8/INT4 group scales
+        value[0, 0, :4] = torch.tensor([0.0, -0.0, 1.0, -1.0])   # signed zeros keep their sign
     if fp8:                                # scales that make the largest values saturate
         for x, s in ((key, cache.k_scale), (value, cache.v_scale)):
             amax = x.float().abs().amax(dim=(0, 2)) if fp8_per_head else x.float().abs().amax()
