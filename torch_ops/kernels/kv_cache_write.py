@@ -66,6 +66,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from . import interpreting
 from .interpreter import exact_cast
@@ -132,19 +133,23 @@ def _rope(x, ptrs, mask, stride_d, cs_rows, cs_ok, stride_csd, g, e,
 
 
 @triton.jit
-def _div_rn(x, s, INTERPRETED: tl.constexpr):
+def _div_rn(x, s, INTERPRETED: tl.constexpr, EDGES: tl.constexpr):
     """`x / s` correctly rounded, with one division per scale instead of one per element: the
     reciprocal `r = RN(1 / s)`, `q = RN(x * r)` (within an ulp), then Markstein's correction
     `RN(q + RN(x - s * q) * r)`, both steps FMAs, which is the correctly rounded quotient
     (Markstein's theorem; checked against exact rational arithmetic on 60k adversarial cases).
-    The interpreter's FMA rounds twice, so there it divides per element."""
+    The correction turns x = -0 into +0 and an overflowing quotient into NaN; `EDGES` keeps
+    those as the division would (a select per element: FP8 stores the sign of zero and may
+    overflow; group-quantized values may not). The interpreter's FMA rounds twice, so there it
+    divides per element."""
     if INTERPRETED:
         return tl.math.div_rn(x, s)
     r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     q = x * r
-    corrected = tl.math.fma(tl.math.fma(-q, s, x), r, q)
-    # x = -0 keeps its sign (the correction would add +0); an infinite q stays so (not NaN)
-    return tl.where((x == 0) | (tl.abs(q) == float("inf")), q, corrected)
+    corrected = tl.math.fma(tl.math.fma(q, -s, x), r, q)   # -s per scale: Triton negates as 0 - x
+    if EDGES:
+        return tl.where((x == 0) | (tl.abs(q) == float("inf")), q, corrected)
+    return corrected
 
 
 @triton.jit
@@ -161,16 +166,19 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     if FMT == 0:
         tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     elif FMT == 1:
-        y = _div_rn(x, scales, INTERPRETED)
+        y = _div_rn(x, scales, INTERPRETED, True)
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
         s = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-5).to(scales.dtype.element_ty)
         tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG))
-        y = _div_rn(x, s.to(tl.float32), INTERPRETED)
+        y = _div_rn(x, s.to(tl.float32), INTERPRETED, False)   # |x / s| <= QMAX (s >= absmax / QMAX)
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        q = ((y + 12582912.0) - 12582912.0).to(tl.int32)                  # rint: ties to even
+        if INTERPRETED:
+            q = ((y + 12582912.0) - 12582912.0).to(tl.int32)              # rint: ties to even
+        else:
+            q = libdevice.float2int_rn(y)
         if FMT == 2:
             tl.store(rows + d, q.to(tl.int8), mask=ok)
         else:
