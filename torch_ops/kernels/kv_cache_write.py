@@ -47,10 +47,11 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
   loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
 - Issue budget: at 85 % of ~3.0 (H100) / ~4.3 (H200) TB/s a bf16 -> 1-byte element may take
-  ~35 / ~25 instructions. The sm_90 build spent ~3 per element on plain copies, ~20 on FP8 and
-  ~27-29 on INT8/INT4 while it divided per element (`div.rn.f32`, ~12 each): FP8 66-76 %,
-  INT8 54-72 %, INT4 45-69 % of copy on the H200. `_div_rn` divides once per scale and spends
-  3 instructions per element.
+  ~35 / ~25 instructions. Dividing per element (`div.rn.f32`, ~12 instructions) the sm_90
+  build took ~16 / 24 / 28 SASS instructions per element for FP8 / INT8 / INT4 (plain: ~3),
+  at 66-76 / 54-72 / 45-69 % of copy on the H200. With `_div_rn` (a reciprocal per scale, 3
+  per element) and `cvt.rni` rounding: ~15 / 17 / 21, and at T = 16k 82-86 / 73-86 / 66-77 %
+  (results/kvwrite_H200_20261122i.json). INT4 spends the rest packing nibbles.
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
@@ -173,7 +174,7 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
         s = tl.maximum(tl.math.div_rn(amax, QMAX), 1e-5).to(scales.dtype.element_ty)
         tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG))
-        y = _div_rn(x, s.to(tl.float32), INTERPRETED, False)   # |x / s| <= QMAX (s >= absmax / QMAX)
+        y = _div_rn(x, s.to(tl.float32), INTERPRETED, False)   # finite (s ~ absmax / QMAX); rint(-0) = 0
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if INTERPRETED:
             q = ((y + 12582912.0) - 12582912.0).to(tl.int32)              # rint: ties to even
