@@ -135,14 +135,7 @@ using cutlass::fmha::kernel::Tag;
 template <class... Options>
 using MainloopWith = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
     Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask, Options...>;
-#ifndef ATTN_MAINLOOP_LOCKED
-#define ATTN_MAINLOOP_LOCKED 0
-#endif
-// Locked: the two consumer warpgroups take turns at the softmax (an ordered barrier), so one's
-// softmax overlaps the other's MMAs.
-using Locked = Option<Tag::kIsMainloopLocked, std::conditional_t<ATTN_MAINLOOP_LOCKED != 0, true_type, false_type>>;
-using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>, Locked>,
-                                MainloopWith<Locked>>;
+using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>>, MainloopWith<>>;
 
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
