@@ -106,7 +106,7 @@ def _static_tables(graph: fx.Graph, args: tuple) -> dict:
     the cache length) are static: made once at compile time instead of by kernels in every layer."""
     q, k, mask = value(args[0]), value(args[1]), args[3]
     b, s = q.shape[0], k.shape[2]
-    if not isinstance(b, int):
+    if not isinstance(b, int) or b == 0:
         return {}
     tables = {"block_tables": graph_constant(graph, [[i] for i in range(b)], torch.int32, q.device)}
     if mask is None and isinstance(s, int):

@@ -128,8 +128,9 @@ def fake_eval(node: fx.Node) -> Any:
 
 
 def graph_constant(graph: fx.Graph, data: list | float | int, dtype: torch.dtype, device: torch.device) -> fx.Node:
-    """A node whose value is `torch.tensor(data, dtype=dtype, device=device)`, made once at the
-    start of the graph and shared by every node that asks for the same constant.
+    """A node whose value is `torch.tensor(data, dtype=dtype, device=device)` (`data`: a number
+    or a non-empty, possibly nested list), made once at the start of the graph and shared by
+    every node that asks for the same constant.
 
     Inductor keeps one constant buffer for it; the copies `torch.tensor` implies for each
     consumer read that buffer and fuse into neighbouring kernels where the scheduler can (a

@@ -20,10 +20,10 @@ Design
 - **Numbers are the reference's, bit for bit.** Plain caches without RoPE get the loaded bits.
   FP8: `clamp(x / scale)`, then the round-to-nearest-even convert. INT8/INT4, per group:
   `s = max(div_rn(absmax, qmax), 1e-5)` rounded to the scale-cache dtype, then
-  `q = rint(clamp(x / s))` (clamping first gives the same integer; `rint(y)` is the
-  exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even element low. The
-  divisions are correctly rounded (`_div_rn`: a reciprocal per scale and two FMAs per element;
-  Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
+  `q = rint(clamp(x / s))` (clamping first gives the same integer; `rint` is `cvt.rni`, in
+  the interpreter the exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even
+  element low. The divisions are correctly rounded (`_div_rn`: a reciprocal per scale and two
+  FMAs per element; Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
   order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
   of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
   rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit); GPT-J
