@@ -16,7 +16,7 @@
 //   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3.
 //
 // One translation unit per (element, head dim, persistent or not), chosen by
-// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<128|256> and -DATTN_PERSISTENT=<0|1>;
+// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256> and -DATTN_PERSISTENT=<0|1>;
 // torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
@@ -58,16 +58,18 @@ using Element = cutlass::half_t;
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
-static_assert(kHeadDim == 128 || kHeadDim == 256, "head dims 128 and 256 are instantiated");
+static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
+              "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, unless
 // -DATTN_BLOCK_N overrides the key tile (for tuning runs).
 #ifdef ATTN_BLOCK_N
 using TileShape = Shape<_128, Int<ATTN_BLOCK_N>, Int<kHeadDim>>;
 #else
-using TileShape = std::conditional_t<kHeadDim == 128,
-    std::conditional_t<kFp8, Shape<_128, _256, _128>, Shape<_128, _128, _128>>,
-    std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>;
+using TileShape = std::conditional_t<kHeadDim == 64, Shape<_128, _128, _64>,
+    std::conditional_t<kHeadDim == 128,
+        std::conditional_t<kFp8, Shape<_128, _256, _128>, Shape<_128, _128, _128>>,
+        std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>>;
 #endif
 
 // Strides of (tokens, head dim, (batch, head)); FP8 V is transposed (tokens contiguous).

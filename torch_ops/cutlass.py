@@ -54,8 +54,8 @@ PERSISTENT: bool | None = None   # the persistent kernels or not; None: ATTN_CUT
 # (input dtype, head dim) -> the translation unit's element name; entry `attn_fmha_sm90_<e>_d<D><variant>`.
 KERNELS = {
     (torch.float8_e4m3fn, 128): "e4m3", (torch.float8_e4m3fn, 256): "e4m3",
-    (torch.bfloat16, 128): "bf16", (torch.bfloat16, 256): "bf16",
-    (torch.float16, 128): "fp16", (torch.float16, 256): "fp16",
+    (torch.bfloat16, 64): "bf16", (torch.bfloat16, 128): "bf16", (torch.bfloat16, 256): "bf16",
+    (torch.float16, 64): "fp16", (torch.float16, 128): "fp16", (torch.float16, 256): "fp16",
 }
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -311,8 +311,8 @@ def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) ->
     why = []
     d = query.shape[-1]
     if (query.dtype, d) not in KERNELS:
-        why.append(f"no CUTLASS kernel for {query.dtype} with head dim {d} "
-                   f"(have {sorted({str(t).removeprefix('torch.') for t, _ in KERNELS})} x head dims 128, 256)")
+        have = sorted(f"{str(t).removeprefix('torch.')} d{hd}" for t, hd in KERNELS)
+        why.append(f"no CUTLASS kernel for {query.dtype} with head dim {d} (have {', '.join(have)})")
     out = torch.float8_e4m3fn if out_scale is not None else out_dtype
     if out is not None and out not in OUT_DTYPES:
         why.append(f"CUTLASS epilogue writes bf16, fp16 or float8_e4m3fn, not {out}")
