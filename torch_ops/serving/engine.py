@@ -209,6 +209,11 @@ class Engine:
         self.running = [r for r, k in zip(self.running, keep.tolist()) if k]
         self._todo, self._left, self._last = self._todo[keep], self._left[keep], self._last[keep]
 
+    def outputs_changed(self) -> None:
+        """Call after changing a running request's `output` in place (teacher forcing, tests):
+        the engine feeds each decode the last token it booked, not `output[-1]`."""
+        self._last = np.array([(r.output or r.prompt)[-1] for r in self.running], dtype=np.int64)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.id)
         self._remove_running(np.array([self.running.index(req)]))

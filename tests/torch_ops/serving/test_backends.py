@@ -53,6 +53,7 @@ def lockstep(backend, rng, *, device, steps_min=0, dtype=torch.bfloat16, **kw):
         assert bool((same | ~clear).all()), f"step {step}: a clear argmax differs"
         for ref_req, req in zip(*copies):
             req.output[:] = ref_req.output
+        engines[1].outputs_changed()
     assert step >= steps_min
     return step
 

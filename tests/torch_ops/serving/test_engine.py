@@ -63,3 +63,18 @@ def test_request_token_range_equals_a_slice_of_tokens():
         start = rng.randint(0, req.num_tokens)
         stop = rng.randint(start, req.num_tokens)
         assert req.token_range(start, stop) == req.tokens[start:stop]
+
+
+def test_outputs_changed_feeds_the_new_last_token():
+    """A caller that rewrites a running request's output (teacher forcing) and says so gets the
+    new last token decoded next: the step's logits equal a dense run of the rewritten tokens."""
+    rng = fresh_rng()
+    engine = build_engine()
+    req = Request(0, [rng.randrange(CONFIG.vocab_size) for _ in range(5)], 4)
+    engine.add_request(req)
+    engine.step()                                     # the prompt; one token sampled
+    req.output[-1] = (req.output[-1] + 1) % CONFIG.vocab_size
+    engine.outputs_changed()
+    engine.step()
+    forced = req.prompt + req.output[:1]
+    assert req.output[1] == dense_greedy(engine.model, forced, 1)[0]
