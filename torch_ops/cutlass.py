@@ -311,7 +311,7 @@ def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) ->
     why = []
     d = query.shape[-1]
     if (query.dtype, d) not in KERNELS:
-        have = sorted(f"{str(t).removeprefix('torch.')} d{hd}" for t, hd in KERNELS)
+        have = [f"{str(t).removeprefix('torch.')} d{hd}" for t, hd in sorted(KERNELS, key=lambda k: (str(k[0]), k[1]))]
         why.append(f"no CUTLASS kernel for {query.dtype} with head dim {d} (have {', '.join(have)})")
     out = torch.float8_e4m3fn if out_scale is not None else out_dtype
     if out is not None and out not in OUT_DTYPES:
