@@ -47,6 +47,19 @@ def check_tensor(
         check_dtype(t, name, dtypes)
 
 
+def check_key_value(k, v, names: tuple[str, str], ndim: int, desc: str, device, dtypes=None) -> None:
+    """`k` and `v` (called `names`) are tensors `desc` on `device` with a contiguous last dim, of
+    one shape and one dtype."""
+    for name, t in zip(names, (k, v)):
+        check_tensor(t, name, ndim, desc, device, dtypes)
+        if not t.stride(-1) == 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if not v.shape == k.shape:
+        raise ValueError(f"{names[1]} shape {tuple(v.shape)} must equal {names[0]} shape {tuple(k.shape)}")
+    if not v.dtype == k.dtype:
+        raise TypeError(f"{names[1]} dtype {v.dtype} must equal {names[0]} dtype {k.dtype}")
+
+
 def check_vector(t, name: str, length, device, dtypes, desc: str) -> None:
     check_tensor(t, name, 1, desc, device, dtypes)
     if not t.shape[0] == length:
@@ -112,14 +125,7 @@ def check_paged_cache(
     """
     dev = query.device
     d = query.shape[-1] if head_dim is None else head_dim
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(c, name, 4, "[num_blocks, block_size, Hkv, D]", dev)
-        if not c.stride(-1) == 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {c.stride()}")
-    if not v_cache.shape == k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    if not v_cache.dtype == k_cache.dtype:
-        raise TypeError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
+    check_key_value(k_cache, v_cache, ("k_cache", "v_cache"), 4, "[num_blocks, block_size, Hkv, D]", dev)
     fmt = kv_format(k_cache.dtype)
     num_blocks, block_size, hkv, dc = k_cache.shape
     if not (block_size >= 1 and (max_block_size is None or block_size <= max_block_size)):
@@ -275,14 +281,7 @@ def check_kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale,
     if not isinstance(key, torch.Tensor):
         raise TypeError("key must be a tensor [T, Hkv, D]")
     dev = key.device
-    for name, t in (("key", key), ("value", value)):
-        check_tensor(t, name, 3, "[T, Hkv, D]", dev, QUERY_DTYPES)
-        if not t.stride(-1) == 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-    if not value.shape == key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
-    if not value.dtype == key.dtype:
-        raise TypeError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
+    check_key_value(key, value, ("key", "value"), 3, "[T, Hkv, D]", dev, QUERY_DTYPES)
     t, hkv, d = key.shape
     fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale)
     if not k_cache.shape[2] == hkv:
