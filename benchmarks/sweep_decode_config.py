@@ -5,6 +5,7 @@
     python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
     python benchmarks/sweep_decode_config.py --set small  # B <= 16: split counts up to 16
     python benchmarks/sweep_decode_config.py --set quant  # FP8/INT8/INT4 caches (D = 128, 16-token pages)
+    python benchmarks/sweep_decode_config.py --set warps  # programs of 1-2 warps, every format
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -52,6 +53,17 @@ SETS = {
         splits=(None, 1, 2), layouts=("fp8", "int8", "int4"),
         shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
                 (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128)]),
+    # programs of 1-2 warps; optional 4th and 5th entries: resident programs per SM for the split
+    # heuristic (from the config's registers and shared memory compiled for sm_90a) and the
+    # formats it is for ("plain" or "quant")
+    "warps": dict(
+        configs={"n32": (32, 4, 5, None, "plain"), "n64": (64, 4, 5, None, "plain"), "n128": (128, 4, 5, None, "quant"),
+                 "n16w2": (16, 2, 5, 10, "plain"), "n32w2": (32, 2, 5, 6, "plain"),
+                 "n32w2q": (32, 2, 5, 8, "quant"), "n64w2q": (64, 2, 5, 5, "quant"),
+                 "n64w2s4q": (64, 2, 4, 6, "quant"), "n32w1q": (32, 1, 5, 8, "quant")},
+        splits=(None, 1, 2, 4), layouts=("p16", "fp8", "int8", "int4"),
+        shapes=[(1, 32, 32, 1024, 128), (1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 4096, 128),
+                (32, 32, 8, 2048, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128)]),
 }
 BLOCK_SIZE = 16
 
@@ -91,12 +103,15 @@ def main() -> None:
             sets = input_sets(b, hq, hkv, ctx, d, layout, dev)
             seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
             cells = []
-            for name, (block_n, warps, stages) in sweep["configs"].items():
+            for name, (block_n, warps, stages, *extra) in sweep["configs"].items():
+                per_sm, only = (extra + [None, None])[:2]
                 for splits in sweep["splits"]:
-                    if block_n == 128 and d == 128 and stages == 5 and layout in ("p16", "one"):   # too big
-                        cells.append(f"{'-':>10}")
+                    plain = layout in ("p16", "one")
+                    if (block_n == 128 and d == 128 and stages == 5 and plain) or only == ("quant" if plain else "plain"):
+                        cells.append(f"{'-':>10}")   # too big, or a config for the other formats
                         continue
                     pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                    pd.PROGRAMS_PER_SM = per_sm
                     pd.FORCE_NUM_SPLITS = splits
                     calls = sets if callable(sets[0]) else [
                         lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
@@ -110,7 +125,7 @@ def main() -> None:
                     cells.append(f"{cell:>10}")
             mb = 2 * b * hkv * ctx * d * {"int4": 0.5, "int8": 1, "fp8": 1}.get(layout, 2) / 1e6
             print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
-    pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = None
+    pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = pd.PROGRAMS_PER_SM = None
     for (name, d, layout), (regs, smem) in sorted(resources.items()):
         print(f"config {name} D={d} {layout}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 
