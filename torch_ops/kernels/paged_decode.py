@@ -78,7 +78,7 @@ from . import interpreting
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
 MAX_SPLITS = 64
-PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: by format)
+PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
 LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
@@ -88,10 +88,6 @@ SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
-# Resident programs per SM of the default configs at D = 128, from their compiled resources on an
-# H200 (2026-11-22): bf16 104 regs / 38 KB smem, FP8 168 / 75 KB, INT8 141 / 79 KB, INT4 128 / 46 KB
-# (4 warps; 64K registers and 227 KB of shared memory per SM).
-_PROGRAMS_PER_SM = {0: 4, 1: 2, 2: 2, 3: 4}
 _FMT = {
     torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
     torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
@@ -630,14 +626,13 @@ def num_sms(device: torch.device) -> int:
 
 
 def config(head_dim: int, fmt: int, block_m: int) -> dict:
-    """Tile and launch parameters from shapes: BLOCK_N (keys per tile), num_warps, num_stages.
+    """Tile and launch parameters from shapes: BLOCK_N (keys per tile), num_warps, num_stages,
+    and `programs_per_sm` (resident programs per SM, for `split_count`; from the compiled
+    registers and shared memory at D = 128 on sm_90a).
 
-    A stage holds one K and one V tile (BLOCK_N x D x bytes each: 16 KB for 64 bf16 keys at
-    D=128). Triton's pipeliner spends two stages on the block-table indirection, so
-    `num_stages = 5` keeps two tiles of each program in flight (three buffers) and 3-4 keep one;
-    with 2-3 programs per SM that is 64-190 KB in flight per SM against the ~30-40 KB Little's
-    law asks of HBM3/HBM3e (bench notes). Quantized formats take 128-key tiles so that a stage
-    still carries 16-32 KB. `large_tile_splits` may double the plain format's tile."""
+    A stage holds one K and one V tile. Triton's pipeliner spends two stages on the block-table
+    indirection, so `num_stages = 5` keeps two tiles of each program in flight (three buffers).
+    `large_tile_splits` may double the plain format's tile."""
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
@@ -646,11 +641,23 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         # 512 programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
         # D <= 64: 64 keys (H200, 32/8 heads, D = 64: B=32 ctx 2k 45.6 -> 41.5 us, B=64 ctx 4k
         # 154 -> 132 us, B=128 ctx 2k 159 -> 149 us; B=1 and B=8 within 0.5-1 us).
-        block_n = 64 if block_d <= 64 else 32
-    else:
-        block_n = 128 if block_d <= 128 else 64
-    warps = 8 if block_m * block_d >= 64 * 256 else 4
-    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 5}
+        warps = 8 if block_m * block_d >= 64 * 256 else 4
+        return {"BLOCK_N": 64 if block_d <= 64 else 32, "num_warps": warps, "num_stages": 5, "programs_per_sm": 4}
+    if block_d <= 128 and block_m <= 16:
+        # Quantized: one warp per program. The warps of a program split a tile's keys, so every
+        # tile paid cross-warp softmax reductions and a shared-memory exchange of P (35 barriers
+        # per tile with 4 warps); one warp owns its rows and keys, and split-K supplies the
+        # parallelism instead. H200, 32/8 heads, ctx 4k (results/decode_config_sweep_warps_H200_
+        # 20261122k.log), 128-key 4-warp tiles -> 32-key 1-warp tiles: B = 256 FP8 701 -> 668 us,
+        # INT8 966 -> 750, INT4 761 -> 575; B = 64 196 -> 190, 248 -> 196, 191 -> 156. 249 / 168 /
+        # 222 registers, 13-21 KB of shared memory.
+        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5, "programs_per_sm": {FMT_FP8: 8, FMT_INT8: 10, FMT_INT4: 9}[fmt]}
+    if block_d <= 128:
+        # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
+        # 4-warp tiles spilled 324-924 bytes (sm_90a, compiled); two warps spill nothing (166-230
+        # registers). Not timed on the GPU.
+        return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 5, "programs_per_sm": 4}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5, "programs_per_sm": 2}   # D = 256
 
 
 def large_tile_splits(programs: int, sms: int) -> int:
@@ -783,7 +790,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
     block_n = cfg["BLOCK_N"]
     if not num_splits:
-        per_sm = PROGRAMS_PER_SM or _PROGRAMS_PER_SM[fmt]
+        per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
     min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
 
