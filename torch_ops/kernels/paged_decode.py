@@ -650,12 +650,15 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         # parallelism instead. H200, 32/8 heads, ctx 4k (results/decode_config_sweep_warps_H200_
         # 20261122k.log), 128-key 4-warp tiles -> 32-key 1-warp tiles: B = 256 FP8 701 -> 668 us,
         # INT8 966 -> 750, INT4 761 -> 575; B = 64 196 -> 190, 248 -> 196, 191 -> 156. 249 / 168 /
-        # 222 registers, 13-21 KB of shared memory.
-        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5, "programs_per_sm": {FMT_FP8: 8, FMT_INT8: 10, FMT_INT4: 9}[fmt]}
+        # 222 registers, 13-21 KB of shared memory. `programs_per_sm` = 8 for all three, as in
+        # that sweep: INT8's 10 by resources made the heuristic split where one wave was already
+        # bandwidth-bound (B = 256: 3 splits, 787 us; results/decode_quick_H200_20261122k.json).
+        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
-        # 4-warp tiles spilled 324-924 bytes (sm_90a, compiled); two warps spill nothing (166-230
-        # registers). Not timed on the GPU.
+        # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
+        # B = 64, 4 tokens x 64/8 heads, ctx 4k: FP8 572 -> 363 us, INT8 936 -> 395, INT4
+        # 1147 -> 342 (results/decode_config_m32_H200_20261122k.log).
         return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 5, "programs_per_sm": 4}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5, "programs_per_sm": 2}   # D = 256
 
