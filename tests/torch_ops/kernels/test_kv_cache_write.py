@@ -258,6 +258,27 @@ def test_write_rope(kernel_device, cache_dtype, style, rot, with_query, d, heads
                                fp8_per_head=cache_dtype == E4M3, dtype=FP16 if cache_dtype == E5M2 else BF16))
 
 
+@pytest.mark.parametrize("cache_dtype", [INT8, INT4], ids=["int8", "int4"])
+def test_group_scale_rounded_down(kernel_device, cache_dtype):
+    # groups whose absmax (a bf16 input) makes the fp16 scale absmax / QMAX round down the most,
+    # so that absmax / s exceeds QMAX (the kernel relies on rint bringing it back: it does not
+    # clamp), with the other elements multiples of s / 2 (ties)
+    key, value, cache, slots, kwargs = make_problem(kernel_device, cache_dtype=cache_dtype, t=8, hkv=2, d=64,
+                                                    group=16, scale_dtype=FP16, num_skipped=0)
+    qmax = 127.0 if cache_dtype == INT8 else 7.0
+    candidates = torch.arange(0x3A00, 0x4400, dtype=torch.int16).view(BF16).float()    # bf16 values 5e-4..2
+    over = candidates / (candidates / qmax).clamp(min=1e-5).to(FP16).float()   # up to 127.33 (subnormal s)
+    worst = candidates[over.argsort(descending=True)[:128]]
+    assert (over.sort(descending=True).values[:128] > qmax).all()
+    e = torch.arange(16)
+    groups = [x[t, h, 16 * g:16 * g + 16] for x in (key, value) for t in range(8) for h in range(2) for g in range(4)]
+    for x, absmax in zip(groups, worst):
+        s = (absmax / qmax).clamp(min=1e-5).to(FP16).float()
+        ties = (e - 8) * 0.5 * s
+        x.copy_(torch.where(e % 2 == 0, ties, absmax * torch.sign(ties + 0.1)))
+    run_and_check((key, value, cache, slots, kwargs))
+
+
 def test_head_blocks_and_odd_head_counts(kernel_device, monkeypatch):
     # tiny tiles: several head blocks per token, with Hq = 12 and Hkv = 3 (not powers of 2)
     monkeypatch.setattr(kcw, "TILE_ELEMS", 128)
