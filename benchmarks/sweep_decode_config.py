@@ -6,6 +6,7 @@
     python benchmarks/sweep_decode_config.py --set small  # B <= 16: split counts up to 16
     python benchmarks/sweep_decode_config.py --set quant  # FP8/INT8/INT4 caches (D = 128, 16-token pages)
     python benchmarks/sweep_decode_config.py --set warps  # programs of 1-2 warps, every format
+    python benchmarks/sweep_decode_config.py --set onewarp  # one-warp quantized configs
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -64,6 +65,12 @@ SETS = {
         splits=(None, 1, 2, 4), layouts=("p16", "fp8", "int8", "int4"),
         shapes=[(1, 32, 32, 1024, 128), (1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 4096, 128),
                 (32, 32, 8, 2048, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128)]),
+    "onewarp": dict(   # one-warp programs for quantized caches: tile keys, stages, programs per SM
+        configs={"n32w1": (32, 1, 5, 8), "n32w1s4": (32, 1, 4, 8), "n16w1": (16, 1, 5, 8), "n16w1p16": (16, 1, 5, 16),
+                 "n32w1s6": (32, 1, 6, 8)},
+        splits=(None, 1), layouts=("fp8", "int8", "int4"),
+        shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
+                (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128), (64, 32, 8, 4096, 64)]),
 }
 BLOCK_SIZE = 16
 
