@@ -21,8 +21,8 @@ measured here is the ceiling used for the percentages)
   num_stages=5 (the default) keeps two K+V tiles of each program in flight (seen in the TTGIR:
   3 buffers, `async_wait num=3`); at 3-4 stages only one. bf16 BLOCK_N=64, D=128: 72 KB of
   shared memory and 168 registers per 4-warp program -> 3 programs per SM -> ~190 KB in flight
-  per SM. Quantized caches since 2026-11-22 (session 7): one-warp programs of 32-key tiles, 13-21 KB
-  and 168-254 registers, 8 programs per SM (were 4-warp 128-key tiles, 46-79 KB, 2-4 per SM).
+  per SM. Quantized caches since 2026-11-22 (session 7): one-warp programs of 16-key tiles, 9-13 KB
+  and 126-164 registers, 8+ programs per SM (were 4-warp 128-key tiles, 46-79 KB, 2-4 per SM).
 * Launch / tail. B=1, L=1k, Hkv=8 is 4 MB: ~1 us of HBM time. The rest is fixed cost: the split
   kernel (8 KV heads x 4 splits of 256 keys = 32 programs, each 4 pipelined tiles, ~2-3 us) plus
   the merge kernel (~1-2 us incl. its launch gap in a graph). Expected ~4-7 us (target <= 10 us).

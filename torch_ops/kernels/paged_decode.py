@@ -644,16 +644,15 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         warps = 8 if block_m * block_d >= 64 * 256 else 4
         return {"BLOCK_N": 64 if block_d <= 64 else 32, "num_warps": warps, "num_stages": 5, "programs_per_sm": 4}
     if block_d <= 128 and block_m <= 16:
-        # Quantized: one warp per program. The warps of a program split a tile's keys, so every
-        # tile paid cross-warp softmax reductions and a shared-memory exchange of P (35 barriers
-        # per tile with 4 warps); one warp owns its rows and keys, and split-K supplies the
-        # parallelism instead. H200, 32/8 heads, ctx 4k (results/decode_config_sweep_warps_H200_
-        # 20261122k.log), 128-key 4-warp tiles -> 32-key 1-warp tiles: B = 256 FP8 701 -> 668 us,
-        # INT8 966 -> 750, INT4 761 -> 575; B = 64 196 -> 190, 248 -> 196, 191 -> 156. 249 / 168 /
-        # 222 registers, 13-21 KB of shared memory. `programs_per_sm` = 8 for all three, as in
-        # that sweep: INT8's 10 by resources made the heuristic split where one wave was already
-        # bandwidth-bound (B = 256: 3 splits, 787 us; results/decode_quick_H200_20261122k.json).
-        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
+        # Quantized: one-warp programs of 16-key tiles. With 4 warps the warps of a program split
+        # a tile's keys, so every tile paid cross-warp softmax reductions and a shared-memory
+        # exchange of P (35 barriers per tile); one warp owns its rows and keys, and split-K
+        # supplies the parallelism instead. 16-key tiles keep FP8 at 126 registers (32 keys: 254).
+        # H200, 32/8 heads, ctx 4k, B = 256 / 64 (results/decode_config_sweep_{warps,onewarp}_
+        # H200_20261122k.log): 128-key 4-warp tiles -> 16-key 1-warp: FP8 701 -> 533 / 196 -> 162
+        # us, INT8 966 -> 724 / 248 -> 197, INT4 761 -> 557 / 191 -> 147. `programs_per_sm` 8 (16
+        # split more and was slower: INT8 B = 64 234 us).
+        return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
