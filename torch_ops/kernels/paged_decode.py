@@ -625,10 +625,10 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def config(head_dim: int, fmt: int, block_m: int) -> dict:
-    """Tile and launch parameters from shapes: BLOCK_N (keys per tile), num_warps, num_stages,
-    and `programs_per_sm` (resident programs per SM, for `split_count`; from the compiled
-    registers and shared memory at D = 128 on sm_90a).
+def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> dict:
+    """Tile and launch parameters from shapes (`programs` = B x Hkv x M tiles before any split):
+    BLOCK_N (keys per tile), num_warps, num_stages, and `programs_per_sm` (resident programs per
+    SM, for `split_count`; from the compiled registers and shared memory at D = 128, sm_90a).
 
     A stage holds one K and one V tile. Triton's pipeliner spends two stages on the block-table
     indirection, so `num_stages = 5` keeps two tiles of each program in flight (three buffers).
@@ -636,6 +636,13 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
+    one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
+    if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and programs < sms // 2:
+        # Few programs (B = 1-4): split-K makes the parallelism, and one-warp programs of 16-key
+        # tiles (see below) split finer. H200 (results/decode_config_sweep_onewarp_plain_H200_
+        # 20261122k.log): B = 1, ctx 1k, 32/32: 14.2 -> 12.8 us; ctx 16k, 32/8: 28.9 -> 24.9;
+        # ctx 1k 32/8 9.1 -> 9.7. From half the SMs up, `large_tile_splits` takes over.
+        return one_warp
     if fmt == FMT_PLAIN:
         # D = 128: 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and
         # 512 programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
@@ -652,7 +659,7 @@ def config(head_dim: int, fmt: int, block_m: int) -> dict:
         # H200_20261122k.log): 128-key 4-warp tiles -> 16-key 1-warp: FP8 701 -> 533 / 196 -> 162
         # us, INT8 966 -> 724 / 248 -> 197, INT4 761 -> 557 / 191 -> 147. `programs_per_sm` 8 (16
         # split more and was slower: INT8 B = 64 234 us).
-        return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
+        return one_warp
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
@@ -769,7 +776,8 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     rows = qps * group
     block_m = min(MAX_BLOCK_M if fmt == FMT_PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
     m_tiles = -(-rows // block_m)
-    cfg = config(d, fmt, block_m)
+    sms = num_sms(query.device)
+    cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
     if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
@@ -783,7 +791,6 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     # With one page per sequence every key is in it: any tile lies in one page (and one compiled
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
-    sms = num_sms(query.device)
     num_splits = 0
     if (fmt == FMT_PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
             and not CONFIG_OVERRIDE and FORCE_NUM_SPLITS is None):
