@@ -637,11 +637,14 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
-    if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and programs < sms // 2:
-        # Few programs (B = 1-4): split-K makes the parallelism, and one-warp programs of 16-key
-        # tiles (see below) split finer. H200 (results/decode_config_sweep_onewarp_plain_H200_
-        # 20261122k.log): B = 1, ctx 1k, 32/32: 14.2 -> 12.8 us; ctx 16k, 32/8: 28.9 -> 24.9;
-        # ctx 1k 32/8 9.1 -> 9.7. From half the SMs up, `large_tile_splits` takes over.
+    if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
+        # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
+        # programs of 16-key tiles (see below) split finer. H200, against 4-warp 32-key tiles
+        # (results/decode_small_H200_20261122k.json vs decode_H200_20261122f.json): B = 1 at
+        # 32/32 and B = 4 at 32/8, 64/8: 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 -> 12.0 us). With
+        # fewer programs one warp each leaves too few bytes in flight: B = 1 at 32/4 0.84-0.97x
+        # (ctx 32k 26.1 -> 31.1 us), at 32/8 0.89-0.94x below ctx 4k. From half the SMs up,
+        # `large_tile_splits` takes over.
         return one_warp
     if fmt == FMT_PLAIN:
         # D = 128: 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and
