@@ -105,6 +105,7 @@ LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+RESCALE_LOG2 = tl.constexpr(8.0)   # lazy rescaling threshold (log2 units; `_tile`)
 
 
 # =================================================================================================
@@ -132,20 +133,20 @@ def _split_geometry(L, window_left, split, num_splits, min_split,
     return kv_lo, start, end, n_active
 
 
+# FP8 x 4 per word: bytes of the two words regrouped by lane (t0 = a0 b0 a1 b1, t1 = a2 b2 a3 b3),
+# then one packed convert per lane
 _E4M3_ASM = """
 {
-.reg .b16 a0, a1, b0, b1;
-.reg .b32 x0, x1, y0, y1;
-mov.b32 {a0, a1}, $4;
-mov.b32 {b0, b1}, $5;
-cvt.rn.f16x2.CVT_TYPE x0, a0;
-cvt.rn.f16x2.CVT_TYPE x1, a1;
-cvt.rn.f16x2.CVT_TYPE y0, b0;
-cvt.rn.f16x2.CVT_TYPE y1, b1;
-prmt.b32 $0, x0, y0, 0x5410;
-prmt.b32 $1, x0, y0, 0x7632;
-prmt.b32 $2, x1, y1, 0x5410;
-prmt.b32 $3, x1, y1, 0x7632;
+.reg .b32 t0, t1;
+.reg .b16 l0, h0, l1, h1;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+mov.b32 {l0, h0}, t0;
+mov.b32 {l1, h1}, t1;
+cvt.rn.f16x2.CVT_TYPE $0, l0;
+cvt.rn.f16x2.CVT_TYPE $1, h0;
+cvt.rn.f16x2.CVT_TYPE $2, l1;
+cvt.rn.f16x2.CVT_TYPE $3, h1;
 }
 """
 _FP8_E4M3_ASM = tl.constexpr(_E4M3_ASM.replace("CVT_TYPE", "e4m3x2"))
@@ -348,12 +349,25 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         vis = vis & ((dist <= window_left) | (offs_n < sink_tokens)[None, :])
     s = tl.where(vis, s, float("-inf"))
 
+    # Lazy rescaling: the reference max m_i moves only when a row's max grows by more than
+    # RESCALE_LOG2, so most tiles skip the rescale of l and of the accumulators. p then stays
+    # below 2^RESCALE_LOG2 (far from fp16 overflow, same relative rounding); (o, lse) do not
+    # depend on the reference.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
+    grow = m_new > m_i + RESCALE_LOG2
+    if tl.max(grow.to(tl.int32), 0) > 0:
+        m_ref = tl.where(grow, m_new, m_i)
+        alpha = tl.exp2(m_i - tl.where(m_ref == float("-inf"), 0.0, m_ref))   # 1 where kept, 0 from -inf
+        l_i = l_i * alpha
+        acc0 = acc0 * alpha[:, None]
+        if FMT != 0:
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+        m_i = m_ref
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    m_i = m_new
+    l_i = l_i + tl.sum(p, 1)
 
     if FMT == 0:
         v = _load_plain(V, v_rows, n_ok, HEAD_DIM, BLOCK_D)
@@ -361,15 +375,15 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         if DOT_F32:
             p_op = p_op.to(tl.float32)
             v = v.to(tl.float32)
-        acc0 = tl.dot(p_op, v, acc0 * alpha[:, None])
+        acc0 = tl.dot(p_op, v, acc0)
     else:
         v0, v1, v2, v3 = _load_lanes(V, v_rows, n_ok, VS, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
                                      NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
         p_op = p.to(tl.float16)
-        acc0 = tl.dot(p_op, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(p_op, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(p_op, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(p_op, v3, acc3 * alpha[:, None])
+        acc0 = tl.dot(p_op, v0, acc0)
+        acc1 = tl.dot(p_op, v1, acc1)
+        acc2 = tl.dot(p_op, v2, acc2)
+        acc3 = tl.dot(p_op, v3, acc3)
     return acc0, acc1, acc2, acc3, m_i, l_i
 
 

@@ -180,6 +180,28 @@ def static_cache_problem(device, *, lens, capacity, hq, hkv, d, qps=1):
     return q, cache, table, torch.tensor(lens, dtype=torch.int32, device=device)
 
 
+@pytest.mark.parametrize("cache_dtype,group", [(BF16, None), (E4M3, None), (INT8, 32), (INT4, 16)],
+                         ids=["bf16", "fp8", "int8", "int4"])
+def test_scores_ramping_up_and_down(kernel_device, knobs, cache_dtype, group):
+    # scores rising by ~3 (log2 units) per 16-key tile, so that the lazy rescaling moves the
+    # reference max every few tiles, and falling (it never moves after the first tile)
+    knobs(FORCE_NUM_SPLITS=1, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    lens = [150, 150]
+    q, cache, bt, sl = make_problem(kernel_device, lens=lens, hq=4, hkv=2, d=64, bs=16, cache_dtype=cache_dtype,
+                                    group=group)
+    u = torch.randn(64, dtype=torch.float64)
+    u /= u.norm()
+    t = torch.arange(150, dtype=torch.float64)
+    ramp = torch.stack([t, 150 - t]) * 0.13                       # sequence 0 up, sequence 1 down
+    key = (ramp[:, :, None, None] * u + 0.05 * torch.randn(2, 150, 2, 64, dtype=torch.float64)).to(BF16)
+    value = torch.randn(2, 150, 2, 64, dtype=BF16)
+    slots = torch.stack([bt[b, t.long() // 16].long().cpu() * 16 + t.long() % 16 for b in range(2)])
+    reference.kv_cache_write(key.reshape(300, 2, 64).to(kernel_device), value.reshape(300, 2, 64).to(kernel_device),
+                             cache.k, cache.v, slots.reshape(300).to(kernel_device), **cache.scale_kwargs())
+    q = (u * 8).to(BF16).expand(2, 4, 64).contiguous().to(kernel_device)
+    run_and_check((q, cache, bt, sl))
+
+
 def test_one_page_per_sequence(kernel_device, knobs):
     # pages longer than 256 and not a multiple of the tile: one table load per tile all the same
     knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
