@@ -105,7 +105,6 @@ LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-RESCALE_LOG2 = tl.constexpr(8.0)   # lazy rescaling threshold (log2 units; `_tile`)
 
 
 # =================================================================================================
@@ -349,25 +348,12 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         vis = vis & ((dist <= window_left) | (offs_n < sink_tokens)[None, :])
     s = tl.where(vis, s, float("-inf"))
 
-    # Lazy rescaling: the reference max m_i moves only when a row's max grows by more than
-    # RESCALE_LOG2, so most tiles skip the rescale of l and of the accumulators. p then stays
-    # below 2^RESCALE_LOG2 (far from fp16 overflow, same relative rounding); (o, lse) do not
-    # depend on the reference.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    grow = m_new > m_i + RESCALE_LOG2
-    if tl.max(grow.to(tl.int32), 0) > 0:
-        m_ref = tl.where(grow, m_new, m_i)
-        alpha = tl.exp2(m_i - tl.where(m_ref == float("-inf"), 0.0, m_ref))   # 1 where kept, 0 from -inf
-        l_i = l_i * alpha
-        acc0 = acc0 * alpha[:, None]
-        if FMT != 0:
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-        m_i = m_ref
-    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i = m_new
 
     if FMT == 0:
         v = _load_plain(V, v_rows, n_ok, HEAD_DIM, BLOCK_D)
@@ -375,15 +361,15 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         if DOT_F32:
             p_op = p_op.to(tl.float32)
             v = v.to(tl.float32)
-        acc0 = tl.dot(p_op, v, acc0)
+        acc0 = tl.dot(p_op, v, acc0 * alpha[:, None])
     else:
         v0, v1, v2, v3 = _load_lanes(V, v_rows, n_ok, VS, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
                                      NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
         p_op = p.to(tl.float16)
-        acc0 = tl.dot(p_op, v0, acc0)
-        acc1 = tl.dot(p_op, v1, acc1)
-        acc2 = tl.dot(p_op, v2, acc2)
-        acc3 = tl.dot(p_op, v3, acc3)
+        acc0 = tl.dot(p_op, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p_op, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p_op, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p_op, v3, acc3 * alpha[:, None])
     return acc0, acc1, acc2, acc3, m_i, l_i
 
 
