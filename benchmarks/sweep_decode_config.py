@@ -122,7 +122,8 @@ def main() -> None:
                 per_sm, only = (extra + [None, None])[:2]
                 for splits in sweep["splits"]:
                     plain = layout in ("p16", "one")
-                    if (block_n == 128 and d == 128 and stages == 5 and plain) or only == ("quant" if plain else "plain"):
+                    too_big = block_n == 128 and d == 128 and stages == 5 and plain
+                    if too_big or only == ("quant" if plain else "plain"):
                         cells.append(f"{'-':>10}")   # too big, or a config for the other formats
                         continue
                     pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}

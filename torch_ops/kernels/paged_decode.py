@@ -28,6 +28,9 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   max |q| <= 2^15 (exact; undone in the softmax scale). Dequantized INT8/INT4 values must fit
   fp16 (|x| < 65504). Group scales are loaded once per (token, group) when the group is 4 x a
   power of 2 values, else gathered per value (slow path: groups of 2, 24, 48, ...).
+- **Warps.** Quantized caches (and plain ones when B x Hkv is small) run one-warp programs of
+  16-key tiles: a warp owns all rows and keys of its tile, so no softmax state crosses warps
+  inside the loop, and split-K supplies the parallelism (`config`).
 - **Pipelining.** Triton's software pipeliner stages the block-table, K, V and scale loads through
   shared memory (cp.async); the page indirection costs it two stages, so `num_stages=5` keeps
   two tiles of every program in flight (`config`).
@@ -640,8 +643,9 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
         # programs of 16-key tiles (see below) split finer. H200, against 4-warp 32-key tiles
-        # (results/decode_small_H200_20261122k.json vs decode_H200_20261122f.json): B = 1 at
-        # 32/32 and B = 4 at 32/8, 64/8: 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 -> 12.0 us). With
+        # (results/trial_decode_small_onewarp_all_H200_20261122k.json vs decode_H200_20261122f
+        # .json): B = 1 at 32/32 and B = 4 at 32/8, 64/8: 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5
+        # -> 12.0 us). With
         # fewer programs one warp each leaves too few bytes in flight: B = 1 at 32/4 0.84-0.97x
         # (ctx 32k 26.1 -> 31.1 us), at 32/8 0.89-0.94x below ctx 4k. From half the SMs up,
         # `large_tile_splits` takes over.
