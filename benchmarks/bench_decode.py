@@ -60,6 +60,9 @@ measured here is the ceiling used for the percentages)
   - FP8 tiles loaded as fp8 and converted whole by Triton (one dot, no 4-lane split): slower
     than the lanes at every config (B=64/4k/32:8: 213 us at 128/4/5 vs 194 us, 230-325 us
     elsewhere; 203-222 registers).
+  - Lazy softmax rescaling (the reference max moves only when a row's max grows by > 2^8):
+    no measurable gain with the one-warp quantized programs, bf16 MHA B=64/4k 4% slower
+    (session 7, results/trial_decode_quick_lazy_rescale_H200_20261122k.json).
 * Timing: CUDA graph of 20 calls, median of 15 replays, caches rotated when the KV set is under
   3x L2 (benchmarks/common.py); effective bandwidth = KV bytes read / time.
 """
