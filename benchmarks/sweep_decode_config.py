@@ -7,6 +7,7 @@
     python benchmarks/sweep_decode_config.py --set quant  # FP8/INT8/INT4 caches (D = 128, 16-token pages)
     python benchmarks/sweep_decode_config.py --set warps  # programs of 1-2 warps, every format
     python benchmarks/sweep_decode_config.py --set onewarp  # one-warp quantized configs
+    python benchmarks/sweep_decode_config.py --set onewarp16  # their pipeline depth, programs per SM
     python benchmarks/sweep_decode_config.py --set onewarp_plain  # 16-key one/two-warp plain configs
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
@@ -72,6 +73,12 @@ SETS = {
         splits=(None, 1), layouts=("fp8", "int8", "int4"),
         shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
                 (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128), (64, 32, 8, 4096, 64)]),
+    "onewarp16": dict(   # the 16-key one-warp quantized config: pipeline depth, programs per SM
+        configs={"n16w1": (16, 1, 5, 8), "n16w1s3": (16, 1, 3, 8), "n16w1s8": (16, 1, 8, 8),
+                 "n16w1p12": (16, 1, 5, 12), "n16w1s8p12": (16, 1, 8, 12)},
+        splits=(None,), layouts=("fp8", "int8", "int4"),
+        shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
+                (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128)]),
     "onewarp_plain": dict(   # one- and two-warp programs of 16-key tiles for plain caches
         configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n16w1": (16, 1, 5, 8), "n16w1p11": (16, 1, 5, 11),
                  "n16w1s4": (16, 1, 4, 12), "n16w2s4": (16, 2, 4, 8)},
