@@ -642,13 +642,12 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
-        # programs of 16-key tiles (see below) split finer. H200, against 4-warp 32-key tiles
-        # (results/trial_decode_small_onewarp_all_H200_20261122k.json vs decode_H200_20261122f
-        # .json): B = 1 at 32/32 and B = 4 at 32/8, 64/8: 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5
-        # -> 12.0 us). With
-        # fewer programs one warp each leaves too few bytes in flight: B = 1 at 32/4 0.84-0.97x
-        # (ctx 32k 26.1 -> 31.1 us), at 32/8 0.89-0.94x below ctx 4k. From half the SMs up,
-        # `large_tile_splits` takes over.
+        # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200,
+        # results/trial_decode_small_onewarp_all_H200_20261122k.json vs decode_H200_20261122f.json)
+        # B = 1 at 32/32 and B = 4 at 32/8 and 64/8 ran 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 ->
+        # 12.0 us); with fewer programs one warp each leaves too few bytes in flight (B = 1 at 32/4
+        # 0.84-0.97x, ctx 32k 26.1 -> 31.1 us; at 32/8 0.89-0.94x below ctx 4k). From half the SMs
+        # up, `large_tile_splits` takes over.
         return one_warp
     if fmt == FMT_PLAIN:
         # D = 128: 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and
