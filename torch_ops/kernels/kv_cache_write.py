@@ -52,8 +52,7 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   at 66-76 / 54-72 / 45-69 % of copy on the H200. With `_div_rn` (a reciprocal per scale, 3
   per element) and `cvt.rni` rounding: ~15 / 17 / 21, and at T = 16k 82-86 / 73-86 / 66-77 %
   (results/kvwrite_H200_20261122i.json). Rounding by adding 1.5 * 2^23 and no clamps (session
-  7): ~13 / 15 / 18, at T = 16k FP8 - / INT8 80-94 / INT4 79-85 % (results/kvwrite_H200_
-  20261122k.json; FP8 without the clamp measured after that run).
+  7): ~13 / 15 / 18, at T = 16k 83-89 / 80-91 / 79-86 % (results/kvwrite_H200_20261122k2.json).
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
