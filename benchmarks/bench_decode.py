@@ -27,8 +27,8 @@ measured here is the ceiling used for the percentages)
   kernel (8 KV heads x 4 splits of 256 keys = 32 programs, each 4 pipelined tiles, ~2-3 us) plus
   the merge kernel (~1-2 us incl. its launch gap in a graph). Expected ~4-7 us (target <= 10 us).
 * Dequantization budget (SASS of the main loop, sm_90a, compiled on the CPU machine with Triton's
-  ptxas/cuobjdump; warp-instructions per key per KV head, all 4 warps): bf16 45.5, FP8 32.1,
-  INT8 35.6, INT4 29.3. An SM issues 4 warp-instructions per cycle; at 92 % of ~4.3 TB/s one key
+  ptxas/cuobjdump; warp-instructions per key per KV head, all 4 warps of the session-1 configs):
+  bf16 45.5, FP8 32.1, INT8 35.6, INT4 29.3 (session 7, one-warp 16-key tiles: FP8 ~32, INT8 ~41). An SM issues 4 warp-instructions per cycle; at 92 % of ~4.3 TB/s one key
   of one KV head (512 B bf16) must take ~34 cycles/SM, i.e. <= ~134 instructions for bf16,
   <= ~74 for FP8 at 1.8x, <= ~79 for INT8 at 1.7x and <= ~54 for INT4 at 2.5x: every format is
   at 34-54 % of issue, so the targets are bandwidth-limited, not instruction-limited, provided
