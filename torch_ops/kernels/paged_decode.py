@@ -22,15 +22,17 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   Lane j of K is dotted with lane j of q
   (q[:, j::4]) and P @ V accumulates 4 lane accumulators, re-interleaved once in the epilogue,
   so no shuffle ever restores the dim order inside the loop; and the tiles are read from shared
-  memory as whole words (a byte-wise layout made Triton emit one `ld.shared.b8` per value).
+  memory as whole words, straight into the MMA operand layout (no layout conversion in the sm_90a
+  TTGIR; a byte-wise layout made Triton emit one `ld.shared.b8` per value).
   The FP8 per-tensor/per-head K scale rides on the softmax scale, the V scale on the output.
   With bf16 queries the QK operands are fp16 too: q is scaled by a power of two so that
   max |q| <= 2^15 (exact; undone in the softmax scale). Dequantized INT8/INT4 values must fit
   fp16 (|x| < 65504). Group scales are loaded once per (token, group) when the group is 4 x a
   power of 2 values, else gathered per value (slow path: groups of 2, 24, 48, ...).
-- **Warps.** Quantized caches (and plain ones when B x Hkv is small) run one-warp programs of
-  16-key tiles: a warp owns all rows and keys of its tile, so no softmax state crosses warps
-  inside the loop, and split-K supplies the parallelism (`config`).
+- **Warps.** Quantized caches (and plain ones when B x Hkv is 32 to half the SM count) run
+  one-warp programs of 16-key tiles: a warp owns all rows and keys of its tile, so no softmax
+  state crosses warps inside the loop, and split-K supplies the parallelism. 32-row quantized
+  tiles take two warps, everything else four (`config`).
 - **Pipelining.** Triton's software pipeliner stages the block-table, K, V and scale loads through
   shared memory (cp.async); the page indirection costs it two stages, so `num_stages=5` keeps
   two tiles of every program in flight (`config`).
