@@ -32,7 +32,7 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
 - **Warps.** Quantized caches (and plain ones when B x Hkv is 32 to half the SM count) run
   one-warp programs of 16-key tiles: a warp owns all rows and keys of its tile, so no softmax
   state crosses warps inside the loop, and split-K supplies the parallelism. 32-row quantized
-  tiles take two warps, everything else four (`config`).
+  tiles take two warps, the rest four (eight for 64-row plain tiles at D = 256; `config`).
 - **Pipelining.** Triton's software pipeliner stages the block-table, K, V and scale loads through
   shared memory (cp.async); the page indirection costs it two stages, so `num_stages=5` keeps
   two tiles of every program in flight (`config`).
