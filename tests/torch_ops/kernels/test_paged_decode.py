@@ -335,7 +335,7 @@ def test_split_k_long(kernel_device, knobs, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype,group", [(INT8, 32), (INT4, 16), (INT4, 128)])
+@pytest.mark.parametrize("cache_dtype,group", [(INT8, 32), (INT4, 16), (INT4, 128), (E4M3, None), (E5M2, None)])
 def test_dequant_asm_matches_plain(kernel_device, knobs, cache_dtype, group):
     problem = make_problem(kernel_device, lens=[517, 33, 0], hq=16, hkv=4, d=128, bs=16,
                            cache_dtype=cache_dtype, group=group)
