@@ -94,10 +94,9 @@ def kvwrite_section(data: dict, name: str) -> list[str]:
         "| T | KV | mode | ours µs | GB/s | %copy | torch µs | ×torch | FlashInfer µs | ×FI |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        fi = r.get("flashinfer_us")
         lines.append(f"| {r['tokens']} | {r['fmt']} | {r['mode']} | {r['ours_us']:.1f} | {r['ours_GBps']:.0f} | "
-                     f"{r['pct_copy']:.0f} | {r.get('torch_us', 0):.1f} | {_fmt_ratio(r.get('vs_torch'))} | "
-                     f"{f'{fi:.1f}' if fi else '-'} | {_fmt_ratio(r.get('vs_flashinfer'))} |")
+                     f"{r['pct_copy']:.0f} | {_us(r, 'torch')} | {_fmt_ratio(r.get('vs_torch'))} | "
+                     f"{_us(r, 'flashinfer')} | {_fmt_ratio(r.get('vs_flashinfer'))} |")
     return lines + [""]
 
 
