@@ -12,7 +12,7 @@ per tensor without and with a Hadamard rotation of q and k (`quant.quantize_qk_i
 unquantized bf16 inputs (the whole quantization error, not only the kernel's). `hadamard_us`
 is the rotation of q and k alone (two bf16 matmuls, unfused), per call.
 
-    python benchmarks/bench_fp8.py [--quick] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
+    python benchmarks/bench_fp8.py [--quick | --shapes D:H:S ...] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
 
 `ATTN_CUTLASS_PERSISTENT=1` runs the cutlass rows on the persistent kernels (recorded in the JSON
 as `cutlass_persistent`; benchmarks/probe_cutlass.py puts both grids side by side).
@@ -36,7 +36,7 @@ from torch_ops import cutlass, quant, reference  # noqa: E402
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 TOKENS = 16384
-SHAPES = [(128, 32, 8192), (256, 16, 8192), (128, 32, 2048)]   # (head dim, heads, sequence length)
+SHAPES = [(128, 32, 8192), (256, 16, 8192), (128, 32, 2048), (128, 32, 512)]   # (head dim, heads, sequence length)
 
 
 def lengths(seqlen: int, ragged: bool) -> list[int]:
@@ -208,6 +208,7 @@ def bench_row(case: Case, outlier_case: Case, peers: list[str], label: str) -> d
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="D=128 S=8k only")
+    p.add_argument("--shapes", nargs="*", help="D:H:S triples (default: all of SHAPES)")
     p.add_argument("--peers", default="flashinfer_fa3,cudnn_sdpa,triton")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
@@ -216,6 +217,8 @@ def main():
     print(f"cutlass kernels: {'persistent' if persistent else 'plain'} grid", flush=True)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]
     for d, heads, seqlen in shapes:
         for causal in (False, True):
             for ragged in ((False, True) if seqlen == 8192 and d == 128 else (False,)):

@@ -1,4 +1,5 @@
-"""A sample of every Triton op's configurations, run once each, for compute-sanitizer:
+"""A sample of every Triton op's configurations (and of the CUTLASS kernels: `cutlass`), run
+once each, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize.py
 
@@ -86,8 +87,29 @@ def run_merge_states():
     print("merge_states: ok")
 
 
+def run_cutlass():
+    """The CUTLASS context kernels (csrc/) and the FP8 V transpose that feeds them: ragged
+    batches whose sequences start off the 16-key grid, more queries than keys, an empty one."""
+    from torch_ops import quant
+
+    q_lens, k_lens = [1, 200, 0, 77, 130], [9, 333, 4, 20, 130]
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+    with torch_ops.use_backend("cutlass"):
+        for dtype, d in ((torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 256), (torch.bfloat16, 128)):
+            q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            scales = {}
+            if dtype != torch.bfloat16:
+                (q, qs), (k, ks), (v, vs) = (quant.quantize_fp8_amax(x) for x in (q, k, v))
+                scales = {"q_scale": qs, "k_scale": ks, "v_scale": vs}
+            for causal in (False, True):
+                torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
+    print("context_attention (cutlass): ok")
+
+
 OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write,
-       "merge_states": run_merge_states}
+       "merge_states": run_merge_states, "cutlass": run_cutlass}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

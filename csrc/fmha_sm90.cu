@@ -61,20 +61,26 @@ constexpr bool kPersistent = ATTN_PERSISTENT;
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 
-// (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, unless
-// -DATTN_BLOCK_N overrides the key tile (for tuning runs).
+// (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
+// D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
+// operand, see kOverlapSoftmax), unless -DATTN_BLOCK_N overrides the key tile (for tuning runs).
 #ifdef ATTN_BLOCK_N
 using TileShape = Shape<_128, Int<ATTN_BLOCK_N>, Int<kHeadDim>>;
 #else
 using TileShape = std::conditional_t<kHeadDim == 64, Shape<_128, _128, _64>,
     std::conditional_t<kHeadDim == 128,
-        std::conditional_t<kFp8, Shape<_128, _256, _128>, Shape<_128, _128, _128>>,
+        std::conditional_t<kFp8, Shape<_128, _192, _128>, Shape<_128, _128, _128>>,
         std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>>;
 #endif
 
 // Strides of (tokens, head dim, (batch, head)); FP8 V is transposed (tokens contiguous).
 using StrideQK = cute::tuple<int, _1, cute::tuple<int, int>>;
 using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, int>>, StrideQK>;
+
+// Softmax overlapped with the products (VarlenMainloop::compute_overlapped): FP8 at D = 128 only.
+// bf16/fp16 measured 0-5% slower with it (H200, docs/cutlass.md); at D = 256 the output
+// accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
+constexpr bool kOverlapSoftmax = kFp8 && kHeadDim == 128;
 
 // Keys of a sequence are read from its first key rounded down to this many (see the header).
 constexpr int kKeyAlign = kFp8 ? 16 : 1;
@@ -271,10 +277,16 @@ struct VarlenMainloop : Base {
     while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
   }
 
-  template <class BlkCoord, class ProblemShape, class... Pipes>
-  CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg, Params const& params,
-                              ProblemShape const& problem, Pipes&... pipes) {
+  // One consumer warpgroup's rows (64 of the CTA's 128) against all of the CTA's key tiles, with
+  // the softmax scale of this (sequence, head).
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer, class OrderBarrier>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg, Params const& params, ProblemShape const& problem,
+                              MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
+                              MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
+                              PipelineReducer& reducer, PipelineStateReducer& reducer_state, SharedStorage& storage,
+                              OrderBarrier& order) {
     Sequence seq = sequence(blk, params);
+    SeqShape seq_problem = seq_shape(seq, problem, params);
     int h = get<2, 1>(blk);
     float scale = params.softmax_scale;
     if (params.q_scale != nullptr) {
@@ -283,7 +295,161 @@ struct VarlenMainloop : Base {
     typename Base::Params p = params;
     p.scale_softmax = scale;
     p.scale_softmax_log2 = scale * 1.4426950408889634f;
-    return Base::compute(blk, wg, p, seq_shape(seq, problem, params), pipes...);
+    if constexpr (kOverlapSoftmax) {
+      return compute_overlapped(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
+                                storage, order);
+    } else {
+      return Base::compute(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
+                           reducer, reducer_state, storage, order);
+    }
+  }
+
+  // The QK^T of key tile j is issued before the PV product of tile j - 1, and tile j's softmax
+  // runs while that PV product is still in the tensor cores (intra-warpgroup overlap). As in the
+  // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
+  // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
+  // slower. K and V tiles share the pipeline, read in the order K0 V0 K1 V1 ...; tile j's K stage
+  // is released once its QK^T has completed, its V stage once its PV product has.
+  template <class BlkCoord, class OrderBarrier>
+  CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
+                                         SeqShape const& seq_problem,
+                                         MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
+                                         MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
+                                         SharedStorage& storage, OrderBarrier& order) {
+    using namespace cutlass::fmha::collective;
+    float const scale_log2 = p.scale_softmax_log2;
+    int thread_idx = int(threadIdx.x);
+    TiledMmaQK mma_qk;
+    TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
+    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{})));
+    Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{})));
+    Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{})));
+    auto q_stage = tSrQ(_, _, _, smem_pipe_read_q.index());
+
+    // logical (row, key) of each accumulator element, for the masks
+    Tensor tPcP = thr_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
+    tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg)) * get<0>(TileShapeQK{});
+
+    Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
+    clear(acc_pv);  // rescaled before the first PV product too: it stays 0
+    CollectiveSoftmax<float, VarlenMask, typename Base::Params> softmax{p};
+    auto state = softmax.init(acc_pv, mma_pv);
+    auto& row_max = get<0>(state);
+    auto& row_sum = get<1>(state);  // per thread; reduced across the row's threads in softmax.tail
+    Tensor correction = make_fragment_like(row_max);
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.f);
+
+    auto acc_mn = [](auto& acc, auto const& mma) { return make_tensor(acc.data(), layout_acc_mn(mma, acc.layout())); };
+    auto reduction = reduction_target_n(mma_qk);
+    // scores -> exp2(scale * (s - max)) in place; `correction` = exp2(scale * (old max - new max))
+    auto softmax_step = [&](auto& acc_s) {
+      Tensor s = acc_mn(acc_s, mma_qk);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); i++) {
+        float m = row_max(i);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); j++) m = fmaxf(m, s(i, j));
+        for_each(make_seq<decltype(rank(reduction))::value>{}, [&](auto r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int k = 1; k < shape<r>(reduction); k *= 2) {
+            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, stride<r>(reduction) * k));
+          }
+        });
+        float m_use = m == -INFINITY ? 0.f : m;
+        correction(i) = exp2f((row_max(i) - m_use) * scale_log2);
+        row_max(i) = m;
+        float bias = m_use * scale_log2, sum = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); j++) {
+          s(i, j) = exp2f(s(i, j) * scale_log2 - bias);
+          sum += s(i, j);
+        }
+        row_sum(i) = row_sum(i) * correction(i) + sum;
+      }
+    };
+    auto rescale_output = [&]() {
+      Tensor o = acc_mn(acc_pv, mma_pv);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(o); i++) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(o); j++) o(i, j) *= correction(i);
+      }
+    };
+
+    int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_problem);
+    int unmasked = VarlenMask{}.get_unmasked_trip_count(blk, TileShape{}, seq_problem);
+
+    pipeline_q.consumer_wait(smem_pipe_read_q);
+
+    // tile 0: QK^T and softmax; its PV product is issued with tile 1's QK^T
+    PipelineState k_read = smem_pipe_read;
+    PipelineState v_read = k_read;
+    ++v_read;
+    Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+    pipeline.consumer_wait(k_read);
+    order.wait();
+    warpgroup_fence_operand(acc_s);
+    warpgroup_arrive();
+    gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
+    warpgroup_commit_batch();
+    order.arrive();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    pipeline.consumer_release(k_read);
+    VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
+    softmax_step(acc_s);
+    Tensor p_op = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int j = 1; j < trips; j++) {
+      k_read = v_read;
+      ++k_read;
+      tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
+      pipeline.consumer_wait(k_read);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
+      warpgroup_commit_batch();
+      rescale_output();
+      pipeline.consumer_wait(v_read);
+      warpgroup_fence_operand(acc_pv);
+      warpgroup_fence_operand(p_op);
+      warpgroup_arrive();
+      cute::gemm(mma_pv, p_op, tOrV(_, _, _, v_read.index()), acc_pv);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // this tile's QK^T is done, the PV product may still run
+      warpgroup_fence_operand(acc_s);
+      pipeline.consumer_release(k_read);
+      if (j >= unmasked) VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
+      softmax_step(acc_s);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_pv);
+      pipeline.consumer_release(v_read);
+      v_read = k_read;
+      ++v_read;
+      p_op = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+    }
+    if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
+
+    // the last tile's PV product
+    rescale_output();
+    pipeline.consumer_wait(v_read);
+    warpgroup_fence_operand(acc_pv);
+    warpgroup_fence_operand(p_op);
+    warpgroup_arrive();
+    cute::gemm(mma_pv, p_op, tOrV(_, _, _, v_read.index()), acc_pv);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_pv);
+    pipeline.consumer_release(v_read);
+    ++v_read;
+    smem_pipe_read = v_read;
+
+    Tensor lse = softmax.tail(state, acc_pv, mma_pv);
+    return make_tuple(acc_pv, lse);
   }
 };
 

@@ -352,8 +352,8 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     fp8 = query.dtype == torch.float8_e4m3fn
     q, k = _tma_ready(query), _tma_ready(key)
     if fp8:
-        v = value.new_empty(hkv, d, -(-tk // 16) * 16)[..., :tk]
-        v.copy_(value.permute(1, 2, 0))
+        from .kernels import transpose
+        v = transpose.tokens_last(value, value.new_empty(hkv, d, -(-tk // 16) * 16)[..., :tk])
     else:
         v = _tma_ready(value)
     target = out if out.stride(-1) == 1 and lse.stride(-1) == 1 else None

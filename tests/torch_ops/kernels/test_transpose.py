@@ -1,0 +1,38 @@
+"""The Triton byte transpose that feeds FP8 V to the CUTLASS kernels: `dst[h, d, t] = src[t, h, d]`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_ops.kernels.transpose import tokens_last
+from torch_ops.testing import poison_
+
+
+def expected(src: torch.Tensor) -> torch.Tensor:
+    return src.permute(1, 2, 0).contiguous()
+
+
+@pytest.mark.parametrize("t,h,d", [(1, 1, 64), (129, 3, 128), (70, 2, 80), (0, 2, 64)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_tokens_last(kernel_device, t, h, d, strided):
+    dtype = torch.float8_e4m3fn
+    if strided:   # every stride of src differs from a contiguous [T, H, D]
+        src = torch.randn(h, t, 2 * d, device=kernel_device).to(dtype)[:, :, ::2].transpose(0, 1)
+    else:
+        src = torch.randn(t, h, d, device=kernel_device).to(dtype)
+    padded = -(-t // 16) * 16   # what torch_ops.cutlass allocates: tokens padded to 16
+    dst = torch.empty(h, d, max(padded, 1), device=kernel_device, dtype=dtype)[..., :t]
+    poison_(dst)
+    tokens_last(src, dst)
+    assert torch.equal(dst.view(torch.uint8), expected(src).view(torch.uint8))
+
+
+def test_tokens_last_rejects_bad_arguments(kernel_device):
+    src = torch.zeros(4, 2, 8, device=kernel_device, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="1-byte dtype"):
+        tokens_last(src.to(torch.bfloat16), torch.empty(2, 8, 4, device=kernel_device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"dst must be \[H, D, T\]"):
+        tokens_last(src, torch.empty(2, 4, 8, device=kernel_device, dtype=src.dtype))
+    with pytest.raises(ValueError, match="unit stride"):
+        tokens_last(src, torch.empty(2, 4, 8, device=kernel_device, dtype=src.dtype).transpose(1, 2))
