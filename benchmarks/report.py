@@ -87,6 +87,26 @@ def prefill_section(data: dict, name: str) -> list[str]:
     return lines + [""]
 
 
+def fp8_section(data: dict, name: str) -> list[str]:
+    """benchmarks/bench_fp8.py: the cutlass backend (FP8 and bf16) against its peers."""
+    impls = ("cutlass_fp8", "cutlass_bf16", "triton_fp8", "triton_bf16", "flashinfer_fa3_fp8",
+             "flashinfer_fa3_bf16", "cudnn_sdpa_bf16")
+    grid = " (persistent grid)" if data.get("cutlass_persistent") else ""
+    lines = _header(data, f"FP8 context attention{grid}", name) + [
+        "TFLOP/s (causal counted as half the FLOPs), packed varlen batches of 16k tokens; `×fa3` = "
+        "FlashInfer fa3 FP8 time / our FP8 time; RMSE of heads 0-1 against the fp32 reference on the "
+        "same FP8 inputs (ours / FlashInfer's).", "",
+        "| case | causal | " + " | ".join(i.replace("flashinfer_", "") for i in impls) + " | ×fa3 | RMSE ours / fa3 |",
+        "|---|---|" + "---|" * (len(impls) + 2)]
+    for r in data["rows"]:
+        tf = [f"{r[i + '_tflops']:.0f}" if isinstance(r.get(i + "_tflops"), float) else "-" for i in impls]
+        ratio = r.get("flashinfer_fa3_fp8_vs_cutlass_fp8")
+        rmse = [r.get(i + "_rmse") for i in ("cutlass_fp8", "flashinfer_fa3_fp8")]
+        rmse_text = " / ".join(f"{x:.2e}" if isinstance(x, float) else "-" for x in rmse)
+        lines.append(f"| {r['case']} | {r['causal']} | " + " | ".join(tf) + f" | {_fmt_ratio(ratio)} | {rmse_text} |")
+    return lines + [""]
+
+
 def kvwrite_section(data: dict, name: str) -> list[str]:
     lines = _header(data, "kv_cache_write", name) + [
         "Hkv = 8, D = 128, block 16; `%copy` = a device copy of the same bytes / our time; `torch` = "
@@ -217,6 +237,7 @@ def serving_section(data: dict, name: str) -> list[str]:
 
 
 SECTIONS = {"e2e_compile": e2e_compile_section, "decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
+            "fp8": fp8_section,
             "cascade": cascade_section, "cache_attention": cache_attention_section, "serving": serving_section,
             "serving_grid": serving_section, "serving_metadata": serving_metadata_section}
 NEWEST_ONLY = ("serving", "serving_grid", "serving_metadata")  # later runs supersede earlier ones

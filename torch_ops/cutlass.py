@@ -402,15 +402,5 @@ class CutlassBackend:
         options = {k: v for k, v in kwargs.items() if k not in ("out", "lse")}
         return unsupported(*args, **options)
 
-    def auto_declines(self, op, args, kwargs):
-        """FP8 causal batches of short sequences (mean query length < 4096, from shapes) go to
-        Triton: on an H200 the non-persistent CUTLASS grid lost there (S = 2048: 248 vs 265
-        TF/s) and won at 8k (491 vs 307; docs/cutlass.md)."""
-        query, cu_seqlens_q = args[0], args[3]
-        mean_len = query.shape[0] / max(1, cu_seqlens_q.shape[0] - 1)
-        if query.dtype == torch.float8_e4m3fn and kwargs.get("causal", False) and mean_len < 4096:
-            return [f"FP8 causal with mean query length {mean_len:.0f} < 4096: Triton is faster"]
-        return []
-
     def run(self, op, args, kwargs):
         run(*args, **kwargs)

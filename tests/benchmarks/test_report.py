@@ -67,3 +67,12 @@ def test_metadata_section_and_newest_run(tmp_path, monkeypatch):
     assert "failed" not in text
     assert "- engine decode 256 failed: ValueError: bad" in report.serving_metadata_section(
         {"env": ENV, "metadata": [failed]}, "x.json")
+
+
+def test_fp8_section():
+    row = {"case": "S=8192 D=128 H=32", "causal": False, "cutlass_fp8_tflops": 693.4, "cutlass_fp8_rmse": 4.74e-4,
+           "flashinfer_fa3_fp8_tflops": 817.0, "flashinfer_fa3_fp8_rmse": 4.67e-4,
+           "flashinfer_fa3_fp8_vs_cutlass_fp8": 0.849, "cudnn_sdpa_bf16": "unavailable: RuntimeError: no varlen"}
+    lines = report.fp8_section({"env": ENV, "cutlass_persistent": False, "rows": [row]}, "fp8_x.json")
+    assert lines[0] == "## FP8 context attention: Test GPU (fp8_x.json)"
+    assert "| S=8192 D=128 H=32 | False | 693 | - | - | - | 817 | - | - | 0.85 | 4.74e-04 / 4.67e-04 |" in lines
