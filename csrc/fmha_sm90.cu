@@ -391,12 +391,15 @@ struct VarlenMainloop : Base {
     PipelineState v_read = k_read;
     ++v_read;
     Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-    pipeline.consumer_wait(k_read);
+    auto issue_qk = [&]() {  // acc_s = Q K[k_read]^T
+      pipeline.consumer_wait(k_read);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
+      warpgroup_commit_batch();
+    };
     order.wait();
-    warpgroup_fence_operand(acc_s);
-    warpgroup_arrive();
-    gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
-    warpgroup_commit_batch();
+    issue_qk();
     order.arrive();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
@@ -404,17 +407,7 @@ struct VarlenMainloop : Base {
     VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
     softmax_step(acc_s);
     Tensor p_op = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int j = 1; j < trips; j++) {
-      k_read = v_read;
-      ++k_read;
-      tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
-      pipeline.consumer_wait(k_read);
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
-      warpgroup_commit_batch();
+    auto issue_pv = [&]() {  // acc_pv = acc_pv * correction + P V[v_read]
       rescale_output();
       pipeline.consumer_wait(v_read);
       warpgroup_fence_operand(acc_pv);
@@ -422,6 +415,15 @@ struct VarlenMainloop : Base {
       warpgroup_arrive();
       cute::gemm(mma_pv, p_op, tOrV(_, _, _, v_read.index()), acc_pv);
       warpgroup_commit_batch();
+    };
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int j = 1; j < trips; j++) {
+      k_read = v_read;
+      ++k_read;
+      tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
+      issue_qk();
+      issue_pv();  // of tile j - 1
       warpgroup_wait<1>();  // this tile's QK^T is done, the PV product may still run
       warpgroup_fence_operand(acc_s);
       pipeline.consumer_release(k_read);
@@ -436,14 +438,7 @@ struct VarlenMainloop : Base {
     }
     if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
 
-    // the last tile's PV product
-    rescale_output();
-    pipeline.consumer_wait(v_read);
-    warpgroup_fence_operand(acc_pv);
-    warpgroup_fence_operand(p_op);
-    warpgroup_arrive();
-    cute::gemm(mma_pv, p_op, tOrV(_, _, _, v_read.index()), acc_pv);
-    warpgroup_commit_batch();
+    issue_pv();  // of the last tile
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
     pipeline.consumer_release(v_read);

@@ -344,7 +344,8 @@ def _scale(s: torch.Tensor | None) -> tuple[int | None, int]:
 def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
         out_scale=None, q_scale=None, k_scale=None, v_scale=None, **unused) -> None:
     """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]`. FP8 value is first transposed to
-    `[Hkv, D, Tk]` (tokens contiguous; one extra pass over V, about 1% of an 8k prefill)."""
+    `[Hkv, D, Tk]` (tokens contiguous) by `kernels.transpose`: one pass over V, 43 µs for 16k
+    tokens x 32 heads x 128 on an H200, about 1.5% of an 8k prefill."""
     tq, hq, d = query.shape
     tk, hkv, _ = key.shape
     if tq == 0:
