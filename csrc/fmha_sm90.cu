@@ -82,7 +82,19 @@ using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, i
 // Softmax overlapped with the products (VarlenMainloop::compute_overlapped): FP8 at D = 128 only.
 // bf16/fp16 measured 0-5% slower with it (H200, docs/cutlass.md); at D = 256 the output
 // accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
+// That loop reads V with the tokens of every 16 interleaved (see probabilities_operand).
 constexpr bool kOverlapSoftmax = kFp8 && kHeadDim == 128;
+constexpr bool kInterleavedV = kOverlapSoftmax;
+
+// Four fp32 values -> one register of e4m3 bytes (b0 in the low byte); saturating, as FA3 does.
+CUTLASS_DEVICE uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      " mov.b32 %0, {lo, hi};\n}"
+      : "=r"(out)
+      : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+  return out;
+}
 
 // Keys of a sequence are read from its first key rounded down to this many (see the header).
 constexpr int kKeyAlign = kFp8 ? 16 : 1;
@@ -124,15 +136,24 @@ struct VarlenMask {
     return get_trip_count(blk, tile, s) - get_unmasked_trip_count(blk, tile, s);
   }
 
+  // Masks a tile's logits. A thread whose elements are all visible returns at once (the
+  // mainloop calls this on its first tile whether or not that tile needs a mask). Otherwise one
+  // unsigned compare per element against the row's visible key range [0, hi): key k (counted
+  // from the sequence's first key) is visible iff 0 <= k < hi, hi = Lk or (causal) the row's
+  // diagonal + 1, clamped at 0.
   template <class AccQK, class IndexQK>
   CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, SeqShape const& s) {
     int lk = get<3>(s), diagonal = get<3>(s) - get<2>(s), off = get<6>(s);
     bool causal = get<5>(s);
+    // the thread's first and last elements hold its smallest and largest (row, key)
+    int k_first = int(get<1>(index(0))) - off, k_last = int(get<1>(index(size(acc) - 1))) - off;
+    int q_first = int(get<0>(index(0)));
+    if (k_first >= 0 && k_last < lk && (!causal || k_last <= q_first + diagonal)) return;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i++) {
       auto pos = index(i);
-      int q = get<0>(pos), k = get<1>(pos) - off;
-      if (k < 0 || k >= lk || (causal && k > q + diagonal)) acc(i) = -INFINITY;
+      int hi = causal ? min(lk, int(get<0>(pos)) + diagonal + 1) : lk;
+      if (unsigned(int(get<1>(pos)) - off) >= unsigned(max(hi, 0))) acc(i) = -INFINITY;
     }
   }
 };
@@ -306,6 +327,29 @@ struct VarlenMainloop : Base {
     }
   }
 
+  // The probabilities (QK^T accumulator layout, fp32) as the e4m3 A operand of the PV product.
+  // In the accumulator a thread holds, per row and per 16 keys, the columns 2c, 2c + 1, 2c + 8,
+  // 2c + 9 (c = lane % 4); the A operand wants 4 consecutive k positions 4c .. 4c + 3 in one
+  // register. V's tokens are interleaved so that k position 4c + i is exactly that column
+  // (torch_ops/kernels/transpose.py), so each register packs a row's two column pairs of
+  // adjacent 8-column blocks: 4 converts and no exchange between threads per 8 values (the
+  // example's make_acc_into_op converts one value at a time and exchanges across the quad).
+  // Storage: accumulator registers 8m .. 8m + 7 are blocks 2m, 2m + 1 as (row g, row g + 8) x
+  // (2c, 2c + 1); operand registers 2m, 2m + 1 are rows g and g + 8 of those 16 k positions.
+  template <class AccQK>
+  CUTLASS_DEVICE static auto probabilities_operand(AccQK const& acc) {
+    using namespace cutlass::fmha::collective;
+    Tensor op = make_fragment_like<Element>(
+        convert_c_layout_to_a_layout(acc.layout(), shape<1>(typename TiledMmaPV::LayoutA_TV{})));
+    uint32_t* words = reinterpret_cast<uint32_t*>(raw_pointer_cast(op.data()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < size(acc) / 8; m++) {
+      words[2 * m] = e4m3x4(acc(8 * m), acc(8 * m + 1), acc(8 * m + 4), acc(8 * m + 5));
+      words[2 * m + 1] = e4m3x4(acc(8 * m + 2), acc(8 * m + 3), acc(8 * m + 6), acc(8 * m + 7));
+    }
+    return op;
+  }
+
   // The QK^T of key tile j is issued before the PV product of tile j - 1, and tile j's softmax
   // runs while that PV product is still in the tensor cores (intra-warpgroup overlap). As in the
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
@@ -406,7 +450,7 @@ struct VarlenMainloop : Base {
     pipeline.consumer_release(k_read);
     VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
     softmax_step(acc_s);
-    Tensor p_op = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+    Tensor p_op = probabilities_operand(acc_s);
     auto issue_pv = [&]() {  // acc_pv = acc_pv * correction + P V[v_read]
       rescale_output();
       pipeline.consumer_wait(v_read);
@@ -434,7 +478,7 @@ struct VarlenMainloop : Base {
       pipeline.consumer_release(v_read);
       v_read = k_read;
       ++v_read;
-      p_op = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+      p_op = probabilities_operand(acc_s);
     }
     if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
 
@@ -654,10 +698,17 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   // One TMA descriptor per tensor over all packed tokens; the K/V descriptors span Hq "heads" of
   // which only the first Hkv are ever addressed (a CTA of query head h reads KV head h / group).
   auto packed = make_shape(1, a.hq, tq, max(tk, 1), d);
-  auto base = Base::to_underlying_arguments(
-      packed, Base::Arguments{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.k), dK,
-                              static_cast<Element const*>(a.v), dV},
-      nullptr);
+  Base::Arguments tensors{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.k), dK,
+                          static_cast<Element const*>(a.v), dV};
+  auto base = Base::to_underlying_arguments(packed, tensors, nullptr);
+  if (a.v_interleaved != int(kInterleavedV)) {
+    return fail(kInterleavedV ? "this kernel reads V with the tokens of every 16 interleaved (v_interleaved = 1)"
+                              : "this kernel reads V in token order (v_interleaved = 0)");
+  }
+  if constexpr (kInterleavedV) {  // V's TMA box spans the zero-padded last group of 16 tokens
+    base.tma_load_v = Base::to_underlying_arguments(make_shape(1, a.hq, tq, (max(tk, 1) + 15) / 16 * 16, d),
+                                                    tensors, nullptr).tma_load_v;
+  }
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale};

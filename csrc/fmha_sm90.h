@@ -15,8 +15,10 @@ typedef struct {
   const void* q;
   const void* k;
   // FP8: value transposed, vt [hkv, head_dim, >= total_k] (v_head_stride, v_dim_stride; tokens
-  // contiguous), as the FP8 wgmma wants the PV reduction dim contiguous. bf16/fp16: value
-  // [total_k, hkv, head_dim] (v_row_stride, v_head_stride).
+  // contiguous), as the FP8 wgmma wants the PV reduction dim contiguous; with v_interleaved the
+  // tokens of every aligned 16 are interleaved and vt holds ceil(total_k / 16) * 16 of them, the
+  // padding zero (torch_ops/kernels/transpose.py). bf16/fp16: value [total_k, hkv, head_dim]
+  // (v_row_stride, v_head_stride).
   const void* v;
   void* out;        // [total_q, hq, head_dim] in out_dtype (out_row_stride, out_head_stride)
   float* lse;       // [total_q, hq] fp32, natural log (lse_row_stride; heads contiguous)
@@ -39,6 +41,7 @@ typedef struct {
   float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
   // persistent kernels only: CTAs in the grid, and heads per section of the work order (divides hq)
   int32_t num_ctas, section_heads;
+  int32_t v_interleaved;    // 1 for the kernels that read V interleaved (FP8 D = 128), else 0; checked
 } AttnFmhaArgs;
 
 // Each instantiation (input dtype x head dim x grid) exports one entry point:
