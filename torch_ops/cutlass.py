@@ -383,7 +383,8 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
         v_dim_stride=v.stride(1) if fp8 else 0, out_row_stride=o.stride(0), out_head_stride=o.stride(1),
         lse_row_stride=l.stride(0), total_q=tq, total_k=tk, num_seqs=cu_q.shape[0] - 1, hq=hq, hkv=hkv,
         head_dim=d, causal=int(causal), q_scale_stride=qs_stride, k_scale_stride=ks_stride,
-        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype], v_interleaved=int(interleaved), num_ctas=num_ctas, section_heads=section_heads,
+        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype], num_ctas=num_ctas, section_heads=section_heads,
+        v_interleaved=int(interleaved),
         softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
     )
     err = ctypes.create_string_buffer(256)
