@@ -83,6 +83,7 @@ from . import interpreting
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
 MAX_SPLITS = 64
+MAX_REPLICAS = 4                      # one-warp programs: key tiles scored side by side (`run`)
 PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
@@ -293,64 +294,100 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
 
 @triton.jit
 def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
-          n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
           PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
           FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
           QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr):
-    """Tile `it` of this program's key ranges (sink tiles first): one online-softmax step."""
+    """Chunk `it` of this program's key ranges (sink chunks first): R tiles of BLOCK_N keys, tile
+    j scored by the rows of replica j (`rep`), then one online-softmax step per row."""
+    CHUNK: tl.constexpr = R * BLOCK_N
     if HAS_WINDOW:
         in_sink = it < n_sink
-        t0 = tl.where(in_sink, it * BLOCK_N, start + (it - n_sink) * BLOCK_N)
+        t0 = tl.where(in_sink, it * CHUNK, start + (it - n_sink) * CHUNK)
         hi = tl.where(in_sink, sink_hi, end)
     else:
-        t0 = start + it * BLOCK_N
+        t0 = start + it * CHUNK
         hi = end
-    offs_n = t0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hi
-    if ONE_PAGE:
-        page = tl.load(bt_row + (t0 // PAGE) * stride_btp).to(tl.int64)
-    else:
-        page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
-    within = (offs_n % PAGE).to(tl.int64)
-    k_rows = page * stride_kb + within * stride_kt + k_head
-    v_rows = page * stride_vb + within * stride_vt + v_head
 
-    if FMT == 0:
-        k = _load_plain(K, k_rows, n_ok, HEAD_DIM, BLOCK_D)
-        if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns: give it fp32
-            k = k.to(tl.float32)
-        qk = tl.dot(q0, tl.trans(k))
-    else:
-        ks_rows = page * stride_ksb + within * stride_kst + ks_head
-        vs_rows = page * stride_vsb + within * stride_vst + vs_head
-        if SVEC > 1:   # scale rows start on SVEC-element boundaries: vector (pipelinable) loads
-            ks_rows = tl.multiple_of(ks_rows, SVEC)
-            vs_rows = tl.multiple_of(vs_rows, SVEC)
-        k0, k1, k2, k3 = _load_lanes(K, k_rows, n_ok, KS, ks_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
-                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
-        qk = tl.dot(q0, tl.trans(k0))
-        qk = tl.dot(q1, tl.trans(k1), qk)
-        qk = tl.dot(q2, tl.trans(k2), qk)
-        qk = tl.dot(q3, tl.trans(k3), qk)
+    s = tl.zeros([rep.shape[0], BLOCK_N], tl.float32)
+    v_tiles = ()
+    for j in tl.static_range(R):
+        offs_n = t0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if ONE_PAGE:
+            # the tile lies in one page: one base pointer per tile, 32-bit row offsets within it
+            first = t0 + j * BLOCK_N
+            page = tl.load(bt_row + (first // PAGE) * stride_btp).to(tl.int64)
+            within = (first % PAGE).to(tl.int64)
+            row = tl.arange(0, BLOCK_N)
+            Kt = K + (page * stride_kb + within * stride_kt + k_head)
+            Vt = V + (page * stride_vb + within * stride_vt + v_head)
+            k_rows = row * stride_kt
+            v_rows = row * stride_vt
+            if FMT != 0:
+                ks_off = page * stride_ksb + within * stride_kst + ks_head
+                vs_off = page * stride_vsb + within * stride_vst + vs_head
+                if SVEC > 1:   # scale rows start on SVEC-element boundaries: vector (pipelinable) loads
+                    ks_off = tl.multiple_of(ks_off, SVEC)
+                    vs_off = tl.multiple_of(vs_off, SVEC)
+                KSt = KS + ks_off
+                VSt = VS + vs_off
+                ks_rows = row * stride_kst
+                vs_rows = row * stride_vst
+        else:
+            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
+            within = (offs_n % PAGE).to(tl.int64)
+            Kt = K
+            Vt = V
+            k_rows = page * stride_kb + within * stride_kt + k_head
+            v_rows = page * stride_vb + within * stride_vt + v_head
+            if FMT != 0:
+                KSt = KS
+                VSt = VS
+                ks_rows = page * stride_ksb + within * stride_kst + ks_head
+                vs_rows = page * stride_vsb + within * stride_vst + vs_head
+        if FMT == 0:
+            k = _load_plain(Kt, k_rows, n_ok, HEAD_DIM, BLOCK_D)
+            if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns: give it fp32
+                k = k.to(tl.float32)
+            qk = tl.dot(q0, tl.trans(k))
+            VSt = Vt
+            vs_rows = v_rows
+        else:
+            if SVEC > 1:
+                ks_rows = tl.multiple_of(ks_rows, SVEC)
+                vs_rows = tl.multiple_of(vs_rows, SVEC)
+            k0, k1, k2, k3 = _load_lanes(Kt, k_rows, n_ok, KSt, ks_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
+                                         NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
+            qk = tl.dot(q0, tl.trans(k0))
+            qk = tl.dot(q1, tl.trans(k1), qk)
+            qk = tl.dot(q2, tl.trans(k2), qk)
+            qk = tl.dot(q3, tl.trans(k3), qk)
+        v_tiles = v_tiles + ((Vt, v_rows, VSt, vs_rows, n_ok),)
+        if R == 1:
+            s = qk
+        else:
+            s = tl.where((rep == j)[:, None], qk, s)
 
     if HAS_SOFTCAP:
         # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to log2 units
-        x = qk * (qk_scale / softcap)
+        x = s * (qk_scale / softcap)
         th = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
         s = th * (softcap * 1.4426950408889634)
     else:
-        s = qk * qk_scale
-    dist = pos[:, None] - offs_n[None, :]
+        s = s * qk_scale
+    key = t0 + rep[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]   # [rows, BLOCK_N] key index
+    dist = pos[:, None] - key
     if HAS_ALIBI:
         s = s + alibi2[:, None] * tl.abs(dist).to(tl.float32)
-    vis = n_ok[None, :] & (dist >= 0)
+    vis = (key < hi) & (dist >= 0)
     if HAS_WINDOW:
-        vis = vis & ((dist <= window_left) | (offs_n < sink_tokens)[None, :])
+        vis = vis & ((dist <= window_left) | (key < sink_tokens))
     s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -360,21 +397,32 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
 
-    if FMT == 0:
-        v = _load_plain(V, v_rows, n_ok, HEAD_DIM, BLOCK_D)
-        p_op = p.to(v.dtype)
-        if DOT_F32:
-            p_op = p_op.to(tl.float32)
-            v = v.to(tl.float32)
-        acc0 = tl.dot(p_op, v, acc0 * alpha[:, None])
-    else:
-        v0, v1, v2, v3 = _load_lanes(V, v_rows, n_ok, VS, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
-                                     NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
-        p_op = p.to(tl.float16)
-        acc0 = tl.dot(p_op, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(p_op, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(p_op, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(p_op, v3, acc3 * alpha[:, None])
+    acc0 = acc0 * alpha[:, None]
+    if FMT != 0:
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+    for j in tl.static_range(R):
+        Vt, v_rows, VSt, vs_rows, n_ok = v_tiles[j]
+        if FMT == 0:
+            v = _load_plain(Vt, v_rows, n_ok, HEAD_DIM, BLOCK_D)
+            p_op = p.to(v.dtype)
+            if DOT_F32:
+                p_op = p_op.to(tl.float32)
+                v = v.to(tl.float32)
+            if R > 1:
+                p_op = tl.where((rep == j)[:, None], p_op, 0.0)
+            acc0 = tl.dot(p_op, v, acc0)
+        else:
+            v0, v1, v2, v3 = _load_lanes(Vt, v_rows, n_ok, VSt, vs_rows, FMT, E5M2, HEAD_DIM, BLOCK_N,
+                                         NG, NGP, GW, QGROUP, SCALE_PER_GRP, ASM, SCALE_F16)
+            p_op = p.to(tl.float16)
+            if R > 1:
+                p_op = tl.where((rep == j)[:, None], p_op, 0.0)
+            acc0 = tl.dot(p_op, v0, acc0)
+            acc1 = tl.dot(p_op, v1, acc1)
+            acc2 = tl.dot(p_op, v2, acc2)
+            acc3 = tl.dot(p_op, v3, acc3)
     return acc0, acc1, acc2, acc3, m_i, l_i
 
 
@@ -408,7 +456,7 @@ def _paged_decode_kernel(
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
     PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
@@ -424,14 +472,18 @@ def _paged_decode_kernel(
     kh = (pid // M_TILES) % NUM_KV_HEADS
     b = pid // (M_TILES * NUM_KV_HEADS)
 
+    CHUNK: tl.constexpr = R * BLOCK_N       # keys per loop step
+    RP: tl.constexpr = BLOCK_M // R         # query rows per replica
     L = tl.load(SeqLens + b).to(tl.int32)
     kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
-                                                  QPS, HAS_WINDOW, BLOCK_N)
+                                                  QPS, HAS_WINDOW, CHUNK)
     if SPLIT:
         if split >= n_active:
             return
 
-    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    # tile row i = query row i // R (token, head of the group) of replica i % R
+    rep = tl.arange(0, BLOCK_M) % R
+    m = mt * RP + tl.arange(0, BLOCK_M) // R
     row_ok = m < QPS * GROUP
     qi = m // GROUP
     head = kh * GROUP + m % GROUP
@@ -482,8 +534,8 @@ def _paged_decode_kernel(
     if HAS_WINDOW:
         if split == 0:
             sink_hi = tl.minimum(sink_tokens, kv_lo)
-    n_sink = tl.cdiv(sink_hi, BLOCK_N)
-    n_main = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+    n_sink = tl.cdiv(sink_hi, CHUNK)
+    n_main = tl.cdiv(tl.maximum(end - start, 0), CHUNK)
 
     bt_row = BT + b.to(tl.int64) * stride_btb
     k_head = kh.to(tl.int64) * stride_kh
@@ -506,10 +558,10 @@ def _paged_decode_kernel(
         for it in range(0, n_iter):
             acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                 it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                sink_tokens, n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                 ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
@@ -518,10 +570,10 @@ def _paged_decode_kernel(
             if it < n_iter:
                 acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                     it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                    sink_tokens, n_sink, sink_hi, start, end, pos, alibi2, bt_row, stride_btp,
+                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                     ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
 
     # ---- epilogue ------------------------------------------------------------------------------
@@ -529,6 +581,18 @@ def _paged_decode_kernel(
         acc = acc0
     else:   # interleave the lanes back: column 4c + j <- lane j, column c
         acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), (BLOCK_M, BLOCK_D))
+    if R > 1:
+        # merge the replicas' softmax states: [RP * R] rows -> RP query rows
+        m2 = tl.reshape(m_i, (RP, R))
+        m_i = tl.max(m2, 1)
+        w = tl.exp2(m2 - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = tl.sum(tl.reshape(l_i, (RP, R)) * w, 1)
+        acc = tl.sum(tl.reshape(acc, (RP, R, BLOCK_D)) * w[:, :, None], 1)
+        m = mt * RP + tl.arange(0, RP)
+        row_ok = m < QPS * GROUP
+        qi = m // GROUP
+        head = kh * GROUP + m % GROUP
+        tok = b * QPS + qi
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if FMT == 1:
@@ -565,7 +629,7 @@ def _merge_kernel(
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, NS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, NS_P: tl.constexpr, CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Combine the active splits' partial (out, lse) of BLOCK_H heads of one query token; add the
@@ -574,7 +638,7 @@ def _merge_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
     L = tl.load(SeqLens + t // QPS).to(tl.int32)
-    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, BLOCK_N)
+    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, CHUNK)
     s = tl.arange(0, NS_P)
     s_ok = s < n_active
     lse_ptr = PLse + s[:, None].to(tl.int64) * stride_pls + t.to(tl.int64) * stride_plt + h[None, :]
@@ -641,7 +705,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
-    one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
+    one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8, "replicas": MAX_REPLICAS}
     if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
         # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200,
@@ -806,10 +870,12 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
     block_n = cfg["BLOCK_N"]
+    replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
+    chunk = replicas * block_n
     if not num_splits:
         per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
-        num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
-    min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
+        num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, chunk, rows, sms, per_sm)
+    min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
 
     dummy = lse
     kc, vc = k_cache, v_cache
@@ -858,9 +924,9 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     max_iters = 1
     if static_loop:
         cap = max_blocks * page
-        per = max(min_split, _cdiv(_cdiv(cap, num_splits), block_n) * block_n)
-        max_iters = max(1, _cdiv(min(per, cap), block_n) + 1
-                        + (_cdiv(min(sink_tokens, cap), block_n) if has_window else 0))
+        per = max(min_split, _cdiv(_cdiv(cap, num_splits), chunk) * chunk)
+        max_iters = max(1, _cdiv(min(per, cap), chunk) + 1
+                        + (_cdiv(min(sink_tokens, cap), chunk) if has_window else 0))
     grid = (batch * hkv * m_tiles, num_splits)
     global LAST_KERNEL, LAST_NUM_SPLITS
     LAST_NUM_SPLITS = num_splits
@@ -876,7 +942,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=page_span % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
         FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
         PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
@@ -896,7 +962,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=block_d,
-            NS_P=_pow2(num_splits), BLOCK_N=block_n, HAS_WINDOW=has_window,
+            NS_P=_pow2(num_splits), CHUNK=chunk, HAS_WINDOW=has_window,
             HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
             num_warps=4,
         )

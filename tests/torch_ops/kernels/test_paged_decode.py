@@ -160,6 +160,21 @@ def test_int8_features(kernel_device, knobs):
                   scale=0.2, q_scaling=1.5)
 
 
+@pytest.mark.parametrize("cache_dtype,group,bs,qps,replicas", [
+    (BF16, None, 16, 2, 4), (E4M3, None, 5, 1, 4), (INT8, 32, 16, 1, 2), (INT4, 16, 8, 3, 2)])
+def test_replicated_rows(kernel_device, knobs, cache_dtype, group, bs, qps, replicas):
+    # one-warp programs scoring `replicas` key tiles side by side (each in its own copy of the
+    # query rows), merged in the epilogue; every masking feature, split-K, whole and partial pages
+    knobs(FORCE_NUM_SPLITS=3, MIN_SPLIT_TOKENS=16,
+          CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas})
+    hq = 4
+    problem = make_problem(kernel_device, lens=[150, 0, 3, 67], hq=hq, hkv=2, d=64, bs=bs, qps=qps,
+                           cache_dtype=cache_dtype, group=group, fp8_per_head=True)
+    run_and_check(problem)
+    run_and_check(problem, window_left=40, sink_tokens=5, alibi_slopes=reference.alibi_slopes(hq).to(kernel_device),
+                  softcap=5.0, sinks=torch.randn(hq, device=kernel_device), out_scale=torch.tensor(0.05, device=kernel_device))
+
+
 @pytest.mark.parametrize("d,bs,cache_dtype,group", [(80, 7, INT4, 16), (96, 1, INT8, 24), (64, 3, E5M2, None)])
 def test_odd_dims_groups_pages(kernel_device, knobs, d, bs, cache_dtype, group):
     # non-power-of-2 head dims, a gathered (non 4 x 2^k) scale group, e5m2, tiny pages
