@@ -7,9 +7,14 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   (row `m = i * G + g`: token `i`, head `g` of the group), padded to >= 16 and tiled by at most
   64 rows (`M_TILES` programs share the KV head then; they run side by side, so the second read
   comes from L2). The K/V tiles are read once per program, whatever the GQA ratio.
+- **Replicated rows.** With <= 8 query rows, a one-warp program's 16-row tile can hold R copies of
+  them (row i = query row i // R, copy i % R); copy j scores key tile j of each R-tile step, so
+  one softmax step and one rescale of the accumulators serve R tiles. Each copy keeps its own
+  online-softmax state; the epilogue merges them (`config` says when R = 2 pays).
 - **Paged tiles.** A tile is `BLOCK_N` tokens. When the block size is a multiple of `BLOCK_N`, a
-  tile lies in one page and costs one block-table load; otherwise (block sizes 1..BLOCK_N-1, or
-  not multiples) every token row looks its page up (an L1 hit). Page and row offsets are int64.
+  tile lies in one page and costs one block-table load, and its rows are 32-bit offsets from one
+  64-bit base pointer; otherwise (block sizes 1..BLOCK_N-1, or not multiples) every token row
+  looks its page up (an L1 hit) with int64 offsets.
   Any block/token/head strides with a contiguous last dim (NHD, HND, combined, vLLM) are served.
 - **Quantized tiles as words, split into 4 lanes.** FP8/INT8 rows are read as int32 words and
   packed INT4 rows as int16 words, 4 values each; word c of a row holds dims 4c..4c+3. Each word
@@ -83,7 +88,8 @@ from . import interpreting
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
 MAX_SPLITS = 64
-MAX_REPLICAS = 4                      # one-warp programs: key tiles scored side by side (`run`)
+REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
+                                      # this many keys per split (`config`)
 PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
@@ -705,7 +711,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
-    one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8, "replicas": MAX_REPLICAS}
+    one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
         # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200,
@@ -731,7 +737,14 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # H200_20261122k.log): 128-key 4-warp tiles -> 16-key 1-warp: FP8 701 -> 533 / 196 -> 162
         # us, INT8 966 -> 724 / 248 -> 197, INT4 761 -> 557 / 191 -> 147. `programs_per_sm` 8 (16
         # split more and was slower: INT8 B = 64 234 us).
-        return one_warp
+        # `replicas`: with <= 8 query rows, the 16-row tile holds two copies of them, each copy
+        # scoring its own 16-key tile, so one softmax step and one rescale of the accumulators
+        # serve 32 keys (merged in the epilogue). H200, 32/8 heads (results/trial_decode_replicas_
+        # H200_20261122o.log), splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
+        # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
+        # B = 128 FP8 1088 -> 1022. Splits of 64-128 keys ran 4-10% slower (`run` keeps one tile
+        # below REPLICA_MIN_KEYS per split); four copies took 255 registers and spilled.
+        return dict(one_warp, replicas=2)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
@@ -870,11 +883,13 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
     block_n = cfg["BLOCK_N"]
-    replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
-    chunk = replicas * block_n
     if not num_splits:
         per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
-        num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, chunk, rows, sms, per_sm)
+        num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
+    replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
+    if not CONFIG_OVERRIDE and max_blocks * page < REPLICA_MIN_KEYS * num_splits:
+        replicas = 1
+    chunk = replicas * block_n      # keys per loop step
     min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
 
     dummy = lse
@@ -909,6 +924,8 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
     bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
+    # single-page tiles address their rows with 32-bit offsets from the tile's first row
+    rows32 = (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31
     split = num_splits > 1
     if split:
         pout = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=query.device)
@@ -943,7 +960,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
-        PAGE=page_span, ONE_PAGE=page_span % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
+        PAGE=page_span, ONE_PAGE=page_span % block_n == 0 and rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
         FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
         PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
