@@ -38,7 +38,9 @@ def paged_case(fmt, block_size, seq_lens, hq=8, hkv=2, d=128, q_per_seq=1):
 
 def run_decode():
     for fmt in FORMATS:
-        for block_size, lens, qps in ((16, [1, 17, 0, 300], 1), (5, [33, 2], 2), (64, [1000, 63], 1), (16, [40, 7], 8)):
+        # the last case's long splits take replicated rows in the quantized formats
+        for block_size, lens, qps in ((16, [1, 17, 0, 300], 1), (5, [33, 2], 2), (64, [1000, 63], 1), (16, [40, 7], 8),
+                                      (16, [2001] * 40 + [5, 0], 1)):
             q, cache, tables, seq_lens = paged_case(fmt, block_size, lens, q_per_seq=qps)
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, window_left=40, sink_tokens=2,
                                         **cache.scale_kwargs())
