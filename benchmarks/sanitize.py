@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_ops  # noqa: E402
+from torch_ops.kernels import paged_decode as pd  # noqa: E402
 from torch_ops.kv_cache import PagedKVCache, random_  # noqa: E402
 
 FORMATS = {"bf16": (torch.bfloat16, None), "e4m3": (torch.float8_e4m3fn, None),
@@ -38,12 +39,15 @@ def paged_case(fmt, block_size, seq_lens, hq=8, hkv=2, d=128, q_per_seq=1):
 
 def run_decode():
     for fmt in FORMATS:
-        # the last case's long splits take replicated rows in the quantized formats
-        for block_size, lens, qps in ((16, [1, 17, 0, 300], 1), (5, [33, 2], 2), (64, [1000, 63], 1), (16, [40, 7], 8),
-                                      (16, [2001] * 40 + [5, 0], 1)):
+        for block_size, lens, qps in ((16, [1, 17, 0, 300], 1), (5, [33, 2], 2), (64, [1000, 63], 1), (16, [40, 7], 8)):
             q, cache, tables, seq_lens = paged_case(fmt, block_size, lens, q_per_seq=qps)
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, window_left=40, sink_tokens=2,
                                         **cache.scale_kwargs())
+        # two long splits: replicated rows in the quantized formats
+        q, cache, tables, seq_lens = paged_case(fmt, 16, [2001, 1500, 5, 0])
+        pd.FORCE_NUM_SPLITS = 2
+        torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
+        pd.FORCE_NUM_SPLITS = None
     print("paged_decode: ok")
 
 
