@@ -9,6 +9,7 @@
     python benchmarks/sweep_decode_config.py --set onewarp  # one-warp quantized configs
     python benchmarks/sweep_decode_config.py --set onewarp16  # their pipeline depth, programs per SM
     python benchmarks/sweep_decode_config.py --set onewarp_plain  # 16-key one/two-warp plain configs
+    python benchmarks/sweep_decode_config.py --set replicas  # one-warp programs with 1, 2, 4 row copies
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -57,8 +58,8 @@ SETS = {
         shapes=[(1, 32, 8, 1024, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128),
                 (256, 32, 8, 4096, 128), (128, 32, 32, 4096, 128)]),
     # programs of 1-2 warps; optional 4th and 5th entries: resident programs per SM for the split
-    # heuristic (from the config's registers and shared memory compiled for sm_90a) and the
-    # formats it is for ("plain" or "quant")
+    # heuristic (from the config's registers and shared memory compiled for sm_90a), the
+    # formats it is for ("plain" or "quant") and the row copies (`replicas`)
     "warps": dict(
         configs={"n32": (32, 4, 5, None, "plain"), "n64": (64, 4, 5, None, "plain"), "n128": (128, 4, 5, None, "quant"),
                  "n16w2": (16, 2, 5, 10, "plain"), "n32w2": (32, 2, 5, 6, "plain"),
@@ -86,6 +87,13 @@ SETS = {
         shapes=[(1, 32, 32, 1024, 128), (1, 32, 8, 1024, 128), (1, 32, 8, 16384, 128), (16, 32, 8, 1024, 128),
                 (16, 32, 8, 4096, 128), (32, 32, 8, 2048, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128),
                 (16, 32, 32, 4096, 128), (32, 32, 8, 2048, 64), (64, 32, 8, 4096, 64)]),
+    "replicas": dict(   # one-warp 16-key programs scoring 1, 2 or 4 tiles per step in copies of the rows
+        configs={"r1s5": (16, 1, 5, 8, None, 1), "r2s5": (16, 1, 5, 8, None, 2), "r2s3": (16, 1, 3, 8, None, 2),
+                 "r4s3": (16, 1, 3, 8, None, 4), "r4s5": (16, 1, 5, 8, None, 4), "r4s3p4": (16, 1, 3, 4, None, 4)},
+        splits=(None,), layouts=("p16", "fp8", "int8", "int4"),
+        shapes=[(1, 32, 32, 1024, 128), (1, 32, 32, 16384, 128), (4, 32, 8, 4096, 128), (1, 32, 8, 1024, 128),
+                (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128),
+                (128, 32, 32, 4096, 128), (64, 32, 4, 4096, 128)]),
 }
 BLOCK_SIZE = 16
 
@@ -126,14 +134,15 @@ def main() -> None:
             seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
             cells = []
             for name, (block_n, warps, stages, *extra) in sweep["configs"].items():
-                per_sm, only = (extra + [None, None])[:2]
+                per_sm, only, replicas = (extra + [None, None, 1])[:3]
                 for splits in sweep["splits"]:
                     plain = layout in ("p16", "one")
                     too_big = block_n == 128 and d == 128 and stages == 5 and plain
                     if too_big or only == ("quant" if plain else "plain"):
                         cells.append(f"{'-':>10}")   # too big, or a config for the other formats
                         continue
-                    pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+                    pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                                          "replicas": replicas}
                     pd.PROGRAMS_PER_SM = per_sm
                     pd.FORCE_NUM_SPLITS = splits
                     calls = sets if callable(sets[0]) else [
