@@ -304,7 +304,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-          PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+          PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr,
           FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
           QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -326,10 +326,12 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         offs_n = t0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         if ONE_PAGE:
-            # the tile lies in one page: one base pointer per tile, 32-bit row offsets within it
-            first = t0 + j * BLOCK_N
-            page = tl.load(bt_row + (first // PAGE) * stride_btp).to(tl.int64)
-            within = (first % PAGE).to(tl.int64)
+            page = tl.load(bt_row + ((t0 + j * BLOCK_N) // PAGE) * stride_btp).to(tl.int64)
+        else:
+            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
+        if ROWS32:
+            # (single-page tiles) one base pointer per tile, 32-bit row offsets within it
+            within = ((t0 + j * BLOCK_N) % PAGE).to(tl.int64)
             row = tl.arange(0, BLOCK_N)
             Kt = K + (page * stride_kb + within * stride_kt + k_head)
             Vt = V + (page * stride_vb + within * stride_vt + v_head)
@@ -346,7 +348,6 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
                 ks_rows = row * stride_kst
                 vs_rows = row * stride_vst
         else:
-            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
             within = (offs_n % PAGE).to(tl.int64)
             Kt = K
             Vt = V
@@ -463,7 +464,7 @@ def _paged_decode_kernel(
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
-    PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
+    PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
     QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr, PRESCALE_Q: tl.constexpr,
@@ -567,7 +568,7 @@ def _paged_decode_kernel(
                 sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                 ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
@@ -579,7 +580,7 @@ def _paged_decode_kernel(
                     sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                     ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
 
     # ---- epilogue ------------------------------------------------------------------------------
@@ -924,8 +925,10 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
     bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
-    # single-page tiles address their rows with 32-bit offsets from the tile's first row
-    rows32 = (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31
+    one_page = page_span % block_n == 0
+    # single-page tiles may address their rows with 32-bit offsets from the tile's first row
+    rows32 = (one_page and cfg.get("rows32", True)
+              and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:
         pout = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=query.device)
@@ -960,7 +963,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
-        PAGE=page_span, ONE_PAGE=page_span % block_n == 0 and rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
+        PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
         FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
         PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
