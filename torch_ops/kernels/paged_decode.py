@@ -12,9 +12,9 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   one softmax step and one rescale of the accumulators serve R tiles. Each copy keeps its own
   online-softmax state; the epilogue merges them (`config` says when R = 2 pays).
 - **Paged tiles.** A tile is `BLOCK_N` tokens. When the block size is a multiple of `BLOCK_N`, a
-  tile lies in one page and costs one block-table load, and its rows are 32-bit offsets from one
-  64-bit base pointer; otherwise (block sizes 1..BLOCK_N-1, or not multiples) every token row
-  looks its page up (an L1 hit) with int64 offsets.
+  tile lies in one page and costs one block-table load (and, where `config` says so, its rows are
+  32-bit offsets from one 64-bit base pointer); otherwise (block sizes 1..BLOCK_N-1, or not
+  multiples) every token row looks its page up (an L1 hit). Row offsets are int64.
   Any block/token/head strides with a contiguous last dim (NHD, HND, combined, vLLM) are served.
 - **Quantized tiles as words, split into 4 lanes.** FP8/INT8 rows are read as int32 words and
   packed INT4 rows as int16 words, 4 values each; word c of a row holds dims 4c..4c+3. Each word
@@ -745,7 +745,12 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
         # B = 128 FP8 1088 -> 1022. Splits of 64-128 keys ran 4-10% slower (`run` keeps one tile
         # below REPLICA_MIN_KEYS per split); four copies took 255 registers and spilled.
-        return dict(one_warp, replicas=2)
+        # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
+        # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
+        # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
+        # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `run` leaves it out there); INT8/INT4
+        # gain no instructions and lost up to 8% (results/trial_decode_rows32_H200_20261122o.log).
+        return dict(one_warp, replicas=2, rows32=fmt == FMT_FP8)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
@@ -927,7 +932,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
     one_page = page_span % block_n == 0
     # single-page tiles may address their rows with 32-bit offsets from the tile's first row
-    rows32 = (one_page and cfg.get("rows32", True)
+    rows32 = (one_page and cfg.get("rows32", False) and (replicas > 1 or num_splits > 1)
               and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:

@@ -160,13 +160,15 @@ def test_int8_features(kernel_device, knobs):
                   scale=0.2, q_scaling=1.5)
 
 
-@pytest.mark.parametrize("cache_dtype,group,bs,qps,replicas", [
-    (BF16, None, 16, 2, 4), (E4M3, None, 5, 1, 4), (INT8, 32, 16, 1, 2), (INT4, 16, 8, 3, 2)])
-def test_replicated_rows(kernel_device, knobs, cache_dtype, group, bs, qps, replicas):
+@pytest.mark.parametrize("cache_dtype,group,bs,qps,replicas,rows32", [
+    (BF16, None, 16, 2, 4, False), (E4M3, None, 5, 1, 4, True), (E4M3, None, 32, 2, 2, True),
+    (INT8, 32, 48, 1, 2, True), (INT4, 16, 8, 3, 2, False)])
+def test_replicated_rows(kernel_device, knobs, cache_dtype, group, bs, qps, replicas, rows32):
     # one-warp programs scoring `replicas` key tiles side by side (each in its own copy of the
-    # query rows), merged in the epilogue; every masking feature, split-K, whole and partial pages
+    # query rows), merged in the epilogue; every masking feature, split-K, whole and partial
+    # pages, single-page tiles addressed by 64-bit rows or by a base pointer and 32-bit rows
     knobs(FORCE_NUM_SPLITS=3, MIN_SPLIT_TOKENS=16,
-          CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas})
+          CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": rows32})
     hq = 4
     problem = make_problem(kernel_device, lens=[150, 0, 3, 67], hq=hq, hkv=2, d=64, bs=bs, qps=qps,
                            cache_dtype=cache_dtype, group=group, fp8_per_head=True)
