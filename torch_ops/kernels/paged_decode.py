@@ -91,7 +91,7 @@ MAX_SPLITS = 64
 REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
                                       # this many keys per split (`config`)
 PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
-CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_N", "num_warps", "num_stages"} for every call
+CONFIG_OVERRIDE: dict | None = None   # a `config` dict for every call (replicas, rows32 default off)
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
 LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
 LAST_NUM_SPLITS = 0                   # and the split count it ran with
@@ -743,8 +743,9 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # serve 32 keys (merged in the epilogue). H200, 32/8 heads (results/trial_decode_replicas_
         # H200_20261122o.log), splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
-        # B = 128 FP8 1088 -> 1022. Splits of 64-128 keys ran 4-10% slower (`run` keeps one tile
-        # below REPLICA_MIN_KEYS per split); four copies took 255 registers and spilled.
+        # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys ran 4-10%
+        # slower (`run` keeps one tile below REPLICA_MIN_KEYS per split); four copies took 255
+        # registers and spilled.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
         # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
         # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
