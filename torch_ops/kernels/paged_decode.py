@@ -894,7 +894,12 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
     replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
-    if not CONFIG_OVERRIDE and max_blocks * page < REPLICA_MIN_KEYS * num_splits:
+    # one tile per step for short splits, and for FP8 at D <= 64 in one split with GQA, where the
+    # registers of two copies (126 against 71) cost more occupancy than they save instructions
+    # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gained,
+    # results/trial_decode_d64_H200_20261122o.log)
+    if not CONFIG_OVERRIDE and (max_blocks * page < REPLICA_MIN_KEYS * num_splits
+                                or (fmt == FMT_FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
     chunk = replicas * block_n      # keys per loop step
     min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
