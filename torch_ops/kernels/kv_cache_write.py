@@ -23,7 +23,8 @@ Design
   `q = rint(clamp(x / s))` (clamping first gives the same integer; `rint` is `cvt.rni`, in
   the interpreter the exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even
   element low. The divisions are correctly rounded (`_div_rn`: a reciprocal per scale and two
-  FMAs per element; Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
+  FMAs per element; `absmax / qmax` by the constant `RN(1 / qmax)` and the same correction,
+  `_div_by_qmax`; Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
   order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
   of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
   rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit); GPT-J
@@ -53,6 +54,8 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   per element) and `cvt.rni` rounding: ~15 / 17 / 21, and at T = 16k 82-86 / 73-86 / 66-77 %
   (results/kvwrite_H200_20261122i.json). Rounding by adding 1.5 * 2^23 and no clamps (session
   7): ~13 / 15 / 18, at T = 16k 83-89 / 80-91 / 79-86 % (results/kvwrite_H200_20261122k2.json).
+  `absmax / qmax` without a division call and INT8/INT4 capped at 96 registers (session 10):
+  INT8 / INT4 14 / 16, at T = 16k INT8 91-87 %, INT4 80-86 % (results/trial_kvwrite_ab_H200_20261122o.log).
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
