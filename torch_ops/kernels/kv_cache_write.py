@@ -55,7 +55,7 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   (results/kvwrite_H200_20261122i.json). Rounding by adding 1.5 * 2^23 and no clamps (session
   7): ~13 / 15 / 18, at T = 16k 83-89 / 80-91 / 79-86 % (results/kvwrite_H200_20261122k2.json).
   `absmax / qmax` without a division call and INT8/INT4 capped at 96 registers (session 10):
-  INT8 / INT4 14 / 16, at T = 16k INT8 91-87 %, INT4 80-86 % (results/trial_kvwrite_ab_H200_20261122o.log).
+  INT8 / INT4 14 / 16, at T = 16k INT8 83-91 %, INT4 80-86 % (results/trial_kvwrite_ab_H200_20261122o.log).
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
