@@ -67,8 +67,8 @@ Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`.
 from __future__ import annotations
 
 import functools
+import struct
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -91,7 +91,7 @@ _FMT = {
 }
 _QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
 # RN(1 / qmax) in fp32 (the fp64 quotient rounds to the same fp32 value for 127 and 7)
-_QMAX_RCP = {FMT_INT8: float(np.float32(1 / 127)), FMT_INT4: float(np.float32(1 / 7))}
+_QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / q))[0] for f, q in _QMAX.items()}
 
 
 # =================================================================================================

@@ -17,6 +17,10 @@ a >2^31-element cache and CUDA-graph capture/replay are marked `gpu`.
 
 from __future__ import annotations
 
+import random
+import struct
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -322,6 +326,39 @@ def test_unsupported_reasons():
                                                           v_scale=scale, rope_neox=False, **rope))
     assert kcw.unsupported(key, key, cache, cache, slots, k_scale=scale, v_scale=scale, rope_neox=True, **rope) == []
     assert kcw.unsupported(key, key, cache, cache, slots, k_scale=scale, v_scale=scale) == []
+
+
+def _rn32(v: Fraction) -> Fraction:
+    """`v` rounded to the nearest fp32 value, ties to even (normal and subnormal range)."""
+    if v == 0:
+        return Fraction(0)
+    mag = abs(v)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()
+    if Fraction(2) ** e > mag:
+        e -= 1
+    ulp = Fraction(2) ** (max(e, -126) - 23)
+    n = mag / ulp
+    whole, frac = divmod(n.numerator, n.denominator)
+    if 2 * frac > n.denominator or (2 * frac == n.denominator and whole % 2):
+        whole += 1
+    return (1 if v > 0 else -1) * whole * ulp
+
+
+def test_group_scale_division_by_constant_reciprocal():
+    # the GPU computes absmax / qmax as q = RN(x r), RN(q + RN(x - q qmax) r) with r = RN(1 / qmax)
+    # (`_div_by_qmax`); in exact arithmetic that must be the correctly rounded quotient
+    rng = random.Random(0)
+    bits = [rng.getrandbits(31) for _ in range(3000)] + [1, 0x007FFFFF, 0x00800000, 0x3F800000, 0x7F7FFFFF]
+    for fmt, qmax in kcw._QMAX.items():
+        r = Fraction(kcw._QMAX_RCP[fmt])
+        assert r == _rn32(Fraction(1) / Fraction(qmax))
+        for b in bits:
+            if (b >> 23) & 0xFF == 0xFF:
+                continue
+            x = Fraction(struct.unpack("<f", struct.pack("<I", b))[0])
+            q = _rn32(x * r)
+            got = _rn32(q + _rn32(x - q * int(qmax)) * r)
+            assert got == _rn32(x / int(qmax)), (qmax, hex(b))
 
 
 def test_tile_depends_on_shapes_only(monkeypatch):
