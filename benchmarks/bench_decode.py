@@ -22,19 +22,23 @@ measured here is the ceiling used for the percentages)
   3 buffers, `async_wait num=3`); at 3-4 stages only one. bf16 BLOCK_N=64, D=128: 72 KB of
   shared memory and 168 registers per 4-warp program -> 3 programs per SM -> ~190 KB in flight
   per SM. Quantized caches since 2026-11-22 (session 7): one-warp programs of 16-key tiles, 9-13 KB
-  and 126-164 registers, 8+ programs per SM (were 4-warp 128-key tiles, 46-79 KB, 2-4 per SM).
+  and 126-164 registers, 8+ programs per SM (were 4-warp 128-key tiles, 46-79 KB, 2-4 per SM);
+  since session 10 two 16-key tiles per step in two copies of the query rows (168-238 registers).
 * Launch / tail. B=1, L=1k, Hkv=8 is 4 MB: ~1 us of HBM time. The rest is fixed cost: the split
   kernel (8 KV heads x 4 splits of 256 keys = 32 programs, each 4 pipelined tiles, ~2-3 us) plus
   the merge kernel (~1-2 us incl. its launch gap in a graph). Expected ~4-7 us (target <= 10 us).
 * Dequantization budget (SASS of the main loop, sm_90a, compiled on the CPU machine with Triton's
   ptxas/cuobjdump; warp-instructions per key per KV head, all 4 warps of the session-1 configs):
-  bf16 45.5, FP8 32.1, INT8 35.6, INT4 29.3 (session 7, one-warp 16-key tiles: FP8 ~32, INT8 ~41). An SM issues 4 warp-instructions per cycle; at 92 % of ~4.3 TB/s one key
-  of one KV head (512 B bf16) must take ~34 cycles/SM, i.e. <= ~134 instructions for bf16,
-  <= ~74 for FP8 at 1.8x, <= ~79 for INT8 at 1.7x and <= ~54 for INT4 at 2.5x: every format is
-  at 34-54 % of issue, so the targets are bandwidth-limited, not instruction-limited, provided
-  the pipelining holds. What made this possible: quantized tiles are read from shared memory as
-  32-bit (FP8/INT8) or 16-bit (INT4) words and unpacked into 4 strided "lanes" (dims 4c + j),
-  each dotted separately; the first version dequantized bytes in the MMA operand layout and
+  bf16 45.5, FP8 32.1, INT8 35.6, INT4 29.3 (one-warp 16-key tiles, session 7: FP8 ~32, INT8
+  ~41; two row copies, session 10: FP8 ~23, INT8 ~35, INT4 ~32). An SM issues 4
+  warp-instructions per cycle; at 92 % of ~4.3 TB/s one key of one KV head (512 B bf16) must
+  take ~34 cycles/SM, i.e. <= ~134 instructions for bf16, <= ~74 for FP8 at 1.8x, <= ~79 for
+  INT8 at 1.7x and <= ~54 for INT4 at 2.5x: every format is at 34-54 % of issue, so the targets
+  looked bandwidth-limited, provided the pipelining holds. Measured later (ncu, session 7): the
+  one-warp programs issue on ~59 % of cycles and stall on short-scoreboard and math-pipe waits,
+  so instructions per key do set the pace. What made this possible: quantized tiles are read
+  from shared memory as 32-bit (FP8/INT8) or 16-bit (INT4) words and unpacked into 4 strided
+  "lanes" (dims 4c + j), each dotted separately; the first version dequantized bytes in the MMA operand layout and
   Triton emitted one `ld.shared.b8` per value (128 per thread per tile). FP8 uses the hardware
   e4m3x2 -> f16x2 convert; INT8/INT4 build fp16 `1024 + bits` patterns with `prmt`/`lop3` and
   remove the offset with one packed `sub.f16x2`/`fma.rn.f16x2` per two values; the group scale

@@ -200,8 +200,8 @@ def static_cache_problem(device, *, lens, capacity, hq, hkv, d, qps=1):
 @pytest.mark.parametrize("cache_dtype,group", [(BF16, None), (E4M3, None), (INT8, 32), (INT4, 16)],
                          ids=["bf16", "fp8", "int8", "int4"])
 def test_scores_ramping_up_and_down(kernel_device, knobs, cache_dtype, group):
-    # scores rising by ~3 (log2 units) per 16-key tile, so that the lazy rescaling moves the
-    # reference max every few tiles, and falling (it never moves after the first tile)
+    # scores rising by ~3 (log2 units) per 16-key tile, so that the online softmax rescales the
+    # accumulators at every tile, and falling (the running max is set by the first tile)
     knobs(FORCE_NUM_SPLITS=1, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     lens = [150, 150]
     q, cache, bt, sl = make_problem(kernel_device, lens=lens, hq=4, hkv=2, d=64, bs=16, cache_dtype=cache_dtype,
