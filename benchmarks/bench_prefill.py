@@ -1,4 +1,4 @@
-"""Prefill attention: our Triton kernels (`attn::context_attention`, `attn::paged_prefill`) against peers.
+"""Prefill attention: our kernels (`attn::context_attention`, `attn::paged_prefill`) against peers.
 
 Usage (GPU machine):  python benchmarks/bench_prefill.py [--quick] [--check] [--tune] [--out DIR]
   --quick      ~2-minute subset (D=128, S in {2k, 8k}, one paged and one mixed case, few peers)
@@ -131,6 +131,13 @@ class ContextCase:
         return torch_ops.backend_for("context_attention", self.q, self.k, self.v, self.cu, self.cu, causal=self.causal)
 
 
+def backend_for_case(case: "PagedCase") -> str:
+    import torch_ops
+
+    return torch_ops.backend_for("paged_prefill", case.q, case.k, case.v, case.block_tables, case.cu, case.sl,
+                                 causal=case.causal)
+
+
 class PagedCase:
     """Queries over a paged bf16 cache: `specs` = [(q_len, seq_len)], GQA `hq/hkv`, 16-token pages on
     a random permutation; the query rows are the last `q_len` positions of each sequence."""
@@ -171,11 +178,12 @@ class PagedCase:
             pairs += ql * (sl - ql) + ql * (ql + 1) // 2 if self.causal else ql * sl
         return 4 * self.hq * self.d * pairs
 
-    def ours(self):
+    def ours(self, backend: str | None = None):
+        """paged_prefill on the backend the automatic choice takes, or on `backend`."""
         import torch_ops
 
         def fn():
-            with torch_ops.use_backend("triton"):
+            with torch_ops.use_backend(backend):
                 torch.ops.attn.paged_prefill.out(self.q, self.k, self.v, self.block_tables, self.cu, self.sl,
                                                  causal=self.causal, out=self.out, lse=self.lse)
         return fn
@@ -451,6 +459,8 @@ class Runner:
         if us is None:
             return row
         self.peer(row, "ours_contiguous", case.contiguous, case.flops, us)
+        row["ours_backend"] = backend_for_case(case)
+        self.peer(row, "ours_triton", lambda: case.ours("triton"), case.flops, us)
         for backend in ("fa3", "fa2"):
             if f"flashinfer_{backend}" in self.args.peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_paged_fn(case, backend), case.flops, us)
@@ -483,6 +493,10 @@ class Runner:
                 row[f"part_{kind}"] = f"error: {type(e).__name__}: {str(e)[:160]}"
         row["parts_sum_us"] = parts_us
         row["mixed_vs_parts"] = parts_us / us
+        row["ours_backend"] = backend_for_case(case)
+        for backend in ("triton", "cutlass"):
+            if backend != row["ours_backend"]:
+                self.peer(row, f"ours_{backend}", lambda: case.ours(backend), case.flops, us)
         for backend in ("fa3", "fa2"):
             if f"flashinfer_{backend}" in self.args.peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_paged_fn(case, backend), case.flops, us)

@@ -13,11 +13,14 @@
 //     or (-DATTN_PERSISTENT=1) a persistent grid whose CTAs loop over the work tiles;
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
-//   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3.
+//   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3;
+//   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
+//     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
+//     block table (see load_paged_tile).
 //
-// One translation unit per (element, head dim, persistent or not), chosen by
-// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256> and -DATTN_PERSISTENT=<0|1>;
-// torch_ops/cutlass.py builds and links them.
+// One translation unit per (element, head dim, persistent or not, paged or not), chosen by
+// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
+// -DATTN_PAGED=<0|1>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -54,12 +57,18 @@ using Element = cutlass::half_t;
 #ifndef ATTN_PERSISTENT
 #define ATTN_PERSISTENT 0
 #endif
+#ifndef ATTN_PAGED
+#define ATTN_PAGED 0
+#endif
 
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
+constexpr bool kPaged = ATTN_PAGED;
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
+static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
+              "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
@@ -79,12 +88,13 @@ using TileShape = std::conditional_t<kHeadDim == 64, Shape<_128, _128, _64>,
 using StrideQK = cute::tuple<int, _1, cute::tuple<int, int>>;
 using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, int>>, StrideQK>;
 
-// Softmax overlapped with the products (VarlenMainloop::compute_overlapped): FP8 at D = 128 only.
-// bf16/fp16 measured 0-5% slower with it (H200, docs/cutlass.md); at D = 256 the output
-// accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
-// That loop reads V with the tokens of every 16 interleaved (see probabilities_operand).
-constexpr bool kOverlapSoftmax = kFp8 && kHeadDim == 128;
-constexpr bool kInterleavedV = kOverlapSoftmax;
+// Softmax overlapped with the products (VarlenMainloop::compute_overlapped): FP8 at D = 128, and
+// the paged kernels (whose last V tile needs zeroing that the example's loop has no place for).
+// Contiguous bf16/fp16 measured 0-5% slower with it (H200, docs/cutlass.md); at D = 256 the
+// output accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
+// FP8 there reads V with the tokens of every 16 interleaved (see probabilities_operand).
+constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
+constexpr bool kOverlapSoftmax = kInterleavedV || kPaged;
 
 // Four fp32 values -> one register of e4m3 bytes (b0 in the low byte); saturating, as FA3 does.
 CUTLASS_DEVICE uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
@@ -184,12 +194,21 @@ struct VarlenMainloop : Base {
     int group;  // Hq / Hkv
     int causal;
     float softmax_scale;
+    // paged kernels: the caches as TMA tensors (D, Hkv, block_size, num_blocks), boxes of
+    // (64, 1, box_rows, 1); block_tables [num_seqs, max_blocks] (row stride), seq_lens [num_seqs]
+    cute::TmaDescriptor k_pages, v_pages;
+    const int* block_tables;
+    const int* seq_lens;
+    int64_t block_table_stride;
+    int max_blocks, block_size, num_blocks, box_rows_log2;
   };
 
   template <class BlkCoord>
   CUTLASS_DEVICE static Sequence sequence(BlkCoord const& blk, Params const& p) {
     int b = get<2, 0>(blk);
-    int q0 = p.cu_q[b], k0 = p.cu_k[b], off = k0 % kKeyAlign;
+    int q0 = p.cu_q[b];
+    if constexpr (kPaged) return {q0, 0, p.cu_q[b + 1] - q0, p.seq_lens[b], 0};
+    int k0 = p.cu_k[b], off = k0 % kKeyAlign;
     return {q0, k0 - off, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0, off};
   }
 
@@ -250,6 +269,10 @@ struct VarlenMainloop : Base {
     static_assert(kLoadQ != kPersistent, "the persistent kernel loads Q in its own warp");
     Sequence seq = sequence(blk, params);
     int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(seq, problem, params));
+    if constexpr (kPaged) {
+      load_paged(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage, seq, trips);
+      return;
+    }
     auto state_kv = kv_state(blk, params, problem, storage, seq);
     LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
     LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
@@ -278,6 +301,67 @@ struct VarlenMainloop : Base {
       load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
       load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
     }
+  }
+
+  // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above, each K/V
+  // tile gathered from the cache by load_paged_tile.
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE void load_paged(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                 MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
+                                 MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
+                                 SharedStorage& storage, Sequence const& seq, int trips) {
+    auto state_q = q_state(blk, params, problem, storage);
+    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    int lane_predicate = cute::elect_one_sync();
+    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
+    int q_count = NumMmaWarpGroups;
+    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    const int* table = params.block_tables + get<2, 0>(blk) * params.block_table_stride;
+    int hk = get<2, 1>(blk) / params.group;
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int tile = 0; tile < trips; tile++) {
+      if (lane_predicate) {
+        load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, table, hk, seq.lk, tile,
+                        [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
+      }
+      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      if (lane_predicate) {
+        load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, table, hk, seq.lk, tile,
+                        [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
+      }
+    }
+  }
+
+  // Key tile `tile` of the sequence into the next pipeline stage, issued by one lane:
+  // (kBlockN / box_rows) x (D / 64) TMA boxes completing on the stage's barrier. A box is box_rows
+  // consecutive tokens of one cache block (box_rows divides block_size) and lands on whole
+  // 128-byte-swizzled rows of the stage (the K and V layouts hold a 64-dim column block's keys
+  // 128 bytes apart). Boxes at or past the sequence's end read block `num_blocks`, out of the
+  // tensor's bounds, which TMA fills with zeros; the block table is read only below the end.
+  template <class SmemAddress>
+  CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
+                                             PipelineState& state, Params const& p, const int* table, int hk,
+                                             int lk, int tile, SmemAddress const& smem) {
+    constexpr int kBlockN = get<1>(TileShape{});
+    constexpr int kBoxDims = 128 / sizeof(Element);
+    pipeline.producer_acquire(state);
+    uint64_t* barrier = pipeline.producer_get_barrier(state);
+    for (int row = 0; row < kBlockN; row += 1 << p.box_rows_log2) {
+      int key = tile * kBlockN + row;
+      int block = p.num_blocks, block_row = 0;
+      if (key < lk) {
+        block = table[min(key / p.block_size, p.max_blocks - 1)];
+        block_row = key % p.block_size;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int dim = 0; dim < kHeadDim; dim += kBoxDims) {
+        SM90_TMA_LOAD_4D::copy(pages, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                               smem(row, dim, state.index()), dim, hk, block_row, block);
+      }
+    }
+    ++state;
   }
 
   // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that
@@ -319,8 +403,8 @@ struct VarlenMainloop : Base {
     p.scale_softmax = scale;
     p.scale_softmax_log2 = scale * 1.4426950408889634f;
     if constexpr (kOverlapSoftmax) {
-      return compute_overlapped(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
-                                storage, order);
+      return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, pipeline, smem_pipe_read,
+                                pipeline_q, smem_pipe_read_q, storage, order);
     } else {
       return Base::compute(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
                            reducer, reducer_state, storage, order);
@@ -350,6 +434,26 @@ struct VarlenMainloop : Base {
     return op;
   }
 
+  // Zeroes the V rows [valid, valid rounded up to box_rows) of stage `stage` (the paged kernels'
+  // last tile): the box holding a sequence's last key also reads the block's slots after it,
+  // which may hold anything (NaN in a fresh cache), and P = 0 does not cancel NaN in P V. Boxes
+  // wholly past the end arrive zero-filled. Both warpgroups write the same zeros, each then
+  // syncing its own 128 threads before its product reads the stage.
+  CUTLASS_DEVICE static void zero_value_tail(SharedStorage& storage, int stage, int valid, int box_rows, int wg) {
+    constexpr int kBlockN = get<1>(TileShape{});
+    constexpr int kChunk = 16 / sizeof(Element);  // dims per 16-byte store
+    constexpr int kChunks = kHeadDim / kChunk;    // per key
+    int end = min(kBlockN, (valid + box_rows - 1) & -box_rows);
+    if (valid >= end) return;  // the same for every thread
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    for (int i = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup; i < (end - valid) * kChunks;
+         i += cutlass::NumThreadsPerWarpGroup) {
+      *reinterpret_cast<uint4*>(&sV(i % kChunks * kChunk, valid + i / kChunks, stage)) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();  // visible to the tensor cores' (async proxy) reads
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
+  }
+
   // The QK^T of key tile j is issued before the PV product of tile j - 1, and tile j's softmax
   // runs while that PV product is still in the tensor cores (intra-warpgroup overlap). As in the
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
@@ -358,7 +462,7 @@ struct VarlenMainloop : Base {
   // is released once its QK^T has completed, its V stage once its PV product has.
   template <class BlkCoord, class OrderBarrier>
   CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
-                                         SeqShape const& seq_problem,
+                                         SeqShape const& seq_problem, int box_rows,
                                          MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
                                          MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
                                          SharedStorage& storage, OrderBarrier& order) {
@@ -450,10 +554,21 @@ struct VarlenMainloop : Base {
     pipeline.consumer_release(k_read);
     VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
     softmax_step(acc_s);
-    Tensor p_op = probabilities_operand(acc_s);
-    auto issue_pv = [&]() {  // acc_pv = acc_pv * correction + P V[v_read]
+    auto to_operand = [](auto const& acc) {
+      if constexpr (kFp8) {
+        return probabilities_operand(acc);
+      } else {  // 16-bit: the accumulator's layout is already the A operand's
+        return make_acc_into_op<Element>(acc, typename TiledMmaPV::LayoutA_TV{});
+      }
+    };
+    Tensor p_op = to_operand(acc_s);
+    auto issue_pv = [&](bool last) {  // acc_pv = acc_pv * correction + P V[v_read]
       rescale_output();
       pipeline.consumer_wait(v_read);
+      if constexpr (kPaged) {
+        if (last) zero_value_tail(storage, v_read.index(), get<3>(seq_problem) - (trips - 1) * get<1>(TileShape{}),
+                                  box_rows, int(get<0>(wg)) % NumMmaWarpGroups);
+      }
       warpgroup_fence_operand(acc_pv);
       warpgroup_fence_operand(p_op);
       warpgroup_arrive();
@@ -467,7 +582,7 @@ struct VarlenMainloop : Base {
       ++k_read;
       tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
       issue_qk();
-      issue_pv();  // of tile j - 1
+      issue_pv(false);  // of tile j - 1
       warpgroup_wait<1>();  // this tile's QK^T is done, the PV product may still run
       warpgroup_fence_operand(acc_s);
       pipeline.consumer_release(k_read);
@@ -478,11 +593,11 @@ struct VarlenMainloop : Base {
       pipeline.consumer_release(v_read);
       v_read = k_read;
       ++v_read;
-      p_op = probabilities_operand(acc_s);
+      p_op = to_operand(acc_s);
     }
     if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
 
-    issue_pv();  // of the last tile
+    issue_pv(true);  // of the last tile
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
     pipeline.consumer_release(v_read);
@@ -683,6 +798,23 @@ auto value_stride(AttnFmhaArgs const& a) {
   }
 }
 
+// A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as the TMA tensor
+// (D, Hkv, block_size, num_blocks), read in boxes of (64 or 128 bytes of dims, 1 head, box_rows
+// tokens, 1 block) with the stage layouts' 128-byte swizzle; coordinates past it read zeros.
+bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
+                  int64_t block_stride, AttnFmhaArgs const& a) {
+  constexpr int64_t kBytes = sizeof(Element);
+  cuuint64_t dims[4] = {cuuint64_t(kHeadDim), cuuint64_t(a.hkv), cuuint64_t(a.block_size), cuuint64_t(a.num_blocks)};
+  cuuint64_t strides[3] = {cuuint64_t(head_stride * kBytes), cuuint64_t(row_stride * kBytes),
+                           cuuint64_t(block_stride * kBytes)};
+  cuuint32_t box[4] = {cuuint32_t(128 / kBytes), 1, cuuint32_t(a.box_rows), 1};
+  cuuint32_t unit[4] = {1, 1, 1, 1};
+  auto type = std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      map, type, 4, const_cast<void*>(cache), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   auto fail = [&](char const* what) {
     snprintf(err, err_len, "%s", what);
@@ -697,7 +829,9 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   StrideV dV = value_stride(a);
   // One TMA descriptor per tensor over all packed tokens; the K/V descriptors span Hq "heads" of
   // which only the first Hkv are ever addressed (a CTA of query head h reads KV head h / group).
-  auto packed = make_shape(1, a.hq, tq, max(tk, 1), d);
+  // The paged kernels read K/V through their own descriptors (k_pages, v_pages); these two then
+  // cover the caches' first block, valid and never used.
+  auto packed = make_shape(1, a.hq, tq, kPaged ? a.block_size : max(tk, 1), d);
   Base::Arguments tensors{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.k), dK,
                           static_cast<Element const*>(a.v), dV};
   auto base = Base::to_underlying_arguments(packed, tensors, nullptr);
@@ -711,7 +845,26 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   }
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
-                                  a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale};
+                                  a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0};
+  if constexpr (kPaged) {
+    int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
+    if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
+        a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
+      return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
+    }
+    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
+        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
+      return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
+    }
+    mainloop.block_tables = a.block_tables;
+    mainloop.seq_lens = a.seq_lens;
+    mainloop.block_table_stride = a.block_table_stride;
+    mainloop.max_blocks = a.max_blocks;
+    mainloop.block_size = a.block_size;
+    mainloop.num_blocks = a.num_blocks;
+    mainloop.box_rows_log2 = box_rows_log2;
+  }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
   if (kPersistent && (a.num_ctas < 1 || a.section_heads < 1 || a.hq % a.section_heads != 0)) {
@@ -739,6 +892,8 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 
 #if ATTN_PERSISTENT
 #define ATTN_VARIANT _persistent
+#elif ATTN_PAGED
+#define ATTN_VARIANT _paged
 #else
 #define ATTN_VARIANT
 #endif

@@ -42,12 +42,22 @@ typedef struct {
   // persistent kernels only: CTAs in the grid, and heads per section of the work order (divides hq)
   int32_t num_ctas, section_heads;
   int32_t v_interleaved;    // 1 for the kernels that read V interleaved (FP8 D = 128), else 0; checked
+  // paged kernels only (bf16/fp16): k and v are caches [num_blocks, block_size, hkv, head_dim]
+  // with the k_/v_ row (token), head and block strides; cu_seqlens_k is unused, seq_lens [num_seqs]
+  // gives each sequence's keys, block_tables [num_seqs, max_blocks] int32 (block_table_stride)
+  // its blocks. K/V are read in TMA boxes of box_rows tokens: a power of two in 8 .. the key tile
+  // (128) that divides block_size. Base and strides 16-byte aligned.
+  const int* block_tables;
+  const int* seq_lens;
+  int64_t block_table_stride, k_block_stride, v_block_stride;
+  int32_t max_blocks, block_size, num_blocks, box_rows;
 } AttnFmhaArgs;
 
 // Each instantiation (input dtype x head dim x grid) exports one entry point:
-//   int attn_fmha_sm90_<e4m3|bf16|fp16>_d<D>[_persistent](const AttnFmhaArgs*, void* stream, char* err, int err_len)
-// returning 0 on success, else nonzero with a message in err. The plain kernels launch one CTA per
-// 128 query rows per head; the _persistent ones num_ctas CTAs that loop over those work tiles.
+//   int attn_fmha_sm90_<e4m3|bf16|fp16>_d<D>[_persistent|_paged](const AttnFmhaArgs*, void* stream, char* err, int err_len)
+// returning 0 on success, else nonzero with a message in err. The plain and _paged kernels launch
+// one CTA per 128 query rows per head; the _persistent ones num_ctas CTAs that loop over those
+// work tiles.
 
 #ifdef __cplusplus
 }

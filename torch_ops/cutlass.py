@@ -1,10 +1,12 @@
-"""The `cutlass` backend: `attn::context_attention` on Hopper through csrc/fmha_sm90.cu.
+"""The `cutlass` backend: `attn::context_attention` and `attn::paged_prefill` on Hopper through
+csrc/fmha_sm90.cu.
 
 The CUDA code is built against the CUTLASS headers of the `nvidia-cutlass` wheel (and the FMHA
-collectives of its example 88), one translation unit per (input dtype, head dim) in `KERNELS` and
-grid (`VARIANTS`: one CTA per work tile, or persistent), linked into one shared library with a
-plain C ABI (`csrc/fmha_sm90.h`) that Python calls through ctypes: the build never sees torch
-headers, and a CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
+collectives of its example 88), one translation unit per (input dtype, head dim) and kernel
+family (`VARIANTS`: contiguous K/V with one CTA per work tile ("plain") or a persistent grid, and
+K/V from a paged cache for `PAGED_KERNELS`), linked into one shared library with a plain C ABI
+(`csrc/fmha_sm90.h`) that Python calls through ctypes: the build never sees torch headers, and a
+CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
 
 `PERSISTENT` picks the grid: True runs the persistent kernels (one CTA per SM, each looping over
 work tiles), False the plain ones, None (the default) reads `ATTN_CUTLASS_PERSISTENT` (0 or 1,
@@ -45,7 +47,7 @@ SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
 ARCH = "90a"
-VARIANTS = {False: "", True: "_persistent"}   # persistent grid -> entry point suffix
+VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}   # kernel family -> entry suffix
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one persistent section may share in L2
 
@@ -57,6 +59,11 @@ KERNELS = {
     (torch.bfloat16, 64): "bf16", (torch.bfloat16, 128): "bf16", (torch.bfloat16, 256): "bf16",
     (torch.float16, 64): "fp16", (torch.float16, 128): "fp16", (torch.float16, 256): "fp16",
 }
+# the paged_prefill kernels (K/V from a cache [num_blocks, block_size, Hkv, D]): 16-bit, D 64 and 128
+PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
+PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
+PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
+PAGED_MIN_MEAN_QUERIES = 64   # automatic choice: paged_prefill batches with fewer queries per sequence go to Triton
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 INTERLEAVED_V_HEAD_DIMS = (128,)   # FP8 kernels that read V with the tokens of every 16 interleaved
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -88,13 +95,14 @@ def find_nvcc() -> str | None:
 
 
 def compile_command(nvcc: str, element: str, head_dim: int, output: Path, include_dirs: list[Path],
-                    defines: tuple[str, ...] = (), persistent: bool = False) -> list[str]:
-    """nvcc command line that compiles the `element` x `head_dim` instantiation, with the
-    persistent grid or not, to an object."""
+                    defines: tuple[str, ...] = (), variant: str = "plain") -> list[str]:
+    """nvcc command line that compiles the `element` x `head_dim` instantiation of kernel family
+    `variant` (a key of `VARIANTS`) to an object."""
     return [
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
-        f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}", f"-DATTN_PERSISTENT={int(persistent)}",
+        f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}",
+        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={int(variant == 'paged')}",
         *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
@@ -117,27 +125,32 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def built_variants() -> tuple[bool, ...]:
-    """The grids a build compiles: the plain one, and the persistent one when it is chosen."""
-    return (False, True) if use_persistent() else (False,)
+def built_variants() -> tuple[str, ...]:
+    """The kernel families a build compiles: plain and paged, and persistent when it is chosen."""
+    return ("plain", "paged", "persistent") if use_persistent() else ("plain", "paged")
 
 
-def build_key(nvcc: str, defines: tuple[str, ...] = (), variants: tuple[bool, ...] = (False,)) -> str:
+def build_units(variants: tuple[str, ...]) -> list[tuple[str, int, str]]:
+    """(element, head dim, variant) of every translation unit a build of `variants` compiles."""
+    return sorted({(e, d, v) for v in variants for (_, d), e in (PAGED_KERNELS if v == "paged" else KERNELS).items()})
+
+
+def build_key(nvcc: str, defines: tuple[str, ...] = (), variants: tuple[str, ...] = ("plain",)) -> str:
     """Hash of what the library depends on: sources, CUTLASS version, nvcc version, flags, grids."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
     flags = compile_command("nvcc", "x", 0, Path("o"), [], defines)
-    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags), *sorted(set(KERNELS.values())),
-                 *(VARIANTS[p] or "plain" for p in variants)):
+    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags),
+                 *(f"{e}_d{d}_{v}" for e, d, v in build_units(variants))):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
 def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None,
-          kernels: dict = KERNELS, variants: tuple[bool, ...] | None = None) -> Path:
-    """Compile the instantiations in `kernels`, each in the grids `variants` (default
-    `built_variants()`), in parallel and link them into `output`."""
+          variants: tuple[str, ...] | None = None) -> Path:
+    """Compile the instantiations of the kernel families `variants` (default `built_variants()`)
+    in parallel and link them into `output`."""
     variants = built_variants() if variants is None else variants
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
@@ -146,9 +159,9 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        units = sorted({(e, d, p) for (_, d), e in kernels.items() for p in variants})
-        objects = [Path(tmp) / f"{e}_d{d}{VARIANTS[p]}.o" for e, d, p in units]
-        commands = [compile_command(nvcc, e, d, o, include_dirs, defines, p) for (e, d, p), o in zip(units, objects)]
+        units = build_units(variants)
+        objects = [Path(tmp) / f"{e}_d{d}{VARIANTS[v]}.o" for e, d, v in units]
+        commands = [compile_command(nvcc, e, d, o, include_dirs, defines, v) for (e, d, v), o in zip(units, objects)]
         with ThreadPoolExecutor(jobs) as pool:
             for cmd, result in zip(commands, pool.map(_run_tool, commands)):
                 if result.returncode != 0:
@@ -197,7 +210,7 @@ def library_path() -> Path:
     with _file_lock(target.parent.with_suffix(".lock")):
         if not target.exists():
             log.warning("attn-ops: compiling the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, %d instantiations, "
-                        "sm_%s) with %s into %s", len(KERNELS) * len(variants), ARCH, nvcc, target.parent)
+                        "sm_%s) with %s into %s", len(build_units(variants)), ARCH, nvcc, target.parent)
             start = time.perf_counter()
             build(target, nvcc=nvcc, variants=variants)
             log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
@@ -218,17 +231,21 @@ class FmhaArgs(ctypes.Structure):
                                        "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype")),
         ("softmax_scale", ctypes.c_float),
         *((n, ctypes.c_int32) for n in ("num_ctas", "section_heads", "v_interleaved")),
+        *((n, ctypes.c_void_p) for n in ("block_tables", "seq_lens")),
+        *((n, ctypes.c_int64) for n in ("block_table_stride", "k_block_stride", "v_block_stride")),
+        *((n, ctypes.c_int32) for n in ("max_blocks", "block_size", "num_blocks", "box_rows")),
     ]
 
 
 @functools.cache
-def _entry(element: str, head_dim: int, persistent: bool):
-    path, name = library_path(), f"attn_fmha_sm90_{element}_d{head_dim}{VARIANTS[persistent]}"
+def _entry(element: str, head_dim: int, variant: str):
+    path, name = library_path(), f"attn_fmha_sm90_{element}_d{head_dim}{VARIANTS[variant]}"
     try:
         fn = getattr(ctypes.CDLL(str(path)), name)
     except AttributeError as e:
-        raise RuntimeError(f"the CUTLASS library {path} has no {name}: a library built without the persistent "
-                           "kernels (rebuild with ATTN_CUTLASS_PERSISTENT=1 set, or run the plain ones)") from e
+        hint = ("built without the persistent kernels (rebuild with ATTN_CUTLASS_PERSISTENT=1 set, or run the "
+                "plain ones)" if variant == "persistent" else "older than this source tree (rebuild it)")
+        raise RuntimeError(f"the CUTLASS library {path} has no {name}: a library {hint}") from e
     fn.argtypes = [ctypes.POINTER(FmhaArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
@@ -297,7 +314,20 @@ def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out_dtype=None
     """Why the CUTLASS kernels cannot run this `context_attention` call (empty: they can)."""
     if query.device.type != "cuda":
         return [f"CUTLASS kernels need CUDA tensors, got {query.device.type}"]
-    why = problem_reasons(query, key, out_dtype=out_dtype, out_scale=out_scale, **options)
+    return problem_reasons(query, key, out_dtype=out_dtype, out_scale=out_scale, **options) + _device_reasons(query)
+
+
+def paged_unsupported(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out_scale=None,
+                      k_scale=None, v_scale=None, **options) -> list[str]:
+    """Why the CUTLASS kernels cannot run this `paged_prefill` call (empty: they can)."""
+    if query.device.type != "cuda":
+        return [f"CUTLASS kernels need CUDA tensors, got {query.device.type}"]
+    return paged_problem_reasons(query, k_cache, v_cache, block_tables, out_scale=out_scale, **options) + \
+        _device_reasons(query)
+
+
+def _device_reasons(query) -> list[str]:
+    why = []
     cap = _device_capability(query.device.index if query.device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         why.append(f"CUTLASS kernels are built for Hopper (sm_90a), this GPU is sm_{cap[0]}{cap[1]}")
@@ -309,11 +339,43 @@ def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out_dtype=None
 
 def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) -> list[str]:
     """The device-independent part of `unsupported`: dtypes, head dim, options, sizes."""
+    why = _kernel_reasons(KERNELS, "", query, out_dtype, out_scale, options)
+    if key.shape[0] == 0:
+        why.append("key is empty (total_k == 0)")
+    if max(query.numel(), key.numel()) >= 2**31:
+        why.append("tensors of 2^31 or more elements (32-bit TMA strides)")
+    return why
+
+
+def paged_problem_reasons(query, k_cache, v_cache, block_tables, *, out_scale=None, **options) -> list[str]:
+    """The device-independent part of `paged_unsupported`: dtypes, head dim, cache layout, options."""
+    why = _kernel_reasons(PAGED_KERNELS, "paged ", query, None, out_scale, options)
+    if k_cache.dtype != query.dtype:
+        why.append(f"the paged CUTLASS kernels read {query.dtype} caches, not {k_cache.dtype} "
+                   "(FP8/INT8/INT4 caches run on Triton)")
+    num_blocks, block_size = k_cache.shape[:2]
+    if block_size % PAGED_MIN_BOX_ROWS:
+        why.append(f"block_size {block_size} is not a multiple of {PAGED_MIN_BOX_ROWS} (TMA boxes of whole "
+                   "swizzled rows)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        es, strides = cache.element_size(), cache.stride()
+        if cache.data_ptr() % 16 or any(st * es % 16 for st in strides[:3]) or strides[3] != 1:
+            why.append(f"{name} needs a 16-byte aligned base and block/token/head strides (TMA)")
+        elif not strides[2] <= strides[1] <= strides[0]:
+            why.append(f"{name} strides {strides} are not ordered head <= token <= block")
+    if num_blocks == 0 or block_tables.shape[1] == 0:
+        why.append("no cache blocks (num_blocks or max_blocks_per_seq is 0)")
+    if max(query.numel(), num_blocks, block_tables.numel()) >= 2**31:
+        why.append("tensors of 2^31 or more elements (32-bit TMA coordinates and strides)")
+    return why
+
+
+def _kernel_reasons(kernels: dict, family: str, query, out_dtype, out_scale, options) -> list[str]:
     why = []
     d = query.shape[-1]
-    if (query.dtype, d) not in KERNELS:
-        have = [f"{str(t).removeprefix('torch.')} d{hd}" for t, hd in sorted(KERNELS, key=lambda k: (str(k[0]), k[1]))]
-        why.append(f"no CUTLASS kernel for {query.dtype} with head dim {d} (have {', '.join(have)})")
+    if (query.dtype, d) not in kernels:
+        have = [f"{str(t).removeprefix('torch.')} d{hd}" for t, hd in sorted(kernels, key=lambda k: (str(k[0]), k[1]))]
+        why.append(f"no {family}CUTLASS kernel for {query.dtype} with head dim {d} (have {', '.join(have)})")
     out = torch.float8_e4m3fn if out_scale is not None else out_dtype
     if out is not None and out not in OUT_DTYPES:
         why.append(f"CUTLASS epilogue writes bf16, fp16 or float8_e4m3fn, not {out}")
@@ -321,10 +383,6 @@ def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) ->
         value = options.get(name, off)
         if value is not off and (off is None or value != off):
             why.append(f"CUTLASS kernels do not implement {what} ({name})")
-    if key.shape[0] == 0:
-        why.append("key is empty (total_k == 0)")
-    if max(query.numel(), key.numel()) >= 2**31:
-        why.append("tensors of 2^31 or more elements (32-bit TMA strides)")
     return why
 
 
@@ -362,52 +420,92 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
                                   interleave16=interleaved)
     else:
         v = _tma_ready(value)
-    target = out if out.stride(-1) == 1 and lse.stride(-1) == 1 else None
-    o, l = (out, lse) if target is not None else (torch.empty_like(out, memory_format=torch.contiguous_format),
-                                                 torch.empty_like(lse, memory_format=torch.contiguous_format))
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(torch.int32).contiguous()
     scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
-    persistent = use_persistent()
+    variant = "persistent" if use_persistent() else "plain"
     num_ctas, section_heads = 0, 0
-    if persistent:
+    if variant == "persistent":
         num_ctas, section_heads = persistent_grid(tq, cu_q.shape[0] - 1, hq, hkv, tk, d, query.element_size(),
                                                   _num_sms(query.device.index))
-    args = FmhaArgs(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=o.data_ptr(), lse=l.data_ptr(),
-        cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
-        out_scale=out_scale.data_ptr() if out_scale is not None else None,
-        q_row_stride=q.stride(0), q_head_stride=q.stride(1), k_row_stride=k.stride(0), k_head_stride=k.stride(1),
+    args = dict(
+        k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
+        k_row_stride=k.stride(0), k_head_stride=k.stride(1),
         v_row_stride=v.stride(0) if not fp8 else 0, v_head_stride=v.stride(0) if fp8 else v.stride(1),
-        v_dim_stride=v.stride(1) if fp8 else 0, out_row_stride=o.stride(0), out_head_stride=o.stride(1),
-        lse_row_stride=l.stride(0), total_q=tq, total_k=tk, num_seqs=cu_q.shape[0] - 1, hq=hq, hkv=hkv,
-        head_dim=d, causal=int(causal), q_scale_stride=qs_stride, k_scale_stride=ks_stride,
-        v_scale_stride=vs_stride, out_dtype=OUT_DTYPES[o.dtype], num_ctas=num_ctas, section_heads=section_heads,
-        v_interleaved=int(interleaved),
-        softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
-    )
+        v_dim_stride=v.stride(1) if fp8 else 0, total_k=tk, hkv=hkv, q_scale_stride=qs_stride,
+        k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas, section_heads=section_heads,
+        v_interleaved=int(interleaved))
+    _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
+
+
+def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
+              q_scaling=1.0, out_scale=None, **unused) -> None:
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache. The kernel reads the cache in
+    TMA boxes of `box_rows` tokens, the largest power of two up to the key tile dividing block_size;
+    int64 block tables and lengths are first copied to int32 (a few KB)."""
+    tq, hq, d = query.shape
+    if tq == 0:
+        return
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    tables = block_tables.to(torch.int32)
+    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    args = dict(
+        k=k_cache.data_ptr(), v=v_cache.data_ptr(), k_row_stride=k_cache.stride(1), k_head_stride=k_cache.stride(2),
+        v_row_stride=v_cache.stride(1), v_head_stride=v_cache.stride(2), hkv=hkv,
+        block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
+        k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
+        block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE))
+    _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
+            causal, scale, q_scaling, out_scale, args)
+
+
+def _launch(op: str, variant: str, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args: dict) -> None:
+    """Fill the query/output fields of `FmhaArgs` and run the kernel of `variant` for q's dtype and
+    head dim (through contiguous out/lse buffers if the given ones have strided last dims)."""
+    tq, hq, d = q.shape
+    target = out if out.stride(-1) == 1 and lse.stride(-1) == 1 else None
+    o, l = (out, lse) if target is not None else (torch.empty_like(out, memory_format=torch.contiguous_format),
+                                                 torch.empty_like(lse, memory_format=torch.contiguous_format))
+    fmha = FmhaArgs(
+        q=q.data_ptr(), out=o.data_ptr(), lse=l.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
+        out_scale=out_scale.data_ptr() if out_scale is not None else None,
+        q_row_stride=q.stride(0), q_head_stride=q.stride(1), out_row_stride=o.stride(0), out_head_stride=o.stride(1),
+        lse_row_stride=l.stride(0), total_q=tq, num_seqs=cu_q.shape[0] - 1, hq=hq, head_dim=d, causal=int(causal),
+        out_dtype=OUT_DTYPES[o.dtype], softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
+        **args)
     err = ctypes.create_string_buffer(256)
-    with torch.cuda.device(query.device):
+    with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream().cuda_stream
-        if _entry(KERNELS[(query.dtype, d)], d, persistent)(ctypes.byref(args), stream, err, len(err)) != 0:
-            raise RuntimeError(f"CUTLASS context_attention failed: {err.value.decode()}")
+        if _entry(KERNELS[(q.dtype, d)], d, variant)(ctypes.byref(fmha), stream, err, len(err)) != 0:
+            raise RuntimeError(f"CUTLASS {op} failed: {err.value.decode()}")
     if target is None:
         out.copy_(o)
         lse.copy_(l)
 
 
 class CutlassBackend:
-    """`attn::context_attention` through csrc/fmha_sm90.cu (FP8 e4m3 / bf16 / fp16, D 128 and 256)."""
+    """`attn::context_attention` (FP8 e4m3 / bf16 / fp16, D 64-256) and `attn::paged_prefill`
+    (bf16 / fp16 caches, D 64 and 128) through csrc/fmha_sm90.cu."""
 
     name = "cutlass"
     auto_devices = ("cuda",)
+    _OPS = {"context_attention": (unsupported, run), "paged_prefill": (paged_unsupported, paged_run)}
 
     def reasons(self, op, args, kwargs):
-        if op != "context_attention":
+        if op not in self._OPS:
             return [f"no CUTLASS kernel for attn::{op}"]
         options = {k: v for k, v in kwargs.items() if k not in ("out", "lse")}
-        return unsupported(*args, **options)
+        return self._OPS[op][0](*args, **options)
+
+    def auto_declines(self, op, args, kwargs):
+        if op == "paged_prefill":
+            query, seq_lens = args[0], args[5]
+            if query.shape[0] < PAGED_MIN_MEAN_QUERIES * seq_lens.shape[0]:
+                return [f"fewer than {PAGED_MIN_MEAN_QUERIES} queries per sequence on average: the Triton "
+                        "kernel's 16-row tiles for short sequences waste less (measured)"]
+        return []
 
     def run(self, op, args, kwargs):
-        run(*args, **kwargs)
+        self._OPS[op][1](*args, **kwargs)

@@ -3,7 +3,8 @@
 CPU: build-command construction, the C ABI mirror, the JIT cache, the persistent-grid knob and
 grid size, the registry's reasons. GPU (marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass
 wheel; the first call builds the library, about a minute on 16 cores): `context_attention` on the
-plain and the persistent kernels against the float64 reference with the error-ratio rule. FP8
+plain and the persistent kernels, and `paged_prefill` on the paged ones, against the float64
+reference with the error-ratio rule. FP8
 kernels round the softmax probabilities P to e4m3 before the PV product (as FA3/FlashInfer FP8
 do), so their baseline is a PyTorch computation that does the same.
 """
@@ -37,15 +38,19 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DATTN_PERSISTENT=0", "-DX=1", "-I/inc/a", "-I/inc/b",
             f"-I{cutlass.CSRC}"} <= set(cmd)
     assert cmd[-4:] == ["-c", str(cutlass.CSRC / "fmha_sm90.cu"), "-o", str(tmp_path / "x.o")]
-    persistent = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [], persistent=True)
+    assert "-DATTN_PAGED=0" in cmd
+    persistent = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [], variant="persistent")
     assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
+    paged = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
+    assert {"-DATTN_PAGED=1", "-DATTN_PERSISTENT=0"} <= set(paged)
     link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain grid always; the persistent one only when chosen (it is slower: not built by default)."""
+    """The plain and paged kernels always; the persistent ones only when chosen (they are slower:
+    not built by default)."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -58,11 +63,13 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
     monkeypatch.setattr(cutlass, "cutlass_include_dirs", lambda: [Path("/inc")])
     library = cutlass.build(tmp_path / "out" / "lib.so", nvcc="/opt/nvcc", jobs=1)
     *compiles, link = commands
-    defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT")))
+    defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT",
+                                                   "-DATTN_PAGED")))
                for c in compiles}
-    expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}")
-                for (_, d), e in cutlass.KERNELS.items() for p in ((0, 1) if persistent else (0,))}
-    assert defines == expected and len(compiles) == len(expected) == (16 if persistent else 8)
+    grids = [(0, 0), (0, 1)] + ([(1, 0)] if persistent else [])
+    expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
+                for p, g in grids for (_, d), e in (cutlass.PAGED_KERNELS if g else cutlass.KERNELS).items()}
+    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 12)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -99,8 +106,10 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
-    assert "attn_fmha_sm90_##a##_d##b##c" in source and "#define ATTN_VARIANT _persistent" in source
-    assert cutlass.VARIANTS == {False: "", True: "_persistent"}
+    assert "attn_fmha_sm90_##a##_d##b##c" in source
+    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged"} <= set(source.splitlines())
+    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged"}
+    assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
     assert set(re.findall(r"Shape<_(\d+), ", source)) == {str(cutlass.BLOCK_M)}
 
@@ -252,6 +261,44 @@ def test_unsupported_dtypes_and_head_dims_are_named(dtype, d):
 def test_empty_keys_are_not_served():
     q, k, *_ = _problem(tk=0)
     assert cutlass.problem_reasons(q, k) == ["key is empty (total_k == 0)"]
+
+
+def _paged_problem_cpu(*, dtype=BF16, cache_dtype=None, d=128, block_size=16, hq=4, hkv=2, tq=300, seqs=2):
+    q = torch.randn(tq, hq, d).to(dtype)
+    k_cache = torch.zeros(8, block_size, hkv, d, dtype=cache_dtype or dtype)
+    tables = torch.zeros(seqs, 4, dtype=torch.int32)
+    lens = torch.full((seqs,), 40, dtype=torch.int32)
+    cu_q = torch.tensor([0, *[tq] * seqs], dtype=torch.int32)
+    return q, k_cache, k_cache.clone(), tables, cu_q, lens
+
+
+def test_paged_prefill_reasons():
+    q, k, v, tables, *_ = _paged_problem_cpu()
+    assert cutlass.paged_problem_reasons(q, k, v, tables) == []
+    assert cutlass.paged_problem_reasons(q, k, v, tables, out_scale=torch.tensor(1.0)) == []
+
+    def reasons(**kw):
+        q, k, v, tables, *_ = _paged_problem_cpu(**kw)
+        (why,) = cutlass.paged_problem_reasons(q, k, v, tables)
+        return why
+
+    assert "no paged CUTLASS kernel for torch.bfloat16 with head dim 256" in reasons(d=256)
+    assert "FP8/INT8/INT4 caches run on Triton" in reasons(cache_dtype=E4M3)
+    assert "block_size 12 is not a multiple of 8" in reasons(block_size=12)
+    assert "ALiBi" in cutlass.paged_problem_reasons(q, k, v, tables, alibi_slopes=torch.ones(4))[0]
+    swapped = k.transpose(1, 2).contiguous().transpose(1, 2)   # [blocks, tokens, heads, D], heads outer
+    assert "not ordered head <= token <= block" in cutlass.paged_problem_reasons(q, swapped, v, tables)[0]
+    padded = torch.zeros(8, 16, 2, 132, dtype=BF16)[..., :128]   # head stride 264 bytes
+    assert "16-byte aligned" in cutlass.paged_problem_reasons(q, padded, v, tables)[0]
+
+
+def test_paged_prefill_goes_to_triton_when_most_sequences_are_decodes():
+    backend = cutlass.CutlassBackend()
+    prefill = _paged_problem_cpu(tq=300, seqs=2)
+    decodes = _paged_problem_cpu(tq=100, seqs=64)
+    assert backend.auto_declines("paged_prefill", prefill, {}) == []
+    assert "queries per sequence" in backend.auto_declines("paged_prefill", decodes, {})[0]
+    assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
 # ---- numerics (GPU) ------------------------------------------------------------------------------
@@ -444,3 +491,103 @@ def test_persistent_ctas_loop_over_many_tiles(monkeypatch, num_ctas, section_hea
         baseline, _ = reference.context_attention(*problem, compute_dtype=dtype, causal=causal)
     out, lse = run_cutlass(problem, BF16, causal=causal, **scales)
     check(problem, out, lse, baseline, causal=causal, **scales)
+
+
+
+# ---- paged_prefill (GPU) -------------------------------------------------------------------------
+
+
+def paged_problem(q_lens, k_lens, *, dtype, d, hq, hkv, block_size):
+    """`(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)` with shuffled blocks; every
+    cache slot past a sequence's end, and the spare blocks its table points at there, hold NaN."""
+    per_seq = [-(-k // block_size) for k in k_lens]
+    num_blocks = sum(per_seq) + 2
+    k_cache, v_cache = (torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device="cuda")
+                        for _ in range(2))
+    order = torch.randperm(num_blocks - 1).tolist()
+    tables = torch.full((len(k_lens), max(per_seq + [1]) + 1), num_blocks - 1, dtype=torch.int32)
+    for b, (k_len, n) in enumerate(zip(k_lens, per_seq)):
+        tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+        for cache in (k_cache, v_cache):
+            keys = torch.randn(k_len, hkv, d, dtype=dtype, device="cuda")
+            slots = torch.arange(k_len)
+            cache[tables[b, slots // block_size].long(), slots % block_size] = keys
+    query = torch.randn(sum(q_lens), hq, d, dtype=dtype, device="cuda")
+    return query, k_cache, v_cache, tables.cuda(), cumsum0(q_lens, "cuda"), torch.tensor(k_lens, device="cuda")
+
+
+def run_paged(problem, **options):
+    query = problem[0]
+    out = poison_(torch.empty_like(query))
+    lse = poison_(torch.empty(query.shape[:2], dtype=torch.float32, device="cuda"))
+    with torch_ops.use_backend("cutlass"):
+        torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse, **options)
+    return out, lse
+
+
+def check_paged(problem, out, lse, **options):
+    truth_o, truth_l = reference.paged_prefill(*problem, compute_dtype=torch.float64, **options)
+    base_o, base_l = reference.paged_prefill(*problem, compute_dtype=problem[0].dtype, **options)
+    assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
+    assert_error_ratio(out, truth_o, base_o)
+    assert_error_ratio(lse, truth_l, base_l, name="lse")
+    empty = torch.isinf(truth_l)
+    assert (out.float()[empty] == 0).all() and (lse[empty] == float("-inf")).all(), "rows with no key: 0 and -inf"
+
+
+# (q_lens, k_lens): chunks over cached prefixes of every length mod 8, an empty chunk, a sequence
+# without keys, more queries than keys, and one sequence across many key tiles
+PAGED_LENS = [([300, 0, 17, 129, 64, 5], [700, 40, 17, 1000, 0, 3]), ([1000], [1000]), ([77, 128], [1281, 1155])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 128), (FP16, 128)])
+@pytest.mark.parametrize("block_size", [8, 16, 48, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", PAGED_LENS, ids=["ragged", "single", "chunks"])
+def test_paged_prefill(dtype, d, block_size, causal, lens):
+    problem = paged_problem(*lens, dtype=dtype, d=d, hq=8, hkv=2, block_size=block_size)
+    assert cutlass.paged_unsupported(*problem, causal=causal) == []
+    out, lse = run_paged(problem, causal=causal, scale=0.1, q_scaling=1.5)
+    check_paged(problem, out, lse, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+def test_paged_prefill_fp8_output_and_strided_cache():
+    """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor."""
+    problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=128, hq=8, hkv=8, block_size=32)
+    kv = torch.stack(problem[1:3], dim=1)
+    problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
+    out_scale = torch.tensor(0.02, device="cuda")
+    out = poison_(torch.empty(problem[0].shape, dtype=E4M3, device="cuda"))
+    lse = poison_(torch.empty(problem[0].shape[:2], device="cuda"))
+    with torch_ops.use_backend("cutlass"):
+        torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse, out_scale=out_scale)
+    truth, _ = reference.paged_prefill(*problem, compute_dtype=torch.float64)
+    base, _ = reference.paged_prefill(*problem, compute_dtype=BF16)
+    t = (truth / 0.02).clamp(-448, 448)
+    floor = 2 * (t.to(E4M3).double() - t).abs().max().item()
+    assert_error_ratio(out.double(), t, base.double() / 0.02, floor=floor, name="fp8 out")
+
+
+@pytest.mark.gpu
+def test_paged_prefill_cuda_graph_replay_follows_new_tables_and_lengths():
+    q_lens, cap = [256, 256], 2048
+    problem = paged_problem(q_lens, [cap, cap], dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
+    query, k_cache, v_cache, tables, cu_q, lens = problem
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device="cuda")
+
+    def call():
+        with torch_ops.use_backend("cutlass"):
+            torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse)
+
+    def fill(step):
+        query.normal_()
+        tables[:, : cap // 16].copy_(tables[:, : cap // 16].flip(0) if step % 2 else tables[:, : cap // 16])
+        split = [256, 100, 300, 511][step]
+        cu_q.copy_(cumsum0([split, 512 - split], "cuda"))
+        lens.copy_(torch.tensor([[cap, cap], [700, 1999], [cap, 301], [1024, 555]][step], device="cuda"))
+
+    assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))
