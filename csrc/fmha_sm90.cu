@@ -322,46 +322,59 @@ struct VarlenMainloop : Base {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
-      if (lane_predicate) {
-        load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, table, hk, seq.lk, tile,
-                        [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
-      }
+      // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
+      // table reads overlap each other and the wait for a free stage
+      PagedBox box = paged_box(params, table, seq.lk, tile);
+      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
+                      [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
       while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-      if (lane_predicate) {
-        load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, table, hk, seq.lk, tile,
-                        [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
-      }
+      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
+                      [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
     }
   }
 
-  // Key tile `tile` of the sequence into the next pipeline stage, issued by one lane:
-  // (kBlockN / box_rows) x (D / 64) TMA boxes completing on the stage's barrier. A box is box_rows
-  // consecutive tokens of one cache block (box_rows divides block_size) and lands on whole
-  // 128-byte-swizzled rows of the stage (the K and V layouts hold a 64-dim column block's keys
-  // 128 bytes apart). Boxes at or past the sequence's end read block `num_blocks`, out of the
-  // tensor's bounds, which TMA fills with zeros; the block table is read only below the end.
+  // A TMA box of a key tile: box_rows consecutive tokens of one cache block (box_rows divides
+  // block_size), at `row` of the tile. Boxes at or past the sequence's end read block
+  // `num_blocks`, out of the tensor's bounds, which TMA fills with zeros; the block table is read
+  // only below the end.
+  struct PagedBox {
+    int block, block_row;
+  };
+
+  // This lane's box of key tile `tile` (lanes past the tile's kBlockN / box_rows boxes: none).
+  CUTLASS_DEVICE static PagedBox paged_box(Params const& p, const int* table, int lk, int tile) {
+    int key = tile * get<1>(TileShape{}) + (cutlass::canonical_lane_idx() << p.box_rows_log2);
+    if (key >= lk) return {p.num_blocks, 0};
+    return {table[min(key / p.block_size, p.max_blocks - 1)], key % p.block_size};
+  }
+
+  // One K or V tile into the next pipeline stage: the tile's boxes (lane i's `box` is box i) x
+  // (D / 64) column blocks, issued by the elected lane and completing on the stage's barrier.
+  // Each box lands on whole 128-byte-swizzled rows of the stage (the K and V layouts hold a
+  // 64-dim column block's keys 128 bytes apart).
   template <class SmemAddress>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
-                                             PipelineState& state, Params const& p, const int* table, int hk,
-                                             int lk, int tile, SmemAddress const& smem) {
+                                             PipelineState& state, Params const& p, int hk, PagedBox box,
+                                             int lane_predicate, SmemAddress const& smem) {
     constexpr int kBlockN = get<1>(TileShape{});
     constexpr int kBoxDims = 128 / sizeof(Element);
-    pipeline.producer_acquire(state);
-    uint64_t* barrier = pipeline.producer_get_barrier(state);
-    for (int row = 0; row < kBlockN; row += 1 << p.box_rows_log2) {
-      int key = tile * kBlockN + row;
-      int block = p.num_blocks, block_row = 0;
-      if (key < lk) {
-        block = table[min(key / p.block_size, p.max_blocks - 1)];
-        block_row = key % p.block_size;
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int dim = 0; dim < kHeadDim; dim += kBoxDims) {
-        SM90_TMA_LOAD_4D::copy(pages, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                               smem(row, dim, state.index()), dim, hk, block_row, block);
+    uint64_t* barrier = nullptr;
+    if (lane_predicate) {
+      pipeline.producer_acquire(state);
+      barrier = pipeline.producer_get_barrier(state);
+    }
+    for (int i = 0; i < kBlockN >> p.box_rows_log2; i++) {
+      int block = __shfl_sync(0xffffffff, box.block, i);
+      int block_row = __shfl_sync(0xffffffff, box.block_row, i);
+      if (lane_predicate) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int dim = 0; dim < kHeadDim; dim += kBoxDims) {
+          SM90_TMA_LOAD_4D::copy(pages, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                 smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row, block);
+        }
       }
     }
-    ++state;
+    if (lane_predicate) ++state;
   }
 
   // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that

@@ -519,8 +519,10 @@ def paged_problem(q_lens, k_lens, *, dtype, d, hq, hkv, block_size):
 
 def run_paged(problem, **options):
     query = problem[0]
-    out = poison_(torch.empty_like(query))
-    lse = poison_(torch.empty(query.shape[:2], dtype=torch.float32, device="cuda"))
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32, device="cuda")
+    poison_(out)
+    poison_(lse)
     with torch_ops.use_backend("cutlass"):
         torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse, **options)
     return out, lse
@@ -560,8 +562,10 @@ def test_paged_prefill_fp8_output_and_strided_cache():
     kv = torch.stack(problem[1:3], dim=1)
     problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
     out_scale = torch.tensor(0.02, device="cuda")
-    out = poison_(torch.empty(problem[0].shape, dtype=E4M3, device="cuda"))
-    lse = poison_(torch.empty(problem[0].shape[:2], device="cuda"))
+    out = torch.empty(problem[0].shape, dtype=E4M3, device="cuda")
+    lse = torch.empty(problem[0].shape[:2], device="cuda")
+    poison_(out)
+    poison_(lse)
     with torch_ops.use_backend("cutlass"):
         torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse, out_scale=out_scale)
     truth, _ = reference.paged_prefill(*problem, compute_dtype=torch.float64)
