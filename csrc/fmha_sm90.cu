@@ -94,7 +94,11 @@ using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, i
 // output accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
 // FP8 there reads V with the tokens of every 16 interleaved (see probabilities_operand).
 constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
+#ifdef ATTN_OVERLAP_SOFTMAX  // tuning runs only: the paged kernels then skip the V tail zeroing
+constexpr bool kOverlapSoftmax = ATTN_OVERLAP_SOFTMAX || kInterleavedV;
+#else
 constexpr bool kOverlapSoftmax = kInterleavedV || kPaged;
+#endif
 
 // Four fp32 values -> one register of e4m3 bytes (b0 in the low byte); saturating, as FA3 does.
 CUTLASS_DEVICE uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
