@@ -56,11 +56,12 @@ SEQLENS = [512, 2048, 8192, 16384]
 HEAD_DIMS = [64, 128, 256]
 QUICK_SEQLENS = [2048, 8192]
 QUICK_HEAD_DIMS = [128]
-PAGE = 16
+PAGE = 16   # default cache block size (vLLM's)
 PEERS = ["flash_sdpa", "cudnn_sdpa", "flashinfer_fa3", "flashinfer_fa2", "flex"]
 SECTIONS = ["context", "paged", "mixed"]
 # paged prefill over a cached prefix: (batch, prefix, chunk)
 PAGED_CASES = [(4, 2048, 512), (4, 8192, 2048), (1, 16384, 4096), (16, 4096, 256)]
+PAGED_BLOCK_SIZES = [16, 64]     # every paged case in each; 32 and 128 on one case
 QUICK_PAGED_CASES = [(4, 8192, 2048)]
 # mixed batch: (name, [(q_len, seq_len), ...]) in launch order
 MIXED_CASES = [
@@ -142,14 +143,14 @@ class PagedCase:
     """Queries over a paged bf16 cache: `specs` = [(q_len, seq_len)], GQA `hq/hkv`, 16-token pages on
     a random permutation; the query rows are the last `q_len` positions of each sequence."""
 
-    def __init__(self, specs, d=128, hq=32, hkv=8, causal=True, cache=None, page_ids=None):
-        self.specs, self.d, self.hq, self.hkv, self.causal = specs, d, hq, hkv, causal
+    def __init__(self, specs, d=128, hq=32, hkv=8, causal=True, cache=None, page_ids=None, page=PAGE):
+        self.specs, self.d, self.hq, self.hkv, self.causal, self.page = specs, d, hq, hkv, causal, page
         self.q_lens = [s[0] for s in specs]
         self.seq_lens = [s[1] for s in specs]
-        pages = [-(-n // PAGE) for n in self.seq_lens]
+        pages = [-(-n // page) for n in self.seq_lens]
         if cache is None:
             nb = sum(pages)
-            cache = tuple(torch.randn(nb, PAGE, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            cache = tuple(torch.randn(nb, page, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             perm = torch.randperm(nb).tolist()
             page_ids = [[perm.pop() for _ in range(n)] for n in pages]
         self.k, self.v = cache
@@ -169,7 +170,7 @@ class PagedCase:
     def subset(self, idx: list[int]) -> "PagedCase":
         """The sequences `idx` alone, over the same cache pages."""
         return PagedCase([self.specs[i] for i in idx], self.d, self.hq, self.hkv, self.causal,
-                         cache=(self.k, self.v), page_ids=[self.page_ids[i] for i in idx])
+                         cache=(self.k, self.v), page_ids=[self.page_ids[i] for i in idx], page=self.page)
 
     @property
     def flops(self) -> float:
@@ -258,8 +259,9 @@ def flashinfer_paged_fn(case: PagedCase, backend: str):
     pages = [len(ids) for ids in case.page_ids]
     indptr = cumsum0(pages)
     indices = torch.tensor([i for ids in case.page_ids for i in ids], dtype=torch.int32, device="cuda")
-    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(case.seq_lens, pages)], dtype=torch.int32, device="cuda")
-    w.plan(case.cu, indptr, indices, last, case.hq, case.hkv, case.d, PAGE, causal=case.causal,
+    last = torch.tensor([n - (p - 1) * case.page for n, p in zip(case.seq_lens, pages)], dtype=torch.int32,
+                        device="cuda")
+    w.plan(case.cu, indptr, indices, last, case.hq, case.hkv, case.d, case.page, causal=case.causal,
            q_data_type=torch.bfloat16)
 
     def fn():
@@ -451,20 +453,27 @@ class Runner:
                 row["flex"] = "skipped: compile-time budget (a few shapes only)"
         return row
 
-    def paged(self, batch: int, prefix: int, chunk: int) -> dict:
-        case = PagedCase([(chunk, prefix + chunk)] * batch)
-        row = {"section": "paged", "desc": f"{batch}x {chunk} on {prefix} cached", "d": case.d, "causal": True,
+    def paged(self, batch: int, prefix: int, chunk: int, page: int = PAGE) -> dict:
+        case = PagedCase([(chunk, prefix + chunk)] * batch, page=page)
+        row = {"section": "paged", "desc": f"{batch}x {chunk} on {prefix} cached, {page}-token blocks", "d": case.d,
+               "causal": True, "block_size": page,
                "heads": f"{case.hq}/{case.hkv}", "tflop": case.flops / 1e12}
         us = self.ours(row, case.ours(), case.flops, lambda: check_paged(case))
         if us is None:
             return row
         self.peer(row, "ours_contiguous", case.contiguous, case.flops, us)
-        row["ours_backend"] = backend_for_case(case)
-        self.peer(row, "ours_triton", lambda: case.ours("triton"), case.flops, us)
+        self.other_backends(row, case, us)
         for backend in ("fa3", "fa2"):
             if f"flashinfer_{backend}" in self.args.peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_paged_fn(case, backend), case.flops, us)
         return row
+
+    def other_backends(self, row: dict, case: "PagedCase", us: float) -> None:
+        """Record which backend the automatic choice took, and time the other one as a peer."""
+        row["backend"] = backend_for_case(case)
+        for backend in ("triton", "cutlass"):
+            if backend != row["backend"]:
+                self.peer(row, f"ours_{backend}", lambda: case.ours(backend), case.flops, us)
 
     def mixed(self, name: str, specs: list[tuple[int, int]]) -> dict:
         order = list(range(len(specs)))
@@ -493,10 +502,7 @@ class Runner:
                 row[f"part_{kind}"] = f"error: {type(e).__name__}: {str(e)[:160]}"
         row["parts_sum_us"] = parts_us
         row["mixed_vs_parts"] = parts_us / us
-        row["ours_backend"] = backend_for_case(case)
-        for backend in ("triton", "cutlass"):
-            if backend != row["ours_backend"]:
-                self.peer(row, f"ours_{backend}", lambda: case.ours(backend), case.flops, us)
+        self.other_backends(row, case, us)
         for backend in ("fa3", "fa2"):
             if f"flashinfer_{backend}" in self.args.peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_paged_fn(case, backend), case.flops, us)
@@ -575,7 +581,10 @@ def main(argv=None) -> int:
         jobs += [("context", (s, d, c, r)) for d in args.head_dims for s in args.seqlens
                  for c in (False, True) for r in (False, True)]
     if "paged" in args.sections:
-        jobs += [("paged", c) for c in (QUICK_PAGED_CASES if args.quick else PAGED_CASES)]
+        jobs += [("paged", (*c, page)) for c in (QUICK_PAGED_CASES if args.quick else PAGED_CASES)
+                 for page in PAGED_BLOCK_SIZES]
+        if not args.quick:
+            jobs += [("paged", (4, 8192, 2048, page)) for page in (32, 128)]
     if "mixed" in args.sections:
         jobs += [("mixed", c) for c in (MIXED_CASES[:1] if args.quick else MIXED_CASES)]
     if args.quick:   # one case of each section first, so that the time budget reaches them all

@@ -63,7 +63,10 @@ KERNELS = {
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
-PAGED_MIN_MEAN_QUERIES = 64   # automatic choice: paged_prefill batches with fewer queries per sequence go to Triton
+# automatic choice (H200, docs/cutlass.md): paged_prefill goes to Triton for batches of fewer queries
+# per sequence (decode-heavy), and for caches whose blocks take boxes of fewer tokens
+PAGED_MIN_MEAN_QUERIES = 64
+PAGED_AUTO_MIN_BOX_ROWS = 32
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 INTERLEAVED_V_HEAD_DIMS = (128,)   # FP8 kernels that read V with the tokens of every 16 interleaved
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -500,12 +503,17 @@ class CutlassBackend:
         return self._OPS[op][0](*args, **options)
 
     def auto_declines(self, op, args, kwargs):
-        if op == "paged_prefill":
-            query, seq_lens = args[0], args[5]
-            if query.shape[0] < PAGED_MIN_MEAN_QUERIES * seq_lens.shape[0]:
-                return [f"fewer than {PAGED_MIN_MEAN_QUERIES} queries per sequence on average: the Triton "
-                        "kernel's 16-row tiles for short sequences waste less (measured)"]
-        return []
+        if op != "paged_prefill":
+            return []
+        query, k_cache, seq_lens = args[0], args[1], args[5]
+        why = []
+        if query.shape[0] < PAGED_MIN_MEAN_QUERIES * seq_lens.shape[0]:
+            why.append(f"fewer than {PAGED_MIN_MEAN_QUERIES} queries per sequence on average: the Triton kernel's "
+                       "16-row tiles for short sequences waste less (measured)")
+        if k_cache.shape[1] % PAGED_AUTO_MIN_BOX_ROWS:
+            why.append(f"block_size {k_cache.shape[1]} is not a multiple of {PAGED_AUTO_MIN_BOX_ROWS}: smaller TMA "
+                       "boxes make the CUTLASS kernel slower than the Triton one (measured)")
+        return why
 
     def run(self, op, args, kwargs):
         self._OPS[op][1](*args, **kwargs)

@@ -292,12 +292,14 @@ def test_paged_prefill_reasons():
     assert "16-byte aligned" in cutlass.paged_problem_reasons(q, padded, v, tables)[0]
 
 
-def test_paged_prefill_goes_to_triton_when_most_sequences_are_decodes():
+def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks():
     backend = cutlass.CutlassBackend()
-    prefill = _paged_problem_cpu(tq=300, seqs=2)
-    decodes = _paged_problem_cpu(tq=100, seqs=64)
+    prefill = _paged_problem_cpu(tq=300, seqs=2, block_size=32)
     assert backend.auto_declines("paged_prefill", prefill, {}) == []
-    assert "queries per sequence" in backend.auto_declines("paged_prefill", decodes, {})[0]
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=64), {})
+    assert "queries per sequence" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=16), {})
+    assert "block_size 16 is not a multiple of 32" in why
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
