@@ -200,7 +200,8 @@ class PagedCase:
         return fn
 
     def contiguous(self):
-        """Our context_attention over the same keys gathered into packed K/V (no paging)."""
+        """Our context_attention (the automatic choice: CUTLASS on Hopper) over the same keys gathered
+        into packed K/V (no paging)."""
         import torch_ops
 
         ks, vs = [], []
@@ -212,7 +213,7 @@ class PagedCase:
         cu_k = cumsum0(self.seq_lens)
 
         def fn():
-            with torch_ops.use_backend("triton"):
+            with torch_ops.use_backend(None):
                 torch.ops.attn.context_attention.out(self.q, k, v, self.cu, cu_k, causal=self.causal,
                                                      out=self.out, lse=self.lse)
         return fn
