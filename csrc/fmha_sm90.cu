@@ -337,15 +337,15 @@ struct VarlenMainloop : Base {
     }
   }
 
-  // A TMA box of a key tile: box_rows consecutive tokens of one cache block (box_rows divides
-  // block_size), at `row` of the tile. Boxes at or past the sequence's end read block
-  // `num_blocks`, out of the tensor's bounds, which TMA fills with zeros; the block table is read
-  // only below the end.
+  // Where box i of a key tile (its keys i * box_rows .. + box_rows - 1) comes from: box_rows
+  // consecutive tokens of one cache block (box_rows divides block_size). Boxes at or past the
+  // sequence's end read block `num_blocks`, out of the tensor's bounds, which TMA fills with
+  // zeros; the block table is read only below the end (and below max_blocks).
   struct PagedBox {
     int block, block_row;
   };
 
-  // This lane's box of key tile `tile` (lanes past the tile's kBlockN / box_rows boxes: none).
+  // Lane i's box i of key tile `tile` (lanes past the tile's kBlockN / box_rows boxes go unused).
   CUTLASS_DEVICE static PagedBox paged_box(Params const& p, const int* table, int lk, int tile) {
     int key = tile * get<1>(TileShape{}) + (cutlass::canonical_lane_idx() << p.box_rows_log2);
     if (key >= lk) return {p.num_blocks, 0};
