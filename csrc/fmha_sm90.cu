@@ -15,8 +15,9 @@
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
 //   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3;
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
-//     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
-//     block table (see load_paged_tile).
+//     either in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from
+//     the block table (load_paged_tile), or, for blocks too small for efficient boxes, row by row
+//     with cp.async from the load warp's 32 lanes (gather_paged_tile).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not), chosen by
 // -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
@@ -187,6 +188,14 @@ struct Sequence {
   int q0, k0, lq, lk, off;
 };
 
+// A paged cache as the gather path reads it: 16-byte chunks, token (row) and block strides and
+// the head stride counted in chunks (offsets fit 32 bits for caches under 32 GiB, checked by the
+// caller).
+struct GatherCache {
+  uint4 const* base;
+  int row_stride, block_stride, head_stride;
+};
+
 // The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
 struct VarlenMainloop : Base {
   struct Params : Base::Params {
@@ -205,6 +214,9 @@ struct VarlenMainloop : Base {
     const int* seq_lens;
     int64_t block_table_stride;
     int max_blocks, block_size, num_blocks, box_rows_log2;
+    // gather path (gather = 1, box_rows_log2 = 0): the caches' bases and strides in 16-byte units
+    int gather;
+    GatherCache k_rows, v_rows;
   };
 
   template <class BlkCoord>
@@ -308,7 +320,7 @@ struct VarlenMainloop : Base {
   }
 
   // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above, each K/V
-  // tile gathered from the cache by load_paged_tile.
+  // tile read from the cache by load_paged_tile (TMA boxes) or gather_paged_tile (rows).
   template <class BlkCoord, class ProblemShape>
   CUTLASS_DEVICE void load_paged(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                  MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
@@ -324,16 +336,27 @@ struct VarlenMainloop : Base {
     int hk = get<2, 1>(blk) / params.group;
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    auto k_smem = [&](int key, int dim, int stage) { return &sK(key, dim, stage); };
+    auto v_smem = [&](int key, int dim, int stage) { return &sV(dim, key, stage); };
+    if (params.gather) {  // Q block 1 first too: its TMA state would not fit beside the gather loop's
+      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int tile = 0; tile < trips; tile++) {
+        gather_paged_tile(params.k_rows, hk, pipeline, smem_pipe_write, params, table, seq.lk, tile,
+                          lane_predicate, k_smem);
+        gather_paged_tile(params.v_rows, hk, pipeline, smem_pipe_write, params, table, seq.lk, tile,
+                          lane_predicate, v_smem);
+      }
+      return;
+    }
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
       // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
       // table reads overlap each other and the wait for a free stage
       PagedBox box = paged_box(params, table, seq.lk, tile);
-      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
+      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate, k_smem);
       while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
+      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate, v_smem);
     }
   }
 
@@ -381,6 +404,51 @@ struct VarlenMainloop : Base {
     if (lane_predicate) ++state;
   }
 
+  // The gather path: one K or V tile into the next pipeline stage by cp.async, 16 bytes per lane and
+  // copy; a key's row of D elements is kChunks lanes' chunks, kRows rows per warp-wide copy (whole
+  // rows of 128 or 256 bytes, coalesced). Lane i first looks up keys i, i + 32, ... of the tile (a
+  // division and a table read each, all lanes at once; block ids clamped into the cache, as TMA's
+  // bounds would); each copy's lanes take their row's offset
+  // from that lane by shuffle. Keys past the sequence's end are zero-filled, so no V tail zeroing.
+  // The stage's barrier expects one arrival: every lane's cp.async.mbarrier.arrive raises its
+  // pending count until that lane's copies have landed, and after a __syncwarp the elected lane
+  // arrives. All lanes track the pipeline state (the TMA path advances only the elected lane's).
+  template <class SmemAddress>
+  CUTLASS_DEVICE static void gather_paged_tile(GatherCache const& cache, int hk, MainloopPipeline& pipeline,
+                                               PipelineState& state, Params const& p, const int* table, int lk,
+                                               int tile, int lane_predicate, SmemAddress const& smem) {
+    constexpr int kBlockN = get<1>(TileShape{});
+    constexpr int kChunkDims = 16 / sizeof(Element);
+    constexpr int kChunks = kHeadDim / kChunkDims;
+    constexpr int kRows = 32 / kChunks;
+    static_assert(32 % kChunks == 0 && kBlockN % 32 == 0, "whole rows per copy, 32 keys per lookup");
+    int lane = cutlass::canonical_lane_idx();
+    while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
+    }
+    int chunk = lane % kChunks, row = lane / kChunks;
+    uint4 const* head = cache.base + hk * cache.head_stride + chunk;
+    CUTLASS_PRAGMA_NO_UNROLL  // the load warp has 24 registers
+    for (int m = 0; m < kBlockN; m += 32) {
+      int key = tile * kBlockN + m + lane;
+      int block = key / p.block_size;
+      int cached = key < lk ? min(max(table[min(block, p.max_blocks - 1)], 0), p.num_blocks - 1) : 0;
+      // in chunks from the head's first chunk; -1 past the sequence's end
+      int offset = key < lk ? cached * cache.block_stride + (key - block * p.block_size) * cache.row_stride : -1;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 32; r += kRows) {
+        int off = __shfl_sync(0xffffffff, offset, r + row);
+        auto* dst = reinterpret_cast<uint128_t*>(smem(m + r + row, chunk * kChunkDims, state.index()));
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(head + max(off, 0)),
+                                                        *dst, off >= 0);
+      }
+    }
+    uint64_t* barrier = pipeline.producer_get_barrier(state);
+    cutlass::arch::cpasync_barrier_arrive(barrier);
+    __syncwarp();
+    if (lane_predicate) cutlass::arch::ClusterBarrier::arrive(barrier);
+    ++state;
+  }
+
   // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that
   // warpgroup has released its previous tile's block (at the end of its mainloop, so the load
   // overlaps that tile's epilogue).
@@ -420,8 +488,8 @@ struct VarlenMainloop : Base {
     p.scale_softmax = scale;
     p.scale_softmax_log2 = scale * 1.4426950408889634f;
     if constexpr (kOverlapSoftmax) {
-      return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, pipeline, smem_pipe_read,
-                                pipeline_q, smem_pipe_read_q, storage, order);
+      return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, params.gather, pipeline,
+                                smem_pipe_read, pipeline_q, smem_pipe_read_q, storage, order);
     } else {
       return Base::compute(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
                            reducer, reducer_state, storage, order);
@@ -476,10 +544,12 @@ struct VarlenMainloop : Base {
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
   // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
   // slower. K and V tiles share the pipeline, read in the order K0 V0 K1 V1 ...; tile j's K stage
-  // is released once its QK^T has completed, its V stage once its PV product has.
+  // is released once its QK^T has completed, its V stage once its PV product has. Paged: the last
+  // V tile's rows past the end are zeroed (box_rows > 1), and gathered tiles, written by cp.async
+  // (generic proxy), are fenced before the tensor cores (async proxy) read them.
   template <class BlkCoord, class OrderBarrier>
   CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
-                                         SeqShape const& seq_problem, int box_rows,
+                                         SeqShape const& seq_problem, int box_rows, bool gathered,
                                          MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
                                          MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
                                          SharedStorage& storage, OrderBarrier& order) {
@@ -556,8 +626,12 @@ struct VarlenMainloop : Base {
     PipelineState v_read = k_read;
     ++v_read;
     Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+    auto wait_tile = [&](PipelineState const& read) {
+      pipeline.consumer_wait(read);
+      if (kPaged && gathered) cutlass::arch::fence_view_async_shared();
+    };
     auto issue_qk = [&]() {  // acc_s = Q K[k_read]^T
-      pipeline.consumer_wait(k_read);
+      wait_tile(k_read);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
@@ -581,7 +655,7 @@ struct VarlenMainloop : Base {
     Tensor p_op = to_operand(acc_s);
     auto issue_pv = [&](bool last) {  // acc_pv = acc_pv * correction + P V[v_read]
       rescale_output();
-      pipeline.consumer_wait(v_read);
+      wait_tile(v_read);
       if constexpr (kPaged) {
         if (last) zero_value_tail(storage, v_read.index(), get<3>(seq_problem) - (trips - 1) * get<1>(TileShape{}),
                                   box_rows, int(get<0>(wg)) % NumMmaWarpGroups);
@@ -832,6 +906,22 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// A paged cache (strides in elements) as the gather path's GatherCache; false if its base or a
+// stride is not 16-byte aligned, or its last chunk lies 2^31 chunks (32 GiB) or more past the base.
+bool gather_cache(GatherCache* rows, void const* cache, int64_t row_stride, int64_t head_stride,
+                  int64_t block_stride, AttnFmhaArgs const& a) {
+  constexpr int64_t kPerChunk = 16 / sizeof(Element);
+  int64_t last = (a.num_blocks - 1) * block_stride + (a.block_size - 1) * row_stride + (a.hkv - 1) * head_stride +
+                 kHeadDim;
+  if (reinterpret_cast<uintptr_t>(cache) % 16 || row_stride % kPerChunk || head_stride % kPerChunk ||
+      block_stride % kPerChunk || last / kPerChunk >= (int64_t(1) << 31)) {
+    return false;
+  }
+  *rows = {static_cast<uint4 const*>(cache), int(row_stride / kPerChunk), int(block_stride / kPerChunk),
+           int(head_stride / kPerChunk)};
+  return true;
+}
+
 int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   auto fail = [&](char const* what) {
     snprintf(err, err_len, "%s", what);
@@ -863,16 +953,26 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, {}};
   if constexpr (kPaged) {
-    int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
-    if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
-        a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
-      return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
-    }
-    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
-        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
-      return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
+    if (a.max_blocks < 1 || a.num_blocks < 1 || a.block_size < 1) return fail("paged: no cache blocks");
+    if (a.box_rows == 0) {
+      if (!gather_cache(&mainloop.k_rows, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
+          !gather_cache(&mainloop.v_rows, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
+        return fail("paged gather: need 16-byte aligned base and strides, and a cache under 32 GiB");
+      }
+      mainloop.gather = 1;
+    } else {
+      int box_rows_log2 = __builtin_ctz(unsigned(a.box_rows));
+      if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
+          a.block_size % a.box_rows != 0) {
+        return fail("paged: need box_rows 0 or a power of two in 8..key tile dividing block_size");
+      }
+      if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
+          !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
+        return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
+      }
+      mainloop.box_rows_log2 = box_rows_log2;
     }
     mainloop.block_tables = a.block_tables;
     mainloop.seq_lens = a.seq_lens;
@@ -880,7 +980,6 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.max_blocks = a.max_blocks;
     mainloop.block_size = a.block_size;
     mainloop.num_blocks = a.num_blocks;
-    mainloop.box_rows_log2 = box_rows_log2;
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
