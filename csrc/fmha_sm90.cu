@@ -30,6 +30,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
+#include "cutlass/fast_math.h"
 #include "cutlass/numeric_conversion.h"
 #include "kernel/fmha_kernel_builder.hpp"  // examples/88_hopper_fmha (include path set by the build)
 
@@ -217,6 +218,7 @@ struct VarlenMainloop : Base {
     // gather path (gather = 1, box_rows_log2 = 0): the caches' bases and strides in 16-byte units
     int gather;
     GatherCache k_rows, v_rows;
+    cutlass::FastDivmod block_divmod;  // key -> (block, row in block)
   };
 
   template <class BlkCoord>
@@ -342,9 +344,10 @@ struct VarlenMainloop : Base {
       while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
       CUTLASS_PRAGMA_NO_UNROLL
       for (int tile = 0; tile < trips; tile++) {
-        gather_paged_tile(params.k_rows, hk, pipeline, smem_pipe_write, params, table, seq.lk, tile,
+        int first, blocks = gather_blocks(params, table, seq.lk, tile, first);
+        gather_paged_tile(params.k_rows, hk, pipeline, smem_pipe_write, params, blocks, first, seq.lk, tile,
                           lane_predicate, k_smem);
-        gather_paged_tile(params.v_rows, hk, pipeline, smem_pipe_write, params, table, seq.lk, tile,
+        gather_paged_tile(params.v_rows, hk, pipeline, smem_pipe_write, params, blocks, first, seq.lk, tile,
                           lane_predicate, v_smem);
       }
       return;
@@ -404,42 +407,53 @@ struct VarlenMainloop : Base {
     if (lane_predicate) ++state;
   }
 
-  // The gather path: one K or V tile into the next pipeline stage by cp.async, 16 bytes per lane and
-  // copy; a key's row of D elements is kChunks lanes' chunks, kRows rows per warp-wide copy (whole
-  // rows of 128 or 256 bytes, coalesced). Lane i first looks up keys i, i + 32, ... of the tile (a
-  // division and a table read each, all lanes at once; block ids clamped into the cache, as TMA's
-  // bounds would); each copy's lanes take their row's offset
-  // from that lane by shuffle. Keys past the sequence's end are zero-filled, so no V tail zeroing.
-  // The stage's barrier expects one arrival: every lane's cp.async.mbarrier.arrive raises its
-  // pending count until that lane's copies have landed, and after a __syncwarp the elected lane
-  // arrives. All lanes track the pipeline state (the TMA path advances only the elected lane's).
+  // The gather path's block lookup for key tile `tile`: lane i returns the cache block holding the
+  // tile's keys of block `first + i` of the sequence (first = the block of the tile's first key;
+  // a tile spans at most 32 blocks for block_size >= 4), clamped into the cache as TMA's bounds
+  // would; 0 past the sequence's end. One table read per lane for both the K and the V tile.
+  CUTLASS_DEVICE static int gather_blocks(Params const& p, const int* table, int lk, int tile, int& first) {
+    constexpr int kBlockN = get<1>(TileShape{});
+    int key0 = tile * kBlockN, row, last;
+    p.block_divmod(first, row, key0);
+    p.block_divmod(last, row, min(lk, key0 + kBlockN) - 1);
+    int block = first + cutlass::canonical_lane_idx();
+    return block <= last ? min(max(table[min(block, p.max_blocks - 1)], 0), p.num_blocks - 1) : 0;
+  }
+
+  // The gather path: one K or V tile into the next pipeline stage by cp.async, 16 bytes per copy.
+  // Four lanes share a key's row (lane q its chunks q, q + 4, ...: each warp-wide copy reads 64
+  // contiguous bytes of 8 rows), so a lane gathers rows r, r + 8, ... of the tile, its row's cache
+  // block taken from `blocks` (gather_blocks) by shuffle: the load warp has 24 registers, and no
+  // copy waits on memory but its own. Keys past the sequence's end are zero-filled, so the last V
+  // tile needs no zeroing. The stage's barrier expects one arrival: every lane's
+  // cp.async.mbarrier.arrive raises its pending count until that lane's copies have landed, and
+  // after a __syncwarp the elected lane arrives. All lanes track the pipeline state (the TMA path
+  // advances only the elected lane's).
   template <class SmemAddress>
   CUTLASS_DEVICE static void gather_paged_tile(GatherCache const& cache, int hk, MainloopPipeline& pipeline,
-                                               PipelineState& state, Params const& p, const int* table, int lk,
-                                               int tile, int lane_predicate, SmemAddress const& smem) {
+                                               PipelineState& state, Params const& p, int blocks, int first,
+                                               int lk, int tile, int lane_predicate, SmemAddress const& smem) {
     constexpr int kBlockN = get<1>(TileShape{});
     constexpr int kChunkDims = 16 / sizeof(Element);
-    constexpr int kChunks = kHeadDim / kChunkDims;
-    constexpr int kRows = 32 / kChunks;
-    static_assert(32 % kChunks == 0 && kBlockN % 32 == 0, "whole rows per copy, 32 keys per lookup");
+    constexpr int kLanesPerRow = 4;
+    constexpr int kChunksPerLane = kHeadDim / kChunkDims / kLanesPerRow;
+    constexpr int kRowsPerCopy = 32 / kLanesPerRow;
     int lane = cutlass::canonical_lane_idx();
+    int quarter = lane % kLanesPerRow;
+    uint4 const* head = cache.base + hk * cache.head_stride + quarter;
     while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
     }
-    int chunk = lane % kChunks, row = lane / kChunks;
-    uint4 const* head = cache.base + hk * cache.head_stride + chunk;
-    CUTLASS_PRAGMA_NO_UNROLL  // the load warp has 24 registers
-    for (int m = 0; m < kBlockN; m += 32) {
-      int key = tile * kBlockN + m + lane;
-      int block = key / p.block_size;
-      int cached = key < lk ? min(max(table[min(block, p.max_blocks - 1)], 0), p.num_blocks - 1) : 0;
-      // in chunks from the head's first chunk; -1 past the sequence's end
-      int offset = key < lk ? cached * cache.block_stride + (key - block * p.block_size) * cache.row_stride : -1;
+#pragma unroll 2
+    for (int r = lane / kLanesPerRow; r < kBlockN; r += kRowsPerCopy) {
+      int key = tile * kBlockN + r, block, row;
+      p.block_divmod(block, row, key);
+      int cached = __shfl_sync(0xffffffff, blocks, (block - first) & 31);
+      uint4 const* src = head + (cached * cache.block_stride + row * cache.row_stride);
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 32; r += kRows) {
-        int off = __shfl_sync(0xffffffff, offset, r + row);
-        auto* dst = reinterpret_cast<uint128_t*>(smem(m + r + row, chunk * kChunkDims, state.index()));
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(head + max(off, 0)),
-                                                        *dst, off >= 0);
+      for (int c = 0; c < kChunksPerLane; c++) {
+        uint32_t dst = cute::cast_smem_ptr_to_uint(smem(r, (quarter + c * kLanesPerRow) * kChunkDims, state.index()));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src + c * kLanesPerRow),
+                     "r"(key < lk ? 16 : 0));
       }
     }
     uint64_t* barrier = pipeline.producer_get_barrier(state);
@@ -953,15 +967,17 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, {}};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, {}, {}};
   if constexpr (kPaged) {
     if (a.max_blocks < 1 || a.num_blocks < 1 || a.block_size < 1) return fail("paged: no cache blocks");
     if (a.box_rows == 0) {
+      if (a.block_size < 4) return fail("paged gather: need block_size >= 4 (at most 32 blocks per key tile)");
       if (!gather_cache(&mainloop.k_rows, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
           !gather_cache(&mainloop.v_rows, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
         return fail("paged gather: need 16-byte aligned base and strides, and a cache under 32 GiB");
       }
       mainloop.gather = 1;
+      mainloop.block_divmod = cutlass::FastDivmod(a.block_size);
     } else {
       int box_rows_log2 = __builtin_ctz(unsigned(a.box_rows));
       if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
