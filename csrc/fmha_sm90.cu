@@ -379,32 +379,29 @@ struct VarlenMainloop : Base {
   }
 
   // One K or V tile into the next pipeline stage: the tile's boxes (lane i's `box` is box i) x
-  // (D / 64) column blocks, issued by the elected lane and completing on the stage's barrier.
-  // Each box lands on whole 128-byte-swizzled rows of the stage (the K and V layouts hold a
-  // 64-dim column block's keys 128 bytes apart).
+  // (D / 64) column blocks, one per lane (at most 16 boxes x 2), completing on the stage's barrier
+  // once the elected lane has set the expected bytes. Each box lands on whole 128-byte-swizzled
+  // rows of the stage (the K and V layouts hold a 64-dim column block's keys 128 bytes apart).
+  // All lanes track the pipeline state.
   template <class SmemAddress>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
                                              PipelineState& state, Params const& p, int hk, PagedBox box,
                                              int lane_predicate, SmemAddress const& smem) {
     constexpr int kBlockN = get<1>(TileShape{});
     constexpr int kBoxDims = 128 / sizeof(Element);
-    uint64_t* barrier = nullptr;
-    if (lane_predicate) {
-      pipeline.producer_acquire(state);
-      barrier = pipeline.producer_get_barrier(state);
+    constexpr int kDimBoxes = kHeadDim / kBoxDims;
+    static_assert(kBlockN / 8 * kDimBoxes <= 32, "one TMA box per lane");
+    if (lane_predicate) pipeline.producer_acquire(state);
+    __syncwarp();
+    int lane = cutlass::canonical_lane_idx(), i = lane / kDimBoxes, dim = lane % kDimBoxes * kBoxDims;
+    int block = __shfl_sync(0xffffffff, box.block, i);
+    int block_row = __shfl_sync(0xffffffff, box.block_row, i);
+    if (i < kBlockN >> p.box_rows_log2) {
+      SM90_TMA_LOAD_4D::copy(pages, pipeline.producer_get_barrier(state),
+                             static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                             smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row, block);
     }
-    for (int i = 0; i < kBlockN >> p.box_rows_log2; i++) {
-      int block = __shfl_sync(0xffffffff, box.block, i);
-      int block_row = __shfl_sync(0xffffffff, box.block_row, i);
-      if (lane_predicate) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int dim = 0; dim < kHeadDim; dim += kBoxDims) {
-          SM90_TMA_LOAD_4D::copy(pages, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                 smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row, block);
-        }
-      }
-    }
-    if (lane_predicate) ++state;
+    ++state;
   }
 
   // The gather path's block lookup for key tile `tile`: lane i returns the cache block holding the
@@ -642,7 +639,9 @@ struct VarlenMainloop : Base {
     Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
     auto wait_tile = [&](PipelineState const& read) {
       pipeline.consumer_wait(read);
+#ifndef ATTN_SKIP_GATHER_FENCE  // tuning runs only: measures what the fence costs
       if (kPaged && gathered) cutlass::arch::fence_view_async_shared();
+#endif
     };
     auto issue_qk = [&]() {  // acc_s = Q K[k_read]^T
       wait_tile(k_read);
