@@ -96,9 +96,8 @@ def run_merge_states():
 def run_cutlass():
     """The CUTLASS context kernels (csrc/) and the FP8 V transpose that feeds them: ragged
     batches whose sequences start off the 16-key grid, more queries than keys, an empty one;
-    then the paged kernels over the same lengths, K/V gathered by rows or read in TMA boxes, with
-    block tables that also hold ids outside the cache (-1, num_blocks + 5)."""
-    from torch_ops import cutlass, quant
+    then the paged kernels over the same lengths in three block sizes."""
+    from torch_ops import quant
 
     q_lens, k_lens = [1, 200, 0, 77, 130], [9, 333, 4, 20, 130]
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
@@ -114,22 +113,16 @@ def run_cutlass():
             for causal in (False, True):
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
     print("context_attention (cutlass): ok")
-    default = cutlass.PAGED_GATHER_BELOW_BOX_ROWS
-    # (block size, gather below): rows of 12 and 16 (gathered), TMA boxes of 16, 16 and 128 tokens
-    loaders = ((12, default), (16, default), (16, 0), (48, 0), (256, 0))
     with torch_ops.use_backend("cutlass"):
-        for block_size, gather_below in loaders:
-            cutlass.PAGED_GATHER_BELOW_BOX_ROWS = gather_below
+        for block_size in (8, 16, 48, 256):   # TMA boxes of 8, 16, 16 and 128 tokens
             blocks = [-(-n // block_size) for n in k_lens]
             k_cache, v_cache = (torch.randn(sum(blocks) + 1, block_size, 2, 128, device="cuda", dtype=torch.bfloat16)
                                 for _ in range(2))
             tables = torch.randint(0, sum(blocks) + 1, (len(k_lens), max(blocks)), device="cuda", dtype=torch.int32)
-            tables[1, :2] = torch.tensor([-1, sum(blocks) + 6])
             seq_lens = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
             q = torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=torch.bfloat16)
             for causal in (False, True):
                 torch.ops.attn.paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, causal=causal)
-    cutlass.PAGED_GATHER_BELOW_BOX_ROWS = default
     print("paged_prefill (cutlass): ok")
 
 

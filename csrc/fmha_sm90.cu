@@ -15,9 +15,8 @@
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
 //   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3;
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
-//     either in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from
-//     the block table (load_paged_tile), or, for blocks too small for efficient boxes, row by row
-//     with cp.async from the load warp's 32 lanes (gather_paged_tile).
+//     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
+//     block table (see load_paged_tile).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not), chosen by
 // -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
@@ -30,7 +29,6 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
-#include "cutlass/fast_math.h"
 #include "cutlass/numeric_conversion.h"
 #include "kernel/fmha_kernel_builder.hpp"  // examples/88_hopper_fmha (include path set by the build)
 
@@ -189,14 +187,6 @@ struct Sequence {
   int q0, k0, lq, lk, off;
 };
 
-// A paged cache as the gather path reads it: 16-byte chunks, token (row) and block strides and
-// the head stride counted in chunks (offsets fit 32 bits for caches under 32 GiB, checked by the
-// caller).
-struct GatherCache {
-  uint4 const* base;
-  int row_stride, block_stride, head_stride;
-};
-
 // The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
 struct VarlenMainloop : Base {
   struct Params : Base::Params {
@@ -215,10 +205,6 @@ struct VarlenMainloop : Base {
     const int* seq_lens;
     int64_t block_table_stride;
     int max_blocks, block_size, num_blocks, box_rows_log2;
-    // gather path (gather = 1, box_rows_log2 = 0): the caches' bases and strides in 16-byte units
-    int gather;
-    GatherCache k_rows, v_rows;
-    cutlass::FastDivmod block_divmod;  // key -> (block, row in block)
   };
 
   template <class BlkCoord>
@@ -322,7 +308,7 @@ struct VarlenMainloop : Base {
   }
 
   // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above, each K/V
-  // tile read from the cache by load_paged_tile (TMA boxes) or gather_paged_tile (rows).
+  // tile gathered from the cache by load_paged_tile.
   template <class BlkCoord, class ProblemShape>
   CUTLASS_DEVICE void load_paged(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                  MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
@@ -338,28 +324,16 @@ struct VarlenMainloop : Base {
     int hk = get<2, 1>(blk) / params.group;
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
-    auto k_smem = [&](int key, int dim, int stage) { return &sK(key, dim, stage); };
-    auto v_smem = [&](int key, int dim, int stage) { return &sV(dim, key, stage); };
-    if (params.gather) {  // Q block 1 first too: its TMA state would not fit beside the gather loop's
-      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int tile = 0; tile < trips; tile++) {
-        int first, blocks = gather_blocks(params, table, seq.lk, tile, first);
-        gather_paged_tile(params.k_rows, hk, pipeline, smem_pipe_write, params, blocks, first, seq.lk, tile,
-                          lane_predicate, k_smem);
-        gather_paged_tile(params.v_rows, hk, pipeline, smem_pipe_write, params, blocks, first, seq.lk, tile,
-                          lane_predicate, v_smem);
-      }
-      return;
-    }
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
       // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
       // table reads overlap each other and the wait for a free stage
       PagedBox box = paged_box(params, table, seq.lk, tile);
-      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate, k_smem);
+      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
+                      [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
       while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
-      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate, v_smem);
+      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
+                      [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
     }
   }
 
@@ -379,10 +353,10 @@ struct VarlenMainloop : Base {
   }
 
   // One K or V tile into the next pipeline stage: the tile's boxes (lane i's `box` is box i) x
-  // (D / 64) column blocks, one per lane (at most 16 boxes x 2), completing on the stage's barrier
-  // once the elected lane has set the expected bytes. Each box lands on whole 128-byte-swizzled
-  // rows of the stage (the K and V layouts hold a 64-dim column block's keys 128 bytes apart).
-  // All lanes track the pipeline state.
+  // (D / 64) column blocks, one TMA copy per lane (at most 16 boxes x 2: the elected lane alone
+  // issued 16-token boxes 1.3x slower), completing on the stage's barrier once the elected lane has
+  // set the expected bytes. Each box lands on whole 128-byte-swizzled rows of the stage (the K and
+  // V layouts hold a 64-dim column block's keys 128 bytes apart). All lanes track the state.
   template <class SmemAddress>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
                                              PipelineState& state, Params const& p, int hk, PagedBox box,
@@ -401,62 +375,6 @@ struct VarlenMainloop : Base {
                              static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                              smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row, block);
     }
-    ++state;
-  }
-
-  // The gather path's block lookup for key tile `tile`: lane i returns the cache block holding the
-  // tile's keys of block `first + i` of the sequence (first = the block of the tile's first key;
-  // a tile spans at most 32 blocks for block_size >= 4), clamped into the cache as TMA's bounds
-  // would; 0 past the sequence's end. One table read per lane for both the K and the V tile.
-  CUTLASS_DEVICE static int gather_blocks(Params const& p, const int* table, int lk, int tile, int& first) {
-    constexpr int kBlockN = get<1>(TileShape{});
-    int key0 = tile * kBlockN, row, last;
-    p.block_divmod(first, row, key0);
-    p.block_divmod(last, row, min(lk, key0 + kBlockN) - 1);
-    int block = first + cutlass::canonical_lane_idx();
-    return block <= last ? min(max(table[min(block, p.max_blocks - 1)], 0), p.num_blocks - 1) : 0;
-  }
-
-  // The gather path: one K or V tile into the next pipeline stage by cp.async, 16 bytes per copy.
-  // Four lanes share a key's row (lane q its chunks q, q + 4, ...: each warp-wide copy reads 64
-  // contiguous bytes of 8 rows), so a lane gathers rows r, r + 8, ... of the tile, its row's cache
-  // block taken from `blocks` (gather_blocks) by shuffle: the load warp has 24 registers, and no
-  // copy waits on memory but its own. Keys past the sequence's end are zero-filled, so the last V
-  // tile needs no zeroing. The stage's barrier expects one arrival: every lane's
-  // cp.async.mbarrier.arrive raises its pending count until that lane's copies have landed, and
-  // after a __syncwarp the elected lane arrives. All lanes track the pipeline state (the TMA path
-  // advances only the elected lane's).
-  template <class SmemAddress>
-  CUTLASS_DEVICE static void gather_paged_tile(GatherCache const& cache, int hk, MainloopPipeline& pipeline,
-                                               PipelineState& state, Params const& p, int blocks, int first,
-                                               int lk, int tile, int lane_predicate, SmemAddress const& smem) {
-    constexpr int kBlockN = get<1>(TileShape{});
-    constexpr int kChunkDims = 16 / sizeof(Element);
-    constexpr int kLanesPerRow = 4;
-    constexpr int kChunksPerLane = kHeadDim / kChunkDims / kLanesPerRow;
-    constexpr int kRowsPerCopy = 32 / kLanesPerRow;
-    int lane = cutlass::canonical_lane_idx();
-    int quarter = lane % kLanesPerRow;
-    uint4 const* head = cache.base + hk * cache.head_stride + quarter;
-    while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
-    }
-#pragma unroll 2
-    for (int r = lane / kLanesPerRow; r < kBlockN; r += kRowsPerCopy) {
-      int key = tile * kBlockN + r, block, row;
-      p.block_divmod(block, row, key);
-      int cached = __shfl_sync(0xffffffff, blocks, (block - first) & 31);
-      uint4 const* src = head + (cached * cache.block_stride + row * cache.row_stride);
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kChunksPerLane; c++) {
-        uint32_t dst = cute::cast_smem_ptr_to_uint(smem(r, (quarter + c * kLanesPerRow) * kChunkDims, state.index()));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src + c * kLanesPerRow),
-                     "r"(key < lk ? 16 : 0));
-      }
-    }
-    uint64_t* barrier = pipeline.producer_get_barrier(state);
-    cutlass::arch::cpasync_barrier_arrive(barrier);
-    __syncwarp();
-    if (lane_predicate) cutlass::arch::ClusterBarrier::arrive(barrier);
     ++state;
   }
 
@@ -499,8 +417,8 @@ struct VarlenMainloop : Base {
     p.scale_softmax = scale;
     p.scale_softmax_log2 = scale * 1.4426950408889634f;
     if constexpr (kOverlapSoftmax) {
-      return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, params.gather, pipeline,
-                                smem_pipe_read, pipeline_q, smem_pipe_read_q, storage, order);
+      return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, pipeline, smem_pipe_read,
+                                pipeline_q, smem_pipe_read_q, storage, order);
     } else {
       return Base::compute(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
                            reducer, reducer_state, storage, order);
@@ -555,12 +473,10 @@ struct VarlenMainloop : Base {
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
   // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
   // slower. K and V tiles share the pipeline, read in the order K0 V0 K1 V1 ...; tile j's K stage
-  // is released once its QK^T has completed, its V stage once its PV product has. Paged: the last
-  // V tile's rows past the end are zeroed (box_rows > 1), and gathered tiles, written by cp.async
-  // (generic proxy), are fenced before the tensor cores (async proxy) read them.
+  // is released once its QK^T has completed, its V stage once its PV product has.
   template <class BlkCoord, class OrderBarrier>
   CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
-                                         SeqShape const& seq_problem, int box_rows, bool gathered,
+                                         SeqShape const& seq_problem, int box_rows,
                                          MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
                                          MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
                                          SharedStorage& storage, OrderBarrier& order) {
@@ -637,14 +553,8 @@ struct VarlenMainloop : Base {
     PipelineState v_read = k_read;
     ++v_read;
     Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-    auto wait_tile = [&](PipelineState const& read) {
-      pipeline.consumer_wait(read);
-#ifndef ATTN_SKIP_GATHER_FENCE  // tuning runs only: measures what the fence costs
-      if (kPaged && gathered) cutlass::arch::fence_view_async_shared();
-#endif
-    };
     auto issue_qk = [&]() {  // acc_s = Q K[k_read]^T
-      wait_tile(k_read);
+      pipeline.consumer_wait(k_read);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       gemm_zero_acc(mma_qk, q_stage, tSrK(_, _, _, k_read.index()), acc_s);
@@ -668,7 +578,7 @@ struct VarlenMainloop : Base {
     Tensor p_op = to_operand(acc_s);
     auto issue_pv = [&](bool last) {  // acc_pv = acc_pv * correction + P V[v_read]
       rescale_output();
-      wait_tile(v_read);
+      pipeline.consumer_wait(v_read);
       if constexpr (kPaged) {
         if (last) zero_value_tail(storage, v_read.index(), get<3>(seq_problem) - (trips - 1) * get<1>(TileShape{}),
                                   box_rows, int(get<0>(wg)) % NumMmaWarpGroups);
@@ -919,22 +829,6 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A paged cache (strides in elements) as the gather path's GatherCache; false if its base or a
-// stride is not 16-byte aligned, or its last chunk lies 2^31 chunks (32 GiB) or more past the base.
-bool gather_cache(GatherCache* rows, void const* cache, int64_t row_stride, int64_t head_stride,
-                  int64_t block_stride, AttnFmhaArgs const& a) {
-  constexpr int64_t kPerChunk = 16 / sizeof(Element);
-  int64_t last = (a.num_blocks - 1) * block_stride + (a.block_size - 1) * row_stride + (a.hkv - 1) * head_stride +
-                 kHeadDim;
-  if (reinterpret_cast<uintptr_t>(cache) % 16 || row_stride % kPerChunk || head_stride % kPerChunk ||
-      block_stride % kPerChunk || last / kPerChunk >= (int64_t(1) << 31)) {
-    return false;
-  }
-  *rows = {static_cast<uint4 const*>(cache), int(row_stride / kPerChunk), int(block_stride / kPerChunk),
-           int(head_stride / kPerChunk)};
-  return true;
-}
-
 int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   auto fail = [&](char const* what) {
     snprintf(err, err_len, "%s", what);
@@ -966,28 +860,16 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, {}, {}};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0};
   if constexpr (kPaged) {
-    if (a.max_blocks < 1 || a.num_blocks < 1 || a.block_size < 1) return fail("paged: no cache blocks");
-    if (a.box_rows == 0) {
-      if (a.block_size < 4) return fail("paged gather: need block_size >= 4 (at most 32 blocks per key tile)");
-      if (!gather_cache(&mainloop.k_rows, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
-          !gather_cache(&mainloop.v_rows, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
-        return fail("paged gather: need 16-byte aligned base and strides, and a cache under 32 GiB");
-      }
-      mainloop.gather = 1;
-      mainloop.block_divmod = cutlass::FastDivmod(a.block_size);
-    } else {
-      int box_rows_log2 = __builtin_ctz(unsigned(a.box_rows));
-      if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
-          a.block_size % a.box_rows != 0) {
-        return fail("paged: need box_rows 0 or a power of two in 8..key tile dividing block_size");
-      }
-      if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
-          !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
-        return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
-      }
-      mainloop.box_rows_log2 = box_rows_log2;
+    int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
+    if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
+        a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
+      return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
+    }
+    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
+        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
+      return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
     }
     mainloop.block_tables = a.block_tables;
     mainloop.seq_lens = a.seq_lens;
@@ -995,6 +877,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.max_blocks = a.max_blocks;
     mainloop.block_size = a.block_size;
     mainloop.num_blocks = a.num_blocks;
+    mainloop.box_rows_log2 = box_rows_log2;
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};

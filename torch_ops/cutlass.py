@@ -61,16 +61,12 @@ KERNELS = {
 }
 # the paged_prefill kernels (K/V from a cache [num_blocks, block_size, Hkv, D]): 16-bit, D 64 and 128
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
+PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
-# The paged kernels read K/V in TMA boxes of the largest power of two (8 up to the key tile) dividing
-# block_size, or, where boxes would hold fewer tokens than this, row by row with cp.async (measured,
-# docs/cutlass.md); the gather path's offsets are 32-bit in 16-byte units, so caches under 32 GiB.
-PAGED_GATHER_BELOW_BOX_ROWS = 32
-PAGED_GATHER_MAX_BYTES = 2**35
 # automatic choice (H200, docs/cutlass.md): paged_prefill goes to Triton for batches of fewer queries
 # per sequence (decode-heavy), and for caches whose blocks take boxes of fewer tokens
 PAGED_MIN_MEAN_QUERIES = 64
-PAGED_AUTO_MIN_BOX_ROWS = 32
+PAGED_AUTO_MIN_BOX_ROWS = 16
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 INTERLEAVED_V_HEAD_DIMS = (128,)   # FP8 kernels that read V with the tokens of every 16 interleaved
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -361,27 +357,20 @@ def paged_problem_reasons(query, k_cache, v_cache, block_tables, *, out_scale=No
         why.append(f"the paged CUTLASS kernels read {query.dtype} caches, not {k_cache.dtype} "
                    "(FP8/INT8/INT4 caches run on Triton)")
     num_blocks, block_size = k_cache.shape[:2]
+    if block_size % PAGED_MIN_BOX_ROWS:
+        why.append(f"block_size {block_size} is not a multiple of {PAGED_MIN_BOX_ROWS} (TMA boxes of whole "
+                   "swizzled rows)")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         es, strides = cache.element_size(), cache.stride()
         if cache.data_ptr() % 16 or any(st * es % 16 for st in strides[:3]) or strides[3] != 1:
-            why.append(f"{name} needs a 16-byte aligned base and block/token/head strides (TMA, cp.async)")
+            why.append(f"{name} needs a 16-byte aligned base and block/token/head strides (TMA)")
         elif not strides[2] <= strides[1] <= strides[0]:
             why.append(f"{name} strides {strides} are not ordered head <= token <= block")
-        elif paged_box_rows(block_size) == 0 and \
-                (sum((n - 1) * st for n, st in zip(cache.shape, strides)) + 1) * es > PAGED_GATHER_MAX_BYTES:
-            why.append(f"{name} spans more than 32 GiB: blocks of {block_size} tokens are gathered with "
-                       "32-bit offsets")
     if num_blocks == 0 or block_tables.shape[1] == 0:
         why.append("no cache blocks (num_blocks or max_blocks_per_seq is 0)")
     if max(query.numel(), num_blocks, block_tables.numel()) >= 2**31:
         why.append("tensors of 2^31 or more elements (32-bit TMA coordinates and strides)")
     return why
-
-
-def paged_box_rows(block_size: int) -> int:
-    """Tokens per TMA box for a cache of `block_size`-token blocks, or 0: rows gathered by cp.async."""
-    box = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
-    return box if box >= max(PAGED_GATHER_BELOW_BOX_ROWS, 8) else 0
 
 
 def _kernel_reasons(kernels: dict, family: str, query, out_dtype, out_scale, options) -> list[str]:
@@ -455,8 +444,9 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
 
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
               q_scaling=1.0, out_scale=None, **unused) -> None:
-    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache, read in TMA boxes or gathered
-    row by row (`paged_box_rows`); int64 block tables and lengths are first copied to int32 (a few KB)."""
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache. The kernel reads the cache in
+    TMA boxes of `box_rows` tokens, the largest power of two up to the key tile dividing block_size;
+    int64 block tables and lengths are first copied to int32 (a few KB)."""
     tq, hq, d = query.shape
     if tq == 0:
         return
@@ -469,7 +459,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         v_row_stride=v_cache.stride(1), v_head_stride=v_cache.stride(2), hkv=hkv,
         block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
-        block_size=block_size, num_blocks=num_blocks, box_rows=paged_box_rows(block_size))
+        block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE))
     _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 

@@ -284,32 +284,22 @@ def test_paged_prefill_reasons():
 
     assert "no paged CUTLASS kernel for torch.bfloat16 with head dim 256" in reasons(d=256)
     assert "FP8/INT8/INT4 caches run on Triton" in reasons(cache_dtype=E4M3)
-    assert cutlass.paged_problem_reasons(*_paged_problem_cpu(block_size=12)[:4]) == []   # gathered rows
+    assert "block_size 12 is not a multiple of 8" in reasons(block_size=12)
     assert "ALiBi" in cutlass.paged_problem_reasons(q, k, v, tables, alibi_slopes=torch.ones(4))[0]
     swapped = k.transpose(1, 2).contiguous().transpose(1, 2)   # [blocks, tokens, heads, D], heads outer
     assert "not ordered head <= token <= block" in cutlass.paged_problem_reasons(q, swapped, v, tables)[0]
     padded = torch.zeros(8, 16, 2, 132, dtype=BF16)[..., :128]   # head stride 264 bytes
     assert "16-byte aligned" in cutlass.paged_problem_reasons(q, padded, v, tables)[0]
-    huge = torch.empty_strided((8, 16, 2, 128), (2**32, 256, 128, 1), dtype=BF16, device="meta")  # 56 GiB span
-    assert "k_cache spans more than 32 GiB" in cutlass.paged_problem_reasons(q, huge, v, tables)[0]
-    assert cutlass.paged_problem_reasons(q, huge.as_strided((8, 32, 2, 128), huge.stride()), v, tables) == []
-
-
-def test_paged_box_rows_gather_small_blocks():
-    """TMA boxes of the largest power of two dividing block_size (up to the key tile), rows gathered
-    below PAGED_GATHER_BELOW_BOX_ROWS tokens and wherever no power of two from 8 divides."""
-    boxes = {bs: cutlass.paged_box_rows(bs) for bs in (1, 8, 12, 16, 32, 48, 64, 96, 128, 256, 544)}
-    assert boxes == {1: 0, 8: 0, 12: 0, 16: 0, 32: 32, 48: 0, 64: 64, 96: 32, 128: 128, 256: 128, 544: 32}
 
 
 def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks():
     backend = cutlass.CutlassBackend()
-    prefill = _paged_problem_cpu(tq=300, seqs=2, block_size=32)
+    prefill = _paged_problem_cpu(tq=300, seqs=2, block_size=16)
     assert backend.auto_declines("paged_prefill", prefill, {}) == []
     (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=64), {})
     assert "queries per sequence" in why
-    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=16), {})
-    assert "block_size 16 is not a multiple of 32" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {})
+    assert "block_size 8 is not a multiple of 16" in why
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
@@ -555,20 +545,12 @@ def check_paged(problem, out, lse, **options):
 PAGED_LENS = [([300, 0, 17, 129, 64, 5], [700, 40, 17, 1000, 0, 3]), ([1000], [1000]), ([77, 128], [1281, 1155])]
 
 
-# the K/V loaders, each forced through PAGED_GATHER_BELOW_BOX_ROWS: TMA boxes (8 .. 128 tokens)
-# and cp.async rows (any block size, 12 only so)
-LOADERS = {"tma": 0, "gather": 1 << 20}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 128), (FP16, 128)])
-@pytest.mark.parametrize("block_size,loader", [(bs, ld) for bs in (8, 12, 16, 48, 256) for ld in LOADERS
-                                               if bs % 8 == 0 or ld == "gather"])
+@pytest.mark.parametrize("block_size", [8, 16, 48, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", PAGED_LENS, ids=["ragged", "single", "chunks"])
-def test_paged_prefill(dtype, d, block_size, loader, causal, lens, monkeypatch):
-    monkeypatch.setattr(cutlass, "PAGED_GATHER_BELOW_BOX_ROWS", LOADERS[loader])
-    assert (cutlass.paged_box_rows(block_size) == 0) == (loader == "gather")
+def test_paged_prefill(dtype, d, block_size, causal, lens):
     problem = paged_problem(*lens, dtype=dtype, d=d, hq=8, hkv=2, block_size=block_size)
     assert cutlass.paged_unsupported(*problem, causal=causal) == []
     out, lse = run_paged(problem, causal=causal, scale=0.1, q_scaling=1.5)
