@@ -623,10 +623,19 @@ struct VarlenMainloop : Base {
   }
 };
 
-// Stores the (unnormalized-by-descale) output and lse of one consumer warpgroup's rows from
-// registers; rows past the sequence's end are not written.
+// Stores the output (times the v descale, over out_scale for FP8) and lse of one consumer
+// warpgroup's 64 rows; rows past the sequence's end are not written. The one-CTA-per-tile kernels
+// stage the rows in shared memory and write whole 16-byte chunks of a row per thread (coalesced):
+// the kernel lays warpgroup i's TensorStorage over its Q block (a union with the mainloop's
+// storage, whose Q blocks come first), free once its mainloop is done. Outputs wider than the
+// inputs (FP8 in, bf16 out) take two rounds of 32 rows. The persistent kernels, whose Q warp
+// reloads that block during the epilogue, store from registers (pairs of values per thread).
 struct VarlenEpilogue {
-  struct TensorStorage {};
+  static constexpr int kRows = get<0>(TileShape{}) / 2;  // per consumer warpgroup
+  static constexpr int kStagedBytes = kPersistent ? 16 : kRows * kHeadDim * int(sizeof(Element));
+  struct TensorStorage {
+    alignas(128) uint8_t bytes[kStagedBytes];
+  };
   using LoadPipeline = cutlass::PipelineTransactionAsync<1>;  // unused; the kernel constructs one
   using PipelineStorage = typename LoadPipeline::SharedStorage;
   static constexpr int TmaTransactionBytes = 0;
@@ -641,15 +650,12 @@ struct VarlenEpilogue {
     int v_scale_stride, group, out_dtype;
   };
 
-  template <class Out, class Acc, class Coord>
-  CUTLASS_DEVICE static void store_rows(Out* out, Params const& p, Acc const& acc_mn, Coord const& c_mn,
-                                        int row0, int lq, int q0, int h, float scale) {
+  // Calls write(row, column, two converted values) for each column pair this thread holds.
+  template <class Out, class Acc, class Coord, class Write>
+  CUTLASS_DEVICE static void convert_pairs(Acc const& acc_mn, Coord const& c_mn, float scale, Write const& write) {
     cutlass::NumericArrayConverter<Out, float, 2> convert;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(acc_mn); i++) {
-      int r = row0 + get<0>(c_mn(i, 0));
-      if (r >= lq) continue;
-      Out* row = out + (q0 + r) * p.out_row_stride + h * p.out_head_stride;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(acc_mn); j += 2) {  // the wgmma accumulator holds column pairs
         cutlass::Array<float, 2> v;
@@ -659,19 +665,60 @@ struct VarlenEpilogue {
           v[0] = fminf(fmaxf(v[0], -448.f), 448.f);
           v[1] = fminf(fmaxf(v[1], -448.f), 448.f);
         }
-        *reinterpret_cast<cutlass::Array<Out, 2>*>(row + get<1>(c_mn(i, j))) = convert(v);
+        write(get<0>(c_mn(i, j)), get<1>(c_mn(i, j)), convert(v));
+      }
+    }
+  }
+
+  template <class Out, class Acc, class Coord>
+  CUTLASS_DEVICE static void store_rows(Out* out, TensorStorage& staged, int wg, Acc const& acc_mn, Coord const& c_mn,
+                                        int row0, int lq, float scale, int64_t row_stride) {
+    using Pair = cutlass::Array<Out, 2>;
+    if constexpr (kPersistent) {
+      convert_pairs<Out>(acc_mn, c_mn, scale, [&](int r, int col, Pair const& v) {
+        if (row0 + r < lq) *reinterpret_cast<Pair*>(out + (row0 + r) * row_stride + col) = v;
+      });
+    } else {
+      constexpr int kRowBytes = kHeadDim * int(sizeof(Out));
+      constexpr int kChunks = kRowBytes / 16;
+      constexpr int kRounds = sizeof(Out) > sizeof(Element) ? 2 : 1;
+      constexpr int kRoundRows = kRows / kRounds;
+      static_assert(kRoundRows * kRowBytes <= kStagedBytes && kChunks >= 4, "rows fit the Q block");
+      // chunk c of row r sits at chunk c ^ (r % 4..8): a warp's pair writes (8 rows, one chunk)
+      // and its 16-byte reads (whole rows) both spread over the banks
+      auto chunk_at = [&](int r, int c) { return staged.bytes + r * kRowBytes + ((c ^ (r % min(kChunks, 8))) << 4); };
+      int t = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
+      CUTLASS_PRAGMA_UNROLL
+      for (int round = 0; round < kRounds; round++) {
+        if (round > 0) cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);  // reads done
+        convert_pairs<Out>(acc_mn, c_mn, scale, [&](int r, int col, Pair const& v) {
+          int byte = col * int(sizeof(Out));
+          if (r / kRoundRows == round) {
+            *reinterpret_cast<Pair*>(chunk_at(r % kRoundRows, byte >> 4) + (byte & 15)) = v;
+          }
+        });
+        cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = t; k < kRoundRows * kChunks; k += cutlass::NumThreadsPerWarpGroup) {
+          int r = k / kChunks, c = k % kChunks, row = row0 + round * kRoundRows + r;
+          if (row < lq) {
+            *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(out + row * row_stride) + (c << 4)) =
+                *reinterpret_cast<uint4 const*>(chunk_at(r, c));
+          }
+        }
       }
     }
   }
 
   template <class Tile, class BlkCoord, class Result, class TiledMma, class ProblemShape>
   CUTLASS_DEVICE void operator()(Tile const&, BlkCoord const& wg, Result const& result, TiledMma const& mma,
-                                 ProblemShape const&, Params const& p, LoadPipeline, TensorStorage&) {
+                                 ProblemShape const&, Params const& p, LoadPipeline, TensorStorage& staged) {
     auto acc = get<0>(result);
     auto lse = get<1>(result);
     int b = get<2, 0>(wg), h = get<2, 1>(wg);
     int q0 = p.cu_q[b], lq = p.cu_q[b + 1] - q0;
     int row0 = int(get<0>(wg)) * int(get<0>(Tile{}));
+    int wg_index = int(get<0>(wg)) % 2;
 
     auto thr = mma.get_thread_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
     Tensor cO = thr.partition_C(make_identity_tensor(take<0, 2>(Tile{})));
@@ -679,13 +726,17 @@ struct VarlenEpilogue {
     Tensor acc_mn = make_tensor(acc.data(), cutlass::fmha::collective::layout_acc_mn(mma, acc.layout()));
 
     float scale = p.v_scale != nullptr ? p.v_scale[(h / p.group) * p.v_scale_stride] : 1.f;
+    int64_t first = q0 * p.out_row_stride + h * p.out_head_stride;  // this head's row q0
     if (p.out_dtype == ATTN_OUT_E4M3) {
       scale /= *p.out_scale;
-      store_rows(static_cast<cutlass::float_e4m3_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+      store_rows(static_cast<cutlass::float_e4m3_t*>(p.out) + first, staged, wg_index, acc_mn, c_mn, row0, lq, scale,
+                 p.out_row_stride);
     } else if (p.out_dtype == ATTN_OUT_FP16) {
-      store_rows(static_cast<cutlass::half_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+      store_rows(static_cast<cutlass::half_t*>(p.out) + first, staged, wg_index, acc_mn, c_mn, row0, lq, scale,
+                 p.out_row_stride);
     } else {
-      store_rows(static_cast<cutlass::bfloat16_t*>(p.out), p, acc_mn, c_mn, row0, lq, q0, h, scale);
+      store_rows(static_cast<cutlass::bfloat16_t*>(p.out) + first, staged, wg_index, acc_mn, c_mn, row0, lq, scale,
+                 p.out_row_stride);
     }
     if (get<1>(c_mn(0, 0)) == 0) {  // one thread per row writes its lse
       CUTLASS_PRAGMA_UNROLL
@@ -802,6 +853,12 @@ using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloo
 
 // The kernel's problem shape is (B, Hq, total_q, total_k, D); `causal` rides in the mainloop params.
 static_assert(std::is_same_v<Kernel::ProblemShape, cute::tuple<int, int, int, int, int>>);
+// The staged epilogue's storage of warpgroup i is its Q block (see VarlenEpilogue).
+static_assert(kPersistent || (sizeof(VarlenEpilogue::TensorStorage) * VarlenMainloop::NumMmaWarpGroups ==
+                                  sizeof(VarlenMainloop::SharedStorage::smem_q) &&
+                              offsetof(VarlenMainloop::SharedStorage, smem_q) == 0 &&
+                              offsetof(Kernel::SharedStorage, tensors) == 0),
+              "epilogue storage i must lie over Q block i");
 
 template <bool kTransposed = kFp8>
 auto value_stride(AttnFmhaArgs const& a) {
@@ -835,6 +892,10 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     return 1;
   };
   if (a.head_dim != kHeadDim) return fail("head_dim does not match this kernel");
+  int out_bytes = a.out_dtype == ATTN_OUT_E4M3 ? 1 : 2;
+  if (reinterpret_cast<uintptr_t>(a.out) % 16 || a.out_row_stride * out_bytes % 16 || a.out_head_stride * out_bytes % 16) {
+    return fail("out needs a 16-byte aligned base and row/head strides");
+  }
   if (a.num_seqs < 1 || a.hq % a.hkv != 0) return fail("bad num_seqs or head counts");
   int tq = a.total_q, tk = a.total_k, d = a.head_dim;
   auto heads = [](int64_t head_stride) { return make_stride(0, int(head_stride)); };

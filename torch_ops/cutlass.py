@@ -466,9 +466,12 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
 
 def _launch(op: str, variant: str, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args: dict) -> None:
     """Fill the query/output fields of `FmhaArgs` and run the kernel of `variant` for q's dtype and
-    head dim (through contiguous out/lse buffers if the given ones have strided last dims)."""
+    head dim (through contiguous out/lse buffers if the given ones have strided last dims, or an out
+    whose base or strides are not 16-byte multiples: the epilogue writes 16-byte chunks)."""
     tq, hq, d = q.shape
-    target = out if out.stride(-1) == 1 and lse.stride(-1) == 1 else None
+    es = out.element_size()
+    aligned = out.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in out.stride()[:2])
+    target = out if aligned and out.stride(-1) == 1 and lse.stride(-1) == 1 else None
     o, l = (out, lse) if target is not None else (torch.empty_like(out, memory_format=torch.contiguous_format),
                                                  torch.empty_like(lse, memory_format=torch.contiguous_format))
     fmha = FmhaArgs(

@@ -429,12 +429,14 @@ def test_fp8_output_scale():
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("grid")
-def test_strided_inputs_and_outputs():
-    """q/k/v as views of one fused qkv tensor, and an out buffer with a padded head stride."""
+@pytest.mark.parametrize("pad", [64, 4], ids=["aligned", "misaligned"])
+def test_strided_inputs_and_outputs(pad):
+    """q/k/v as views of one fused qkv tensor, and an out buffer with a padded head stride (a
+    16-byte multiple or not: the epilogue's 16-byte stores then go through a contiguous buffer)."""
     t, h, d = 333, 4, 128
     qkv = torch.randn(t, 3 * h, d, device="cuda", dtype=BF16)
     problem = (qkv[:, :h], qkv[:, h:2 * h], qkv[:, 2 * h:], cumsum0([100, 233], "cuda"), cumsum0([100, 233], "cuda"))
-    out = poison_(torch.empty(t, h, d + 64, device="cuda", dtype=BF16))[..., :d]
+    out = poison_(torch.empty(t, h, d + pad, device="cuda", dtype=BF16))[..., :d]
     lse = poison_(torch.empty(t, h, device="cuda"))
     with torch_ops.use_backend("cutlass"):
         torch.ops.attn.context_attention.out(*problem, out=out, lse=lse, causal=True)
