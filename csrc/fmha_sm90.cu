@@ -13,7 +13,8 @@
 //     or (-DATTN_PERSISTENT=1) a persistent grid whose CTAs loop over the work tiles;
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
-//   * an epilogue that stores straight from registers (predicated rows) in bf16/fp16/e4m3;
+//   * an epilogue that writes bf16/fp16/e4m3 rows through shared memory in 16-byte chunks
+//     (predicated rows; the persistent kernels store from registers);
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
 //     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
 //     block table (see load_paged_tile).
@@ -631,7 +632,7 @@ struct VarlenMainloop : Base {
 // inputs (FP8 in, bf16 out) take two rounds of 32 rows. The persistent kernels, whose Q warp
 // reloads that block during the epilogue, store from registers (pairs of values per thread).
 struct VarlenEpilogue {
-  static constexpr int kRows = get<0>(TileShape{}) / 2;  // per consumer warpgroup
+  static constexpr int kRows = get<0>(TileShape{}) / VarlenMainloop::NumMmaWarpGroups;  // per consumer warpgroup
   static constexpr int kStagedBytes = kPersistent ? 16 : kRows * kHeadDim * int(sizeof(Element));
   struct TensorStorage {
     alignas(128) uint8_t bytes[kStagedBytes];
@@ -718,7 +719,7 @@ struct VarlenEpilogue {
     int b = get<2, 0>(wg), h = get<2, 1>(wg);
     int q0 = p.cu_q[b], lq = p.cu_q[b + 1] - q0;
     int row0 = int(get<0>(wg)) * int(get<0>(Tile{}));
-    int wg_index = int(get<0>(wg)) % 2;
+    int wg_index = int(get<0>(wg)) % VarlenMainloop::NumMmaWarpGroups;
 
     auto thr = mma.get_thread_slice(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
     Tensor cO = thr.partition_C(make_identity_tensor(take<0, 2>(Tile{})));

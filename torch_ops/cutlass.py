@@ -63,7 +63,7 @@ KERNELS = {
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
-# automatic choice (H200, docs/cutlass.md): paged_prefill goes to Triton for batches of fewer queries
+# automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for batches of fewer queries
 # per sequence (decode-heavy), and for caches whose blocks take boxes of fewer tokens
 PAGED_MIN_MEAN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_ROWS = 16
