@@ -470,9 +470,9 @@ class Runner:
         return row
 
     def other_backends(self, row: dict, case: "PagedCase", us: float) -> None:
-        """Record which backend the automatic choice took, and time the other one as a peer."""
+        """Record which backend the automatic choice took, and time the others as peers."""
         row["backend"] = backend_for_case(case)
-        for backend in ("triton", "cutlass"):
+        for backend in ("triton", "cutlass", "mixed"):
             if backend != row["backend"]:
                 self.peer(row, f"ours_{backend}", lambda: case.ours(backend), case.flops, us)
 

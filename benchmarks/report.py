@@ -72,7 +72,8 @@ def prefill_section(data: dict, name: str) -> list[str]:
         "rows); `×best` = best peer time / our time. `contig` = our context_attention on the same "
         "tokens; `parts` = our time for the mixed batch's prefill and decode parts run separately; "
         "`[cutlass; triton N]` = the automatic choice ran the CUTLASS backend, our Triton kernel made N TF/s on the same "
-        "call (and the other way round).", "",
+        "call (and likewise for the other backends; `mixed` = CUTLASS for the sequences of more than 64 queries, "
+        "Triton for the rest).", "",
         "| case | D | causal | ours TF/s | flash SDPA | cuDNN SDPA | FlashInfer fa3 | flex | ×best | err ok |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -81,8 +82,9 @@ def prefill_section(data: dict, name: str) -> list[str]:
         best = [r[p + "_us"] for p in peers if r.get(p + "_us")]
         extra = f" (parts {r['parts_sum_us']:.0f} µs)" if r.get("parts_sum_us") else ""
         extra += f" (contig {r['ours_contiguous_tflops']:.0f} TF/s)" if r.get("ours_contiguous_tflops") else ""
-        other = next((b for b in ("triton", "cutlass") if r.get(f"ours_{b}_tflops")), None)
-        extra += f" [{r['backend']}; {other} {r[f'ours_{other}_tflops']:.0f} TF/s]" if other else ""
+        others = [f"{b} {r[f'ours_{b}_tflops']:.0f} TF/s" for b in ("triton", "cutlass", "mixed")
+                  if r.get(f"ours_{b}_tflops")]
+        extra += f" [{r['backend']}; {', '.join(others)}]" if others else ""
         lines.append(f"| {case}{extra} | {r.get('d')} | {r.get('causal')} | {r['ours_tflops']:.0f} | "
                      + " | ".join(tf) + f" | {_fmt_ratio(min(best) / r['ours_us'] if best else None)} | "
                      f"{'yes' if r.get('check', {}).get('ok') else '-'} |")

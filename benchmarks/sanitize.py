@@ -8,6 +8,7 @@ quantized caches, split-K; small shapes so that the run stays short under the sa
 """
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def run_merge_states():
 def run_cutlass():
     """The CUTLASS context kernels (csrc/) and the FP8 V transpose that feeds them: ragged
     batches whose sequences start off the 16-key grid, more queries than keys, an empty one;
-    then the paged kernels over the same lengths in three block sizes."""
+    then the paged kernels over the same lengths in four block sizes, alone and as the long part
+    of the `mixed` backend (the Triton kernel takes the short sequences)."""
     from torch_ops import quant
 
     q_lens, k_lens = [1, 200, 0, 77, 130], [9, 333, 4, 20, 130]
@@ -113,8 +115,8 @@ def run_cutlass():
             for causal in (False, True):
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
     print("context_attention (cutlass): ok")
-    with torch_ops.use_backend("cutlass"):
-        for block_size in (8, 16, 48, 256):   # TMA boxes of 8, 16, 16 and 128 tokens
+    for backend, block_size in itertools.product(("cutlass", "mixed"), (8, 16, 48, 256)):   # boxes of 8/16/16/128
+        with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
             k_cache, v_cache = (torch.randn(sum(blocks) + 1, block_size, 2, 128, device="cuda", dtype=torch.bfloat16)
                                 for _ in range(2))
@@ -123,7 +125,7 @@ def run_cutlass():
             q = torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=torch.bfloat16)
             for causal in (False, True):
                 torch.ops.attn.paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, causal=causal)
-    print("paged_prefill (cutlass): ok")
+    print("paged_prefill (cutlass, mixed): ok")
 
 
 OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write,

@@ -750,10 +750,13 @@ struct VarlenEpilogue {
   }
 };
 
-// Work tiles: sequence b owns the "virtual" q tiles [floor(cu_q[b] / M) + b, floor(cu_q[b+1] / M) + b + 1)
-// of each head, at least ceil(Lq / M) of them and at most one spare (found past Lq and skipped).
-// There are floor(total_q / M) + B virtual tiles per head, known on the host without reading the
-// lengths; a tile's sequence is found by binary search on cu_seqlens_q.
+// Work tiles: sequence b owns the "virtual" q tiles [first(b), first(b + 1)) of each head, with
+// first(b) = floor(cu_q[b] / M) + min(b, floor(cu_q[b] / (skip + 1))): at least ceil(Lq / M) of
+// them when Lq > skip (both terms grow, the second by at least one), at most one spare (found past
+// Lq and skipped). Sequences of at most `skip` queries (left to another launch) may get tiles too,
+// which find nothing to do. There are first(B) = floor(total_q / M) + min(B, floor(total_q /
+// (skip + 1))) virtual tiles per head, known on the host without reading the lengths; a tile's
+// sequence is found by binary search on cu_seqlens_q.
 constexpr int kBlockM = get<0>(TileShape{});
 
 struct VirtualTile {
@@ -761,14 +764,17 @@ struct VirtualTile {
   bool valid;
 };
 
-CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs) {
+CUTLASS_HOST_DEVICE int first_tile(int cu_q_b, int b, int skip) { return cu_q_b / kBlockM + min(b, cu_q_b / (skip + 1)); }
+
+CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int skip) {
   int lo = 0, hi = num_seqs - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) / 2;
-    if (cu_q[mid] / kBlockM + mid <= t) lo = mid; else hi = mid - 1;
+    if (first_tile(cu_q[mid], mid, skip) <= t) lo = mid; else hi = mid - 1;
   }
-  int m_block = t - (cu_q[lo] / kBlockM + lo);
-  return {m_block, lo, m_block * kBlockM < cu_q[lo + 1] - cu_q[lo]};
+  int m_block = t - first_tile(cu_q[lo], lo, skip);
+  int lq = cu_q[lo + 1] - cu_q[lo];
+  return {m_block, lo, lq > skip && m_block * kBlockM < lq};
 }
 
 #if !ATTN_PERSISTENT
@@ -778,7 +784,7 @@ struct Scheduler {
   struct Params {
     dim3 grid;
     const int* cu_q;
-    int num_seqs;
+    int num_seqs, skip_q_len;
     bool longest_first;
   };
 
@@ -786,11 +792,11 @@ struct Scheduler {
   int h;
 
   CUTLASS_DEVICE Scheduler(Params const& p)
-      : tile(find_tile(p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), p.cu_q, p.num_seqs)),
+      : tile(find_tile(p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), p.cu_q, p.num_seqs, p.skip_q_len)),
         h(blockIdx.y) {}
 
   static Params make_params(AttnFmhaArgs const& a, int tiles) {
-    return {dim3(tiles, a.hq, 1), a.cu_seqlens_q, a.num_seqs, a.causal != 0};
+    return {dim3(tiles, a.hq, 1), a.cu_seqlens_q, a.num_seqs, a.skip_q_len, a.causal != 0};
   }
   static dim3 get_grid_shape(Params const& p) { return p.grid; }
   CUTLASS_DEVICE bool is_valid() const { return tile.valid; }
@@ -812,7 +818,7 @@ using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloo
 struct Scheduler {
   struct Params {
     const int* cu_q;
-    int num_seqs, num_tiles, num_items, section_heads, num_ctas;
+    int num_seqs, skip_q_len, num_tiles, num_items, section_heads, num_ctas;
     bool longest_first;
   };
 
@@ -829,13 +835,13 @@ struct Scheduler {
       int rest = item / p.section_heads;
       int x = rest % p.num_tiles;
       h = rest / p.num_tiles * p.section_heads + item % p.section_heads;
-      tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs);
+      tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs, p.skip_q_len);
       if (tile.valid) return;
     }
   }
 
   static Params make_params(AttnFmhaArgs const& a, int tiles) {
-    return {a.cu_seqlens_q, a.num_seqs, tiles, tiles * a.hq, a.section_heads, a.num_ctas, a.causal != 0};
+    return {a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, tiles * a.hq, a.section_heads, a.num_ctas, a.causal != 0};
   }
   static dim3 get_grid_shape(Params const& p) { return dim3(p.num_ctas, 1, 1); }
   CUTLASS_DEVICE bool is_valid() const { return item < p.num_items; }
@@ -897,7 +903,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   if (reinterpret_cast<uintptr_t>(a.out) % 16 || a.out_row_stride * out_bytes % 16 || a.out_head_stride * out_bytes % 16) {
     return fail("out needs a 16-byte aligned base and row/head strides");
   }
-  if (a.num_seqs < 1 || a.hq % a.hkv != 0) return fail("bad num_seqs or head counts");
+  if (a.num_seqs < 1 || a.hq % a.hkv != 0 || a.skip_q_len < 0) return fail("bad num_seqs, head counts or skip_q_len");
   int tq = a.total_q, tk = a.total_k, d = a.head_dim;
   auto heads = [](int64_t head_stride) { return make_stride(0, int(head_stride)); };
   StrideQK dQ{int(a.q_row_stride), _1{}, heads(a.q_head_stride)};
@@ -946,7 +952,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   if (kPersistent && (a.num_ctas < 1 || a.section_heads < 1 || a.hq % a.section_heads != 0)) {
     return fail("persistent grid: need num_ctas >= 1 and section_heads dividing hq");
   }
-  Scheduler::Params sched = Scheduler::make_params(a, tq / kBlockM + a.num_seqs);
+  Scheduler::Params sched = Scheduler::make_params(a, first_tile(tq, a.num_seqs, a.skip_q_len));
   Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
   dim3 grid = Kernel::get_grid_shape(params);
 

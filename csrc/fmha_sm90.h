@@ -51,6 +51,8 @@ typedef struct {
   const int* seq_lens;
   int64_t block_table_stride, k_block_stride, v_block_stride;
   int32_t max_blocks, block_size, num_blocks, box_rows;
+  // sequences of at most skip_q_len queries are left to another launch (their rows untouched); 0: none
+  int32_t skip_q_len;
 } AttnFmhaArgs;
 
 // Each instantiation (input dtype x head dim x grid) exports one entry point:

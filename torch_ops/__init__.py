@@ -5,10 +5,11 @@ Importing registers the schemas, fakes and implementations and changes no global
 
 from . import ops, backends  # noqa: F401  (registration)
 from .backends import backend_for, register_backend, use_backend
-from .cutlass import CutlassBackend
+from .cutlass import CutlassBackend, MixedBatchBackend
 from .kernels import TritonBackend
 
 register_backend(TritonBackend())
 register_backend(CutlassBackend())  # Hopper, where it serves the call (docs/cutlass.md)
+register_backend(MixedBatchBackend())  # paged_prefill of several sequences: CUTLASS for the long ones
 
 __all__ = ["backend_for", "register_backend", "use_backend"]

@@ -63,9 +63,10 @@ KERNELS = {
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
-# automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for batches of fewer queries
-# per sequence (decode-heavy), and for caches whose blocks take boxes of fewer tokens
-PAGED_MIN_MEAN_QUERIES = 64
+# automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
+# queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
+# tiles), and for caches whose blocks take boxes of fewer tokens
+PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_ROWS = 16
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 INTERLEAVED_V_HEAD_DIMS = (128,)   # FP8 kernels that read V with the tokens of every 16 interleaved
@@ -236,7 +237,7 @@ class FmhaArgs(ctypes.Structure):
         *((n, ctypes.c_int32) for n in ("num_ctas", "section_heads", "v_interleaved")),
         *((n, ctypes.c_void_p) for n in ("block_tables", "seq_lens")),
         *((n, ctypes.c_int64) for n in ("block_table_stride", "k_block_stride", "v_block_stride")),
-        *((n, ctypes.c_int32) for n in ("max_blocks", "block_size", "num_blocks", "box_rows")),
+        *((n, ctypes.c_int32) for n in ("max_blocks", "block_size", "num_blocks", "box_rows", "skip_q_len")),
     ]
 
 
@@ -274,10 +275,10 @@ def persistent_grid(total_q: int, num_seqs: int, hq: int, hkv: int, total_k: int
     """`(num_ctas, section_heads)` of the persistent kernel, from shapes only (CUDA-graph safe).
 
     One CTA per SM (a CTA's shared memory fills most of an SM), no more than there are work tiles
-    (`(total_q // BLOCK_M + num_seqs) * hq`). Work runs in sections of `section_heads` query heads,
+    (`(total_q // BLOCK_M + min(num_seqs, total_q)) * hq`). Work runs in sections of `section_heads` query heads,
     the largest divisor of `hq` whose KV heads, at the mean key length, fit `L2_SECTION_BYTES`.
     """
-    tiles = (total_q // BLOCK_M + num_seqs) * hq
+    tiles = (total_q // BLOCK_M + min(num_seqs, total_q)) * hq
     kv_head_bytes = 2 * -(-total_k // num_seqs) * head_dim * element_size   # K and V of one KV head
     group = hq // hkv
     fits = [s for s in range(1, hq + 1) if hq % s == 0 and -(-s // group) * kv_head_bytes <= L2_SECTION_BYTES]
@@ -443,8 +444,10 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
 
 
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
-              q_scaling=1.0, out_scale=None, **unused) -> None:
-    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache. The kernel reads the cache in
+              q_scaling=1.0, out_scale=None, skip_q_len=0, **unused) -> None:
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache, except the rows of sequences of
+    at most `skip_q_len` queries (left for another kernel; if `out` must go through a buffer, those
+    rows get garbage and the other kernel must run after this one). The kernel reads the cache in
     TMA boxes of `box_rows` tokens, the largest power of two up to the key tile dividing block_size;
     int64 block tables and lengths are first copied to int32 (a few KB)."""
     tq, hq, d = query.shape
@@ -459,7 +462,8 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         v_row_stride=v_cache.stride(1), v_head_stride=v_cache.stride(2), hkv=hkv,
         block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
-        block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE))
+        block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE),
+        skip_q_len=skip_q_len)
     _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 
@@ -509,14 +513,51 @@ class CutlassBackend:
         if op != "paged_prefill":
             return []
         query, k_cache, seq_lens = args[0], args[1], args[5]
-        why = []
-        if query.shape[0] < PAGED_MIN_MEAN_QUERIES * seq_lens.shape[0]:
-            why.append(f"fewer than {PAGED_MIN_MEAN_QUERIES} queries per sequence on average: the Triton kernel's "
-                       "16-row tiles for short sequences waste less (measured)")
-        if k_cache.shape[1] % PAGED_AUTO_MIN_BOX_ROWS:
-            why.append(f"block_size {k_cache.shape[1]} is not a multiple of {PAGED_AUTO_MIN_BOX_ROWS}: smaller TMA "
-                       "boxes make the CUTLASS kernel slower than the Triton one (measured)")
+        why = _small_boxes(k_cache)
+        if query.shape[0] < PAGED_MIN_QUERIES * seq_lens.shape[0]:
+            why.append(f"fewer than {PAGED_MIN_QUERIES} queries per sequence on average: the Triton kernel's "
+                       "packed heads waste less (measured)")
         return why
 
     def run(self, op, args, kwargs):
         self._OPS[op][1](*args, **kwargs)
+
+
+def _small_boxes(k_cache: torch.Tensor) -> list[str]:
+    if k_cache.shape[1] % PAGED_AUTO_MIN_BOX_ROWS:
+        return [f"block_size {k_cache.shape[1]} is not a multiple of {PAGED_AUTO_MIN_BOX_ROWS}: smaller TMA "
+                "boxes make the CUTLASS kernel slower than the Triton one (measured)"]
+    return []
+
+
+class MixedBatchBackend:
+    """`attn::paged_prefill` over a batch of several sequences, long and short in any order (chunked
+    prefill with decodes): the CUTLASS paged kernel serves the sequences of more than
+    `PAGED_MIN_QUERIES` queries, the Triton kernel the others. Each kernel skips the other's
+    sequences on the device: no host sync, and both grids come from shapes (CUDA-graph safe)."""
+
+    name = "mixed"
+    auto_devices = ("cuda",)
+
+    def __init__(self):
+        from .kernels import TritonBackend
+        self._parts = (CutlassBackend(), TritonBackend())
+
+    def reasons(self, op, args, kwargs):
+        if op != "paged_prefill":
+            return [f"the mixed backend serves attn::paged_prefill only, not attn::{op}"]
+        return [why for backend in self._parts for why in backend.reasons(op, args, kwargs)]
+
+    def auto_declines(self, op, args, kwargs):
+        query, k_cache, cu_seqlens_q = args[0], args[1], args[4]
+        why = _small_boxes(k_cache)
+        if cu_seqlens_q.shape[0] <= 2:
+            why.append("one sequence: one kernel serves it")
+        if query.shape[0] <= PAGED_MIN_QUERIES:
+            why.append(f"no sequence can have more than {PAGED_MIN_QUERIES} queries: Triton serves them all")
+        return why
+
+    def run(self, op, args, kwargs):
+        from .kernels import paged_prefill
+        paged_run(*args, **kwargs, skip_q_len=PAGED_MIN_QUERIES)   # first: it may write garbage to the others' rows
+        paged_prefill.run(*args, **kwargs, max_queries=PAGED_MIN_QUERIES)

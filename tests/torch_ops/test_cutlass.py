@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -303,6 +304,21 @@ def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks(
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
+def test_mixed_backend_is_first_and_serves_batches_that_may_hold_a_long_sequence():
+    names = torch_ops.backends.backend_names()
+    assert names.index("mixed") < names.index("cutlass") < names.index("triton")
+    backend = cutlass.MixedBatchBackend()
+    assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=16), {}) == []
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=1), {})
+    assert "one sequence" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=64, seqs=8), {})
+    assert "no sequence can have more than 64 queries" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {})
+    assert "block_size 8 is not a multiple of 16" in why
+    assert "serves attn::paged_prefill only" in backend.reasons("context_attention", _problem(), {})[0]
+    assert any("CUDA" in why for why in backend.reasons("paged_prefill", _paged_problem_cpu(), {}))
+
+
 # ---- numerics (GPU) ------------------------------------------------------------------------------
 
 
@@ -521,13 +537,13 @@ def paged_problem(q_lens, k_lens, *, dtype, d, hq, hkv, block_size):
     return query, k_cache, v_cache, tables.cuda(), cumsum0(q_lens, "cuda"), torch.tensor(k_lens, device="cuda")
 
 
-def run_paged(problem, **options):
+def run_paged(problem, backend="cutlass", **options):
     query = problem[0]
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device="cuda")
     poison_(out)
     poison_(lse)
-    with torch_ops.use_backend("cutlass"):
+    with torch_ops.use_backend(backend):
         torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse, **options)
     return out, lse
 
@@ -557,6 +573,38 @@ def test_paged_prefill(dtype, d, block_size, causal, lens):
     assert cutlass.paged_unsupported(*problem, causal=causal) == []
     out, lse = run_paged(problem, causal=causal, scale=0.1, q_scaling=1.5)
     check_paged(problem, out, lse, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+# (q_len, seq_len): decodes and short chunks (the Triton kernel's launches) around chunks of more than
+# 64 queries (CUTLASS), 64 and 65 queries on either side of the split, an empty sequence, and more
+# queries than keys
+MIXED_SEQS = [(1, 900), (300, 700), (64, 64), (1, 33), (65, 1000), (0, 5), (3, 3), (129, 200), (17, 400),
+              (1, 1), (70, 40), (2, 129)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,hq,hkv", [(BF16, 128, 8, 2), (FP16, 64, 8, 8), (BF16, 128, 32, 4)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mixed_backend(dtype, d, hq, hkv, block_size, causal):
+    seqs = random.sample(MIXED_SEQS, len(MIXED_SEQS))
+    problem = paged_problem([q for q, _ in seqs], [k for _, k in seqs], dtype=dtype, d=d, hq=hq, hkv=hkv,
+                            block_size=block_size)
+    assert torch_ops.backend_for("paged_prefill", *problem, causal=causal) == "mixed"
+    out, lse = run_paged(problem, "mixed", causal=causal, scale=0.1, q_scaling=1.5)
+    check_paged(problem, out, lse, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+def test_mixed_backend_misaligned_out():
+    """The CUTLASS part writes through a contiguous buffer (garbage in the other rows), the Triton part after it."""
+    problem = paged_problem([1, 200, 5, 77], [300, 500, 5, 400], dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
+    query = problem[0]
+    out = poison_(torch.empty(query.numel() + 1, dtype=BF16, device="cuda"))[1:].view(query.shape)
+    lse = poison_(torch.empty(query.shape[:2], device="cuda"))
+    with torch_ops.use_backend("mixed"):
+        torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse)
+    check_paged(problem, out, lse)
 
 
 @pytest.mark.gpu
@@ -597,5 +645,26 @@ def test_paged_prefill_cuda_graph_replay_follows_new_tables_and_lengths():
         split = [256, 100, 300, 511][step]
         cu_q.copy_(cumsum0([split, 512 - split], "cuda"))
         lens.copy_(torch.tensor([[cap, cap], [700, 1999], [cap, 301], [1024, 555]][step], device="cuda"))
+
+    assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))
+
+
+@pytest.mark.gpu
+def test_mixed_backend_cuda_graph_replay_follows_which_sequences_are_long():
+    cap, budget = 1024, 512
+    problem = paged_problem([128] * 4, [cap] * 4, dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
+    query, k_cache, v_cache, tables, cu_q, lens = problem
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], device="cuda")
+
+    def call():
+        with torch_ops.use_backend("mixed"):
+            torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse)
+
+    def fill(step):
+        q_lens = [[1, 300, 100, 111], [200, 1, 1, 310], [64, 65, 250, 133], [budget, 0, 0, 0]][step]
+        query.normal_()
+        cu_q.copy_(cumsum0(q_lens, "cuda"))
+        lens.copy_(torch.tensor([max(q, k) for q, k in zip(q_lens, [700, 1, 900, 333])], device="cuda"))
 
     assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))

@@ -14,7 +14,9 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   128-row tile and pays for all of them over its whole context. So a batch of several sequences
   launches twice: the work list skips sequences of at most `SHORT_BLOCK_M // group` tokens, and a
   second grid of one program per (sequence, KV head) serves exactly those with 16-row tiles.
-  Which launch takes a sequence is decided on the device; both grids come from shapes.
+  Which launch takes a sequence is decided on the device; both grids come from shapes. With
+  `max_queries`, both launches also leave sequences of more queries to the caller (the `mixed`
+  backend runs those through the CUTLASS paged kernel).
 - **GQA: the group's query heads are packed into M.** Row `m` of a BLOCK_M tile is token
   `m // HPT`, head `m % HPT` of the KV head's group (HPT = min(group, BLOCK_M) heads per tile,
   TOK = BLOCK_M // HPT tokens). Each K/V tile is read once per group instead of once per query
@@ -247,7 +249,7 @@ def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,
     QScale, KScale, VScale, Alibi, Sinks, OutScale,
-    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens,
+    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btp,
@@ -277,11 +279,11 @@ def _prefill_kernel(
     q_len = tl.load(CuQ + b + 1).to(tl.int32) - q_start
     if SHORT:
         tok0 = q_len * 0
-        if q_len > TOK:
+        if q_len > TOK or q_len > max_queries:
             return
     else:
         tok0 = (slot - (q_start // TOK + b)) * TOK
-        if q_len <= short_tokens:   # served by the short launch (short_tokens = 0: none)
+        if q_len <= short_tokens or q_len > max_queries:   # served by the short launch / another kernel
             return
     if tok0 >= q_len:
         return
@@ -482,8 +484,9 @@ def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
 
 def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
             causal, scale, q_scaling, alibi_slopes, window_left, sink_tokens, sinks, softcap, out_scale,
-            q_scale=None, k_scale=None, v_scale=None) -> None:
-    """Fill `out [T, Hq, D]` and `lse [T, Hq]`.
+            q_scale=None, k_scale=None, v_scale=None, max_queries=None) -> None:
+    """Fill `out [T, Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries`
+    queries, if given: the caller serves the others).
 
     `query [T, Hq, D]`, `cu_seqlens_q [B + 1]`. Packed K/V (`cu_seqlens_k` given): `k/v [Tk, Hkv,
     D]`. Paged (`block_tables`, `seq_lens` given): `k/v [num_blocks, block_size, Hkv, D]` views.
@@ -505,7 +508,8 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     if round_p_bf16:
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
-    cfg = config(d, op_dtype, causal, paged, -(-t // num_seqs) * group, group_scaled=kv_fmt >= 3)
+    max_queries = t if max_queries is None else max_queries
+    cfg = config(d, op_dtype, causal, paged, min(-(-t // num_seqs), max_queries) * group, group_scaled=kv_fmt >= 3)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
         short_cfg = {**cfg, "BLOCK_M": SHORT_BLOCK_M, "num_warps": 4}
@@ -547,7 +551,7 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         out_scale if out_scale is not None else dummy,
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
-        SHORT_BLOCK_M // group if short_cfg else 0,
+        SHORT_BLOCK_M // group if short_cfg else 0, max_queries,
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),

@@ -20,7 +20,7 @@ import torch
 
 import torch_ops
 from torch_ops import quant, kv_cache, reference
-from torch_ops.kernels import prefill_attention as pa
+from torch_ops.kernels import paged_prefill, prefill_attention as pa
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -162,6 +162,23 @@ def test_paged_mixed_batch_two_launches(kernel_device, monkeypatch):
                          hq=4, hkv=2, d=32, bs=8)
     check_paged(problem, *run_paged(problem))
     assert launches == [False, True]
+
+
+def test_paged_max_queries_leaves_longer_sequences_untouched(kernel_device, monkeypatch):
+    # what the `mixed` backend asks of the Triton kernel: both launches skip sequences of more than
+    # max_queries queries (there the CUTLASS kernel writes), and serve the rest
+    monkeypatch.setattr(pa, "CONFIG_OVERRIDE", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    q_lens, seq_lens = [1, 20, 8, 0, 9, 3, 11], [40, 20, 31, 5, 9, 3, 30]
+    problem = make_paged(kernel_device, q_lens=q_lens, seq_lens=seq_lens, hq=4, hkv=2, d=32, bs=8)
+    q, cache, bt, cu, sl = problem
+    out, lse = _out_buffers(q, q.dtype)
+    paged_prefill.run(q, cache.k, cache.v, bt, cu, sl, out=out, lse=lse, max_queries=9)
+    rows = torch.repeat_interleave(torch.tensor(q_lens) <= 9, torch.tensor(q_lens)).to(kernel_device)
+    assert out[~rows].isnan().all() and lse[~rows].isnan().all(), "a longer sequence's rows were written"
+    truth_o, truth_l = reference.paged_prefill(q, cache.k, cache.v, bt, cu, sl, compute_dtype=torch.float64)
+    base_o, base_l = reference.paged_prefill(q, cache.k, cache.v, bt, cu, sl, compute_dtype=q.dtype)
+    assert_error_ratio(out[rows], truth_o[rows], base_o[rows])
+    assert_error_ratio(lse[rows], truth_l[rows], base_l[rows], name="lse")
 
 
 @pytest.mark.parametrize("bs,dtype,layout", [(1, FP16, "HND"), (16, BF16, "vllm")],
