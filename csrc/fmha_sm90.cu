@@ -756,7 +756,7 @@ struct VarlenEpilogue {
 // Lq and skipped). Sequences of at most `skip` queries (left to another launch) may get tiles too,
 // which find nothing to do. There are first(B) = floor(total_q / M) + min(B, floor(total_q /
 // (skip + 1))) virtual tiles per head, known on the host without reading the lengths; a tile's
-// sequence is found by binary search on cu_seqlens_q.
+// sequence is found by a search on cu_seqlens_q (find_tile).
 constexpr int kBlockM = get<0>(TileShape{});
 
 struct VirtualTile {
@@ -766,11 +766,19 @@ struct VirtualTile {
 
 CUTLASS_HOST_DEVICE int first_tile(int cu_q_b, int b, int skip) { return cu_q_b / kBlockM + min(b, cu_q_b / (skip + 1)); }
 
+// The search is 32-ary, by a whole warp (every caller runs with all 32 lanes): each round, lane i
+// tests the i-th of 32 evenly spaced candidates in [lo, hi], so that up to 1024 sequences take two
+// dependent reads of cu_q instead of ten. A CTA whose tile holds nothing pays for this search and
+// nothing else (mixed batches launch many: H100, 1.5-4k of them cost 20-80 us with a binary search).
 CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int skip) {
-  int lo = 0, hi = num_seqs - 1;
+  int lo = 0, hi = num_seqs - 1;   // the answer: the last b in [lo, hi] with first_tile(b) <= t
+  int lane = threadIdx.x % 32;
   while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (first_tile(cu_q[mid], mid, skip) <= t) lo = mid; else hi = mid - 1;
+    int step = (hi - lo) / 32 + 1;
+    int b = lo + lane * step;
+    bool le = b <= hi && first_tile(cu_q[b], b, skip) <= t;
+    lo += (__popc(__ballot_sync(0xffffffffu, le)) - 1) * step;   // lanes 0 .. k pass: the answer is in their step
+    hi = min(hi, lo + step - 1);
   }
   int m_block = t - first_tile(cu_q[lo], lo, skip);
   int lq = cu_q[lo + 1] - cu_q[lo];
@@ -793,7 +801,9 @@ struct Scheduler {
 
   CUTLASS_DEVICE Scheduler(Params const& p)
       : tile(find_tile(p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), p.cu_q, p.num_seqs, p.skip_q_len)),
-        h(blockIdx.y) {}
+        h(blockIdx.y) {
+    if (!tile.valid) asm volatile("exit;");   // every thread of the CTA, before any barrier is set up
+  }
 
   static Params make_params(AttnFmhaArgs const& a, int tiles) {
     return {dim3(tiles, a.hq, 1), a.cu_seqlens_q, a.num_seqs, a.skip_q_len, a.causal != 0};
