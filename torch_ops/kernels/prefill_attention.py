@@ -85,17 +85,15 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.flo
 
 @triton.jit
 def _find_sequence(CuQ, num_seqs, slot, TOK: tl.constexpr):
-    """The sequence owning work slot `slot`: the largest b with cu_q[b] // TOK + b <= slot.
-    32-ary search: each round reads 32 evenly spaced candidates in [lo, hi] at once (up to 1024
-    sequences in two dependent reads; programs with nothing to do pay for little else)."""
+    """The sequence owning work slot `slot`: the largest b with cu_q[b] // TOK + b <= slot."""
     lo = slot * 0
     hi = lo + num_seqs - 1
     while lo < hi:
-        step = (hi - lo) // 32 + 1
-        b = lo + tl.arange(0, 32) * step
-        first = tl.load(CuQ + b, mask=b <= hi, other=0).to(tl.int32) // TOK + b
-        lo += (tl.sum(((b <= hi) & (first <= slot)).to(tl.int32)) - 1) * step
-        hi = tl.minimum(hi, lo + step - 1)
+        mid = (lo + hi + 1) // 2
+        if tl.load(CuQ + mid).to(tl.int32) // TOK + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
     return lo
 
 
