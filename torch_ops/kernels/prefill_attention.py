@@ -508,7 +508,7 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     if round_p_bf16:
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
-    max_queries = t if max_queries is None else max_queries
+    max_queries = 2**31 - 1 if max_queries is None else max_queries   # a constant: one kernel specialization
     cfg = config(d, op_dtype, causal, paged, min(-(-t // num_seqs), max_queries) * group, group_scaled=kv_fmt >= 3)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
