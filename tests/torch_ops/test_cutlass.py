@@ -628,43 +628,30 @@ def test_paged_prefill_fp8_output_and_strided_cache():
 
 
 @pytest.mark.gpu
-def test_paged_prefill_cuda_graph_replay_follows_new_tables_and_lengths():
-    q_lens, cap = [256, 256], 2048
-    problem = paged_problem(q_lens, [cap, cap], dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
+@pytest.mark.parametrize("backend,q_lens,k_lens", [
+    ("cutlass", [[256, 256], [100, 412], [300, 212], [511, 1]],
+     [[2048, 2048], [700, 1999], [2048, 301], [1024, 555]]),
+    # sequences moving across the mixed backend's 64-query split
+    ("mixed", [[1, 300, 100, 111], [200, 1, 1, 310], [64, 65, 250, 133], [512, 0, 0, 0]],
+     [[700, 300, 900, 333], [700, 1, 900, 333], [700, 65, 900, 333], [700, 1, 900, 333]]),
+])
+def test_paged_prefill_cuda_graph_replay_follows_new_tables_and_lengths(backend, q_lens, k_lens):
+    cap = max(map(max, k_lens))
+    problem = paged_problem(q_lens[0], [cap] * len(q_lens[0]), dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
     query, k_cache, v_cache, tables, cu_q, lens = problem
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:2], device="cuda")
+    blocks = -(-cap // 16)
 
     def call():
-        with torch_ops.use_backend("cutlass"):
+        with torch_ops.use_backend(backend):
             torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse)
 
     def fill(step):
         query.normal_()
-        tables[:, : cap // 16].copy_(tables[:, : cap // 16].flip(0) if step % 2 else tables[:, : cap // 16])
-        split = [256, 100, 300, 511][step]
-        cu_q.copy_(cumsum0([split, 512 - split], "cuda"))
-        lens.copy_(torch.tensor([[cap, cap], [700, 1999], [cap, 301], [1024, 555]][step], device="cuda"))
+        tables[:, :blocks].copy_(tables[:, :blocks].flip(0) if step % 2 else tables[:, :blocks])
+        cu_q.copy_(cumsum0(q_lens[step], "cuda"))
+        lens.copy_(torch.tensor(k_lens[step], device="cuda"))
 
     assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))
 
-
-@pytest.mark.gpu
-def test_mixed_backend_cuda_graph_replay_follows_which_sequences_are_long():
-    cap, budget = 1024, 512
-    problem = paged_problem([128] * 4, [cap] * 4, dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
-    query, k_cache, v_cache, tables, cu_q, lens = problem
-    out = torch.empty_like(query)
-    lse = torch.empty(query.shape[:2], device="cuda")
-
-    def call():
-        with torch_ops.use_backend("mixed"):
-            torch.ops.attn.paged_prefill.out(*problem, out=out, lse=lse)
-
-    def fill(step):
-        q_lens = [[1, 300, 100, 111], [200, 1, 1, 310], [64, 65, 250, 133], [budget, 0, 0, 0]][step]
-        query.normal_()
-        cu_q.copy_(cumsum0(q_lens, "cuda"))
-        lens.copy_(torch.tensor([max(q, k) for q, k in zip(q_lens, [700, 1, 900, 333])], device="cuda"))
-
-    assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))
