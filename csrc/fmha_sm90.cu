@@ -261,6 +261,29 @@ struct VarlenMainloop : Base {
     return make_tuple(slice.partition_S(g), slice.partition_D(smem));
   }
 
+  // The tile's Q blocks, one per consumer warpgroup, issued by the elected lane: `next` issues one
+  // (once a stage is free), `rest` the ones left.
+  template <class StateQ>
+  struct QBlocks {
+    StateQ state;
+    LoadQ load;
+    decltype(make_coord_iterator(Int<NumMmaWarpGroups>{})) iter;
+    int left;
+    int lane_predicate;
+    CUTLASS_DEVICE void next(PipelineStateQ& write) { load.step(iter, state, write, lane_predicate, left); }
+    CUTLASS_DEVICE void rest(PipelineStateQ& write) {
+      while (left > 0) next(write);
+    }
+  };
+
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static auto q_blocks(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                      MainloopPipelineQ& pipeline_q, SharedStorage& storage, int lane_predicate) {
+    auto state = q_state(blk, params, problem, storage);
+    return QBlocks<decltype(state)>{state, LoadQ{params.tma_load_q, pipeline_q, storage.smem_q},
+                                    make_coord_iterator(Int<NumMmaWarpGroups>{}), NumMmaWarpGroups, lane_predicate};
+  }
+
   // The K/V load warp. Non-persistent (kLoadQ): it loads Q too, the first K tile and the first Q
   // block before anything else so that the first QK^T starts as early as possible. Persistent:
   // the Q warp (load_maybe_q) loads Q, and on a CTA's first tile this warp waits until the first
@@ -286,13 +309,10 @@ struct VarlenMainloop : Base {
     int k_count = 2 * trips;  // K and V tiles share the pipeline
 
     if constexpr (kLoadQ) {
-      auto state_q = q_state(blk, params, problem, storage);
-      LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
-      auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
-      int q_count = NumMmaWarpGroups;
-      load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
+      q.next(smem_pipe_write_q);
       load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
-      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      q.rest(smem_pipe_write_q);
     } else {
       load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
       if (first_tile) {
@@ -315,12 +335,9 @@ struct VarlenMainloop : Base {
                                  MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
                                  MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
                                  SharedStorage& storage, Sequence const& seq, int trips) {
-    auto state_q = q_state(blk, params, problem, storage);
-    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
     int lane_predicate = cute::elect_one_sync();
-    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
-    int q_count = NumMmaWarpGroups;
-    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
+    q.next(smem_pipe_write_q);
     const int* table = params.block_tables + get<2, 0>(blk) * params.block_table_stride;
     int hk = get<2, 1>(blk) / params.group;
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
@@ -332,7 +349,7 @@ struct VarlenMainloop : Base {
       PagedBox box = paged_box(params, table, seq.lk, tile);
       load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
                       [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
-      while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+      q.rest(smem_pipe_write_q);
       load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
                       [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
     }
@@ -386,17 +403,13 @@ struct VarlenMainloop : Base {
   CUTLASS_DEVICE void load_maybe_q(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                    MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
                                    SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile) {
-    auto state_q = q_state(blk, params, problem, storage);
-    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
-    int lane_predicate = cute::elect_one_sync();
-    auto q_iter = make_coord_iterator(Int<NumMmaWarpGroups>{});
-    int q_count = NumMmaWarpGroups;
-    load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    auto q = q_blocks(blk, params, problem, pipeline_q, storage, cute::elect_one_sync());
+    q.next(smem_pipe_write_q);
     if (first_tile) {
       q_issued.arrive();
       q_issued.wait(0);
     }
-    while (q_count > 0) load_q.step(q_iter, state_q, smem_pipe_write_q, lane_predicate, q_count);
+    q.rest(smem_pipe_write_q);
   }
 
   // One consumer warpgroup's rows (64 of the CTA's 128) against all of the CTA's key tiles, with
