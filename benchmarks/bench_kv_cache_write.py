@@ -5,7 +5,7 @@ Usage (GPU machine):  python benchmarks/bench_kv_cache_write.py [--quick] [--che
   --tokens/--formats/--modes  select a subset (defaults: T 1 64 256 4096 16384; bf16 fp8 int8
                               int4; modes kv rope_k rope_qk)
   --check   compare each configuration once with the reference (bitwise, or max code difference)
-  --tune    sweep the kernel's TILE_ELEMS / NUM_WARPS on a few shapes first
+  --tune    sweep the kernel's TILE_ELEMS (all formats) / NUM_WARPS on a few shapes first
 Writes JSON (GPU, versions, date, commit, every measurement) under --out (default
 benchmarks/results/) and prints a compact table last.
 
@@ -307,7 +307,7 @@ def tune(runner: Runner) -> list[dict]:
         for tile_elems, warps in TUNE_GRID:
             res = {"tokens": t, "fmt": fmt, "mode": mode, "TILE_ELEMS": tile_elems, "NUM_WARPS": warps}
             try:
-                kcw.TILE_ELEMS, kcw.NUM_WARPS = tile_elems, warps
+                kcw.TILE_ELEMS, kcw.NUM_WARPS = dict.fromkeys(saved[0], tile_elems), warps
                 us, _ = common.time_us([case.ours(i) for i in range(n)], calls=10, replays=7)
                 res.update(us=us, pct_copy=100 * copy_us / us)
             except Exception as e:  # noqa: BLE001

@@ -38,12 +38,17 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   Hkv=8, Hq=32, D=128, bf16, 4 KB k/v in + 4 KB out and 8 + 8 KB of q. cos/sin rows
   (`rot * 4` B per token, shared by the heads of a tile) mostly hit L2, NeoX partners L1.
 - In flight: HBM3/HBM3e need ~2.5-3.5 MB in flight (3.35-4.8 TB/s x ~0.7 us), ~20-27 KB per
-  SM. A program loads `TILE_ELEMS` (4096) elements of k and of v (16 KB in bf16) before its first
-  store; at 4 warps and 48-128 registers (sm_90 build) 4-10 programs are resident per SM.
+  SM. A program loads `TILE_ELEMS` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
+  KB in bf16) before its first store; at 4 warps and 48-128 registers (sm_90 build) 4-10 programs are resident per SM.
 - Access width: the head-dim axis is contiguous (Triton specializes stride 1 and 16-byte
   alignment), so every k/v/q load and bf16 store is 16 B (`ld/st.global.v4.b32` in the PTX);
   scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
   in NHD a token's group scales for all heads are adjacent (written by one program).
+- Cache hints: from `STREAM_MIN_TOKENS` tokens on, k/v/q are loaded `evict_first` and every row
+  is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they took T = 16k
+  on an H200 from 82-92 to 85-99 % of copy, except INT8 k/v (90 -> 88) and INT4 RoPE on k (80 ->
+  81) (results/trial_kvwrite_tiles_H200_20261122s.log); at T = 64-256 (decode batches, 2-3 us)
+  the same hints cost 0.1-0.6 us (kvwrite_H200_20261122s_hints_everywhere.log).
 - Shared memory only for small layout conversions (cos/sin rows, group scales, 1-byte codes),
   never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
   loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
@@ -61,7 +66,7 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
 
 Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
 with an odd quant group (a rotated pair would straddle two groups).
-Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`.
+Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM_MIN_TOKENS`.
 """
 
 from __future__ import annotations
@@ -76,19 +81,23 @@ import triton.language as tl
 from . import interpreting
 from .interpreter import exact_cast
 
-TILE_ELEMS = 4096          # elements of one tensor (k, v or q) per program
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this many programs per SM
 # INT8/INT4: registers per thread kept at 96, five 4-warp programs per SM (INT8 with a query
 # otherwise took 100, four per SM: rope_qk at T = 16k 104.5 -> 111.0 us on an H200)
 GROUP_MAX_REGISTERS = 96
 MAX_HEAD_DIM = 1024
+STREAM_MIN_TOKENS = 2048   # from this many tokens on, streaming cache hints (module docstring)
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
 _FMT = {
     torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
     torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
 }
+# elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k, 2026-11-22,
+# results/trial_kvwrite_tiles_H200_20261122s.log): 2048 for plain and FP8 caches (FP8 k/v 92 vs
+# 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
+TILE_ELEMS = {FMT_PLAIN: 2048, FMT_FP8: 2048, FMT_INT8: 4096, FMT_INT4: 4096}
 _QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
 # RN(1 / qmax) in fp32 (the fp64 quotient rounds to the same fp32 value for 127 and 7)
 _QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / q))[0] for f, q in _QMAX.items()}
@@ -178,7 +187,7 @@ def _div_by_qmax(amax, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr, INTERPRETED: 
 def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
            FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr,
            BT: tl.constexpr, BH: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr,
-           QGROUP: tl.constexpr, INTERPRETED: tl.constexpr):
+           QGROUP: tl.constexpr, INTERPRETED: tl.constexpr, STORE_CM: tl.constexpr):
     """Write the tile `x [BT, BH, NGP, GP]` to the cache rows `rows [BT, BH, 1, 1]` (pointers)
     where `row_ok`, in the cache format. `x` is fp32, or the cache dtype for plain caches.
     `scales`: FP8: the fp32 scale of each head `[1, BH, 1, 1]`; INT8/INT4: pointers to each row's
@@ -186,18 +195,18 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     ok = row_ok & (g < NG) & (e < QGROUP)
     d = g * QGROUP + e
     if FMT == 0:
-        tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+        tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok, cache_modifier=STORE_CM)
     elif FMT == 1:
         y = _div_rn(x, scales, INTERPRETED, True)
         if INTERPRETED:
             # on the GPU the convert saturates (cvt.rn.satfinite): the clamp for finite and
             # infinite y, and NaN stays NaN as in the reference (min/max would make it -FP8_MAX)
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok)
+        tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok, cache_modifier=STORE_CM)
     else:
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
         s = tl.maximum(_div_by_qmax(amax, QMAX, QMAX_RCP, INTERPRETED), 1e-5).to(scales.dtype.element_ty)
-        tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG))
+        tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG), cache_modifier=STORE_CM)
         # s = max(absmax / QMAX, 1e-5) rounded to fp16 or fp32 is at most 0.3% below absmax / QMAX
         # (fp16 subnormals just above the floor; 2^-11 for normal fp16), so |x / s| < QMAX + 0.5
         # and rint never leaves [-QMAX, QMAX]: the reference's clamp is left out (tested with
@@ -206,13 +215,13 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         y = _div_rn(x, s.to(tl.float32), INTERPRETED, False)
         bits = (y + (12582912.0 + (8.0 if FMT == 3 else 0.0))).to(tl.int32, bitcast=True)
         if FMT == 2:
-            tl.store(rows + d, bits.to(tl.int8), mask=ok)
+            tl.store(rows + d, bits.to(tl.int8), mask=ok, cache_modifier=STORE_CM)
         else:
             lo, hi = tl.split(tl.reshape(bits, (BT, BH, NGP, GP // 2, 2)))
             packed = ((lo & 15) | ((hi & 15) << 4)).to(tl.uint8)
             j = tl.arange(0, GP // 2)[None, :]
             byte = g * (QGROUP // 2) + j
-            tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2))
+            tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2), cache_modifier=STORE_CM)
 
 
 @triton.jit
@@ -229,7 +238,7 @@ def _kv_cache_write_kernel(
     QGROUP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     ROPE: tl.constexpr, NEOX: tl.constexpr, ROT: tl.constexpr, HAS_QUERY: tl.constexpr,
     BT_KV: tl.constexpr, BH_KV: tl.constexpr, BT_Q: tl.constexpr, BH_Q: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_kv_programs:
@@ -250,8 +259,8 @@ def _kv_cache_write_kernel(
         row_ok = w_ok[:, None, None, None] & (h4 < NUM_KV_HEADS)
         ld_ok = row_ok & (g < NG) & (e < QGROUP)
         k_ptrs = Key + t4 * stride_kt + h4 * stride_kh + d
-        k = tl.load(k_ptrs, mask=ld_ok, other=0.0)
-        v = tl.load(Value + t4 * stride_vt + h4 * stride_vh + d, mask=ld_ok, other=0.0)
+        k = tl.load(k_ptrs, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
+        v = tl.load(Value + t4 * stride_vt + h4 * stride_vh + d, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
         if ROPE:
             pos = tl.load(Positions + t.to(tl.int64) * stride_pos, mask=t_ok, other=0).to(tl.int64)
             pos_ok = (pos >= 0) & (pos < max_position)
@@ -273,9 +282,9 @@ def _kv_cache_write_kernel(
             k_scales = KScale + block4 * stride_ksb + offset4 * stride_kst + h4 * stride_ksh
             v_scales = VScale + block4 * stride_vsb + offset4 * stride_vst + h4 * stride_vsh
         _store(k, KCache, k_rows, k_scales, stride_ksg, row_ok, g, e,
-               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED)
+               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
         _store(v, VCache, v_rows, v_scales, stride_vsg, row_ok, g, e,
-               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED)
+               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
     elif HAS_QUERY:
         # ---- rotated query of BT_Q tokens x BH_Q heads (names differ from the branch above:
         # a variable assigned in both branches of a runtime `if` must keep one type)
@@ -288,12 +297,12 @@ def _kv_cache_write_kernel(
         tq4 = tq.to(tl.int64)[:, None, None, None]
         q_ok = tq_ok[:, None, None, None] & (hq < NUM_Q_HEADS) & (dq < HEAD_DIM)
         q_ptrs = Query + tq4 * stride_qt + hq * stride_qh + dq * stride_qd
-        q = tl.load(q_ptrs, mask=q_ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
         q_pos = tl.load(Positions + tq.to(tl.int64) * stride_pos, mask=tq_ok, other=0).to(tl.int64)
         q = _rope(q, q_ptrs, q_ok, stride_qd, CosSin + q_pos * stride_cs, (q_pos >= 0) & (q_pos < max_position),
                   stride_csd, tl.zeros((1, 1), tl.int32), dq, BT_Q, BH_Q, 1, DP, HEAD_DIM, ROT, NEOX)
         tl.store(QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od,
-                 exact_cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok)
+                 exact_cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok, cache_modifier=STORE_CM)
 
 
 # =================================================================================================
@@ -320,12 +329,12 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def tile(num_tokens: int, heads: int, row_elems: int, sms: int) -> tuple[int, int]:
-    """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `TILE_ELEMS`
+def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:
+    """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `tile_elems`
     elements, all heads when they fit, fewer tokens while the grid is under
     `MIN_PROGRAMS_PER_SM` programs per SM. From shapes only."""
-    bh = min(_pow2(heads), max(1, TILE_ELEMS // row_elems))
-    bt = min(max(1, TILE_ELEMS // (bh * row_elems)), _pow2(max(num_tokens, 1)))
+    bh = min(_pow2(heads), max(1, tile_elems // row_elems))
+    bt = min(max(1, tile_elems // (bh * row_elems)), _pow2(max(num_tokens, 1)))
     while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < MIN_PROGRAMS_PER_SM * sms:
         bt //= 2
     return bt, bh
@@ -367,12 +376,12 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale)
     dp = _pow2(d)
     sms = num_sms(key.device)
-    bt_kv, bh_kv = tile(t, hkv, ngp * gp, sms)
+    bt_kv, bh_kv = tile(t, hkv, ngp * gp, sms, TILE_ELEMS[fmt])
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
-        bt_q, bh_q = tile(t, hq, dp, sms)
+        bt_q, bh_q = tile(t, hq, dp, sms, TILE_ELEMS[fmt])
         n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
 
     if fmt == FMT_FP8:
@@ -385,6 +394,7 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
     else:
         ks, vs = k_cache, v_cache    # unused
         k_sstrides = v_sstrides = (0, 0, 0, 0)
+    stream = t >= STREAM_MIN_TOKENS
     rope = positions is not None
     pos = positions if rope else slot_mapping
     cs = cos_sin_cache if rope else key
@@ -409,6 +419,7 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None,
         BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
         INTERPRETED=interpreting(),
+        LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",
         num_warps=NUM_WARPS, enable_fp_fusion=False,
         **({"maxnreg": GROUP_MAX_REGISTERS} if fmt in (FMT_INT8, FMT_INT4) and not interpreting() else {}),
     )
