@@ -430,6 +430,28 @@ def test_16bit_context_attention(dtype, d, causal, lens):
     check(problem, out, lse, baseline, causal=causal, scale=0.1, q_scaling=1.5)
 
 
+def many_sequences(count, long_every, rng):
+    """`count` lengths, mostly 0-40 with one of 129-400 every `long_every`: a tile search over more
+    than 128 sequences takes two rounds of reads."""
+    return [rng.randint(129, 400) if i % long_every == 0 else rng.randint(0, 40) for i in range(count)]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("grid")
+@pytest.mark.parametrize("causal", [False, True])
+def test_context_attention_over_many_sequences(causal):
+    rng = random.Random(0)
+    q_lens = many_sequences(700, 50, rng)
+    k_lens = [q + rng.randint(0, 30) for q in q_lens]
+    problem = (torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=BF16),
+               torch.randn(sum(k_lens), 2, 128, device="cuda", dtype=BF16),
+               torch.randn(sum(k_lens), 2, 128, device="cuda", dtype=BF16),
+               cumsum0(q_lens, "cuda"), cumsum0(k_lens, "cuda"))
+    out, lse = run_cutlass(problem, BF16, causal=causal)
+    baseline, _ = reference.context_attention(*problem, compute_dtype=BF16, causal=causal)
+    check(problem, out, lse, baseline, causal=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("grid")
 def test_fp8_output_scale():
@@ -593,6 +615,16 @@ def test_mixed_backend(dtype, d, hq, hkv, block_size, causal):
     assert torch_ops.backend_for("paged_prefill", *problem, causal=causal) == "mixed"
     out, lse = run_paged(problem, "mixed", causal=causal, scale=0.1, q_scaling=1.5)
     check_paged(problem, out, lse, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+def test_mixed_backend_over_many_sequences():
+    rng = random.Random(1)
+    q_lens = [q if q > 40 else rng.choice([1, 1, 2, q]) for q in many_sequences(300, 40, rng)]
+    k_lens = [q + rng.randint(0, 600) for q in q_lens]
+    problem = paged_problem(q_lens, k_lens, dtype=BF16, d=128, hq=8, hkv=2, block_size=16)
+    out, lse = run_paged(problem, "mixed")
+    check_paged(problem, out, lse)
 
 
 @pytest.mark.gpu
