@@ -779,35 +779,23 @@ struct VirtualTile {
 
 CUTLASS_HOST_DEVICE int first_tile(int cu_q_b, int b, int skip) { return cu_q_b / kBlockM + min(b, cu_q_b / (skip + 1)); }
 
-// The search is by a whole warp (every caller runs with all 32 lanes), over 128 candidates a
-// round (4 per lane, read together): each round narrows [lo, hi] to one of 128 evenly spaced
-// steps, so up to 128 sequences take one round of reads and up to 16k two. The last round's
-// candidates are consecutive, so its reads already hold cu_q[b] and cu_q[b + 1] of the answer.
-// Every CTA pays this search before its first load (1 CTA per SM: nothing hides it); a CTA whose
-// tile holds nothing pays for it and nothing else.
+// The search is 32-ary, by a whole warp (every caller runs with all 32 lanes): each round, lane i
+// tests the i-th of 32 evenly spaced candidates in [lo, hi], so that up to 1024 sequences take two
+// dependent reads of cu_q instead of ten. A CTA whose tile holds nothing pays for this search and
+// nothing else (mixed batches launch many: H100, 1.5-4k of them cost 20-80 us with a binary search).
 CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int skip) {
-  constexpr int kPerLane = 4, kWays = 32 * kPerLane;   // kPerLane is spelled out below as c0..c3
-  int lane = threadIdx.x % 32;
   int lo = 0, hi = num_seqs - 1;   // the answer: the last b in [lo, hi] with first_tile(b) <= t
-  while (true) {
-    int step = (hi - lo) / kWays + 1;
-    int first = lo + lane * kPerLane * step;   // this lane's candidates: first + j * step, j < 4
-    auto cu_at = [&](int j) { return cu_q[min(first + j * step, num_seqs)]; };
-    int c0 = cu_at(0), c1 = cu_at(1), c2 = cu_at(2), c3 = cu_at(3), c4 = cu_at(4);   // c4: past the last
-    auto passes = [&](int j, int c) { return first + j * step <= hi && first_tile(c, first + j * step, skip) <= t; };
-    int passed = passes(0, c0) + passes(1, c1) + passes(2, c2) + passes(3, c3);
-    int k = __reduce_add_sync(0xffffffffu, passed) - 1;   // candidates 0 .. k pass (lo always does)
-    if (step > 1) {
-      lo += k * step;
-      hi = min(hi, lo + step - 1);
-      continue;
-    }
-    int j = k % kPerLane;   // cu_q[b] and cu_q[b + 1] of candidate k, from its lane
-    int start = __shfl_sync(0xffffffffu, j == 0 ? c0 : j == 1 ? c1 : j == 2 ? c2 : c3, k / kPerLane);
-    int end = __shfl_sync(0xffffffffu, j == 0 ? c1 : j == 1 ? c2 : j == 2 ? c3 : c4, k / kPerLane);
-    int b = lo + k, m_block = t - first_tile(start, b, skip);
-    return {m_block, b, end - start > skip && m_block * kBlockM < end - start};
+  int lane = threadIdx.x % 32;
+  while (lo < hi) {
+    int step = (hi - lo) / 32 + 1;
+    int b = lo + lane * step;
+    bool le = b <= hi && first_tile(cu_q[b], b, skip) <= t;
+    lo += (__popc(__ballot_sync(0xffffffffu, le)) - 1) * step;   // lanes 0 .. k pass: the answer is in their step
+    hi = min(hi, lo + step - 1);
   }
+  int m_block = t - first_tile(cu_q[lo], lo, skip);
+  int lq = cu_q[lo + 1] - cu_q[lo];
+  return {m_block, lo, lq > skip && m_block * kBlockM < lq};
 }
 
 #if !ATTN_PERSISTENT
