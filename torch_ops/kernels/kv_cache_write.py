@@ -48,7 +48,7 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they took T = 16k
   on an H200 from 82-92 to 85-99 % of copy, except INT8 k/v (90 -> 88) and INT4 RoPE on k (80 ->
   81) (results/trial_kvwrite_tiles_H200_20261122s.log); at T = 64-256 (decode batches, 2-3 us)
-  the same hints cost 0.1-0.6 us (kvwrite_H200_20261122s_hints_everywhere.log).
+  the same hints cost 0.1-0.6 us (results/trial_kvwrite_hints_everywhere_H200_20261122s.log).
 - Shared memory only for small layout conversions (cos/sin rows, group scales, 1-byte codes),
   never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
   loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
