@@ -799,27 +799,31 @@ CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int s
 }
 
 #if !ATTN_PERSISTENT
-// One CTA per work tile: grid (virtual tiles, Hq); a CTA with the spare tile exits. Causal: the
-// highest tiles (most keys) are launched first.
+// One CTA per work item: a 1-D grid over the tiles x Hq items, in the persistent kernel's order
+// (section of heads, virtual tile, head within the section): the `section_heads` heads of a
+// section (chosen on the host so that their K/V fit in L2) run each q tile together, and causal
+// tiles go from the highest (most keys) down, across the heads of a section rather than head by
+// head, so the last CTAs to start are the shortest. A CTA with a spare tile exits.
 struct Scheduler {
   struct Params {
     dim3 grid;
     const int* cu_q;
-    int num_seqs, skip_q_len;
+    int num_seqs, skip_q_len, num_tiles, section_heads;
     bool longest_first;
   };
 
   VirtualTile tile;
   int h;
 
-  CUTLASS_DEVICE Scheduler(Params const& p)
-      : tile(find_tile(p.longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), p.cu_q, p.num_seqs, p.skip_q_len)),
-        h(blockIdx.y) {
+  CUTLASS_DEVICE Scheduler(Params const& p) {
+    int item = int(blockIdx.x), rest = item / p.section_heads, x = rest % p.num_tiles;
+    h = rest / p.num_tiles * p.section_heads + item % p.section_heads;
+    tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs, p.skip_q_len);
     if (!tile.valid) asm volatile("exit;");   // every thread of the CTA, before any barrier is set up
   }
 
   static Params make_params(AttnFmhaArgs const& a, int tiles) {
-    return {dim3(tiles, a.hq, 1), a.cu_seqlens_q, a.num_seqs, a.skip_q_len, a.causal != 0};
+    return {dim3(tiles * a.hq, 1, 1), a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, a.section_heads, a.causal != 0};
   }
   static dim3 get_grid_shape(Params const& p) { return p.grid; }
   CUTLASS_DEVICE bool is_valid() const { return tile.valid; }
@@ -972,9 +976,8 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
-  if (kPersistent && (a.num_ctas < 1 || a.section_heads < 1 || a.hq % a.section_heads != 0)) {
-    return fail("persistent grid: need num_ctas >= 1 and section_heads dividing hq");
-  }
+  if (a.section_heads < 1 || a.hq % a.section_heads != 0) return fail("need section_heads dividing hq");
+  if (kPersistent && a.num_ctas < 1) return fail("persistent grid: need num_ctas >= 1");
   Scheduler::Params sched = Scheduler::make_params(a, first_tile(tq, a.num_seqs, a.skip_q_len));
   Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
   dim3 grid = Kernel::get_grid_shape(params);

@@ -39,7 +39,8 @@ typedef struct {
   int32_t q_scale_stride, k_scale_stride, v_scale_stride;
   int32_t out_dtype;        // AttnOutDtype
   float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling, before the q/k descales
-  // persistent kernels only: CTAs in the grid, and heads per section of the work order (divides hq)
+  // persistent kernels only: CTAs in the grid; all kernels: heads per section of the work order
+  // (divides hq; the work runs section by section, each q tile over a section's heads together)
   int32_t num_ctas, section_heads;
   int32_t v_interleaved;    // 1 for the kernels that read V interleaved (FP8 D = 128), else 0; checked
   // paged kernels only (bf16/fp16): k and v are caches [num_blocks, block_size, hkv, head_dim]

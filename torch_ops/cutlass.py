@@ -49,7 +49,7 @@ LIBRARY_NAME = "libattn_fmha_sm90.so"
 ARCH = "90a"
 VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}   # kernel family -> entry suffix
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
-L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one persistent section may share in L2
+L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 
 PERSISTENT: bool | None = None   # the persistent kernels or not; None: ATTN_CUTLASS_PERSISTENT
 
@@ -270,19 +270,22 @@ def use_persistent() -> bool:
     return value == "1"
 
 
-def persistent_grid(total_q: int, num_seqs: int, hq: int, hkv: int, total_k: int, head_dim: int,
-                    element_size: int, num_sms: int) -> tuple[int, int]:
-    """`(num_ctas, section_heads)` of the persistent kernel, from shapes only (CUDA-graph safe).
+def section_heads(hq: int, hkv: int, keys: int, head_dim: int, element_size: int) -> int:
+    """Query heads per section of the kernels' work order, from shapes only (CUDA-graph safe).
 
-    One CTA per SM (a CTA's shared memory fills most of an SM), no more than there are work tiles
-    (`(total_q // BLOCK_M + min(num_seqs, total_q)) * hq`). Work runs in sections of `section_heads` query heads,
-    the largest divisor of `hq` whose KV heads, at the mean key length, fit `L2_SECTION_BYTES`.
-    """
-    tiles = (total_q // BLOCK_M + min(num_seqs, total_q)) * hq
-    kv_head_bytes = 2 * -(-total_k // num_seqs) * head_dim * element_size   # K and V of one KV head
+    Work runs section by section, each q tile over the section's heads together (heaviest causal
+    tiles first across those heads). A section is the largest divisor of `hq` whose KV heads, K
+    and V of `keys` keys each, fit `L2_SECTION_BYTES`; at least one head."""
+    kv_head_bytes = 2 * keys * head_dim * element_size
     group = hq // hkv
     fits = [s for s in range(1, hq + 1) if hq % s == 0 and -(-s // group) * kv_head_bytes <= L2_SECTION_BYTES]
-    return min(tiles, num_sms), max(fits, default=1)
+    return max(fits, default=1)
+
+
+def persistent_ctas(total_q: int, num_seqs: int, hq: int, num_sms: int) -> int:
+    """CTAs of the persistent grid: one per SM (a CTA's shared memory fills most of an SM), no more
+    than there are work tiles (`(total_q // BLOCK_M + min(num_seqs, total_q)) * hq`)."""
+    return min((total_q // BLOCK_M + min(num_seqs, total_q)) * hq, num_sms)
 
 
 @functools.cache
@@ -429,16 +432,15 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
     variant = "persistent" if use_persistent() else "plain"
-    num_ctas, section_heads = 0, 0
-    if variant == "persistent":
-        num_ctas, section_heads = persistent_grid(tq, cu_q.shape[0] - 1, hq, hkv, tk, d, query.element_size(),
-                                                  _num_sms(query.device.index))
+    num_seqs = cu_q.shape[0] - 1
+    num_ctas = persistent_ctas(tq, num_seqs, hq, _num_sms(query.device.index)) if variant == "persistent" else 0
+    section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
     args = dict(
         k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
         k_row_stride=k.stride(0), k_head_stride=k.stride(1),
         v_row_stride=v.stride(0) if not fp8 else 0, v_head_stride=v.stride(0) if fp8 else v.stride(1),
         v_dim_stride=v.stride(1) if fp8 else 0, total_k=tk, hkv=hkv, q_scale_stride=qs_stride,
-        k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas, section_heads=section_heads,
+        k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas, section_heads=section,
         v_interleaved=int(interleaved))
     _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
 
@@ -463,7 +465,8 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE),
-        skip_q_len=skip_q_len)
+        skip_q_len=skip_q_len,   # sections at the table's capacity: the lengths are on the device
+        section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size()))
     _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 

@@ -189,23 +189,39 @@ def test_persistent_attribute_must_be_a_bool_or_none(knob):
 
 def test_persistent_grid_is_one_cta_per_sm_at_most_one_per_work_tile():
     # S = 8k x 2 sequences, H = 32: (16384 // 128 + 2) * 32 work tiles >> 132 SMs
-    assert cutlass.persistent_grid(16384, 2, 32, 32, 16384, 128, 1, 132)[0] == 132
+    assert cutlass.persistent_ctas(16384, 2, 32, 132) == 132
     # 300 query rows in 3 sequences, 2 heads: (300 // 128 + 3) * 2 = 10 work tiles
-    assert cutlass.persistent_grid(300, 3, 2, 2, 300, 128, 2, 132)[0] == 10
+    assert cutlass.persistent_ctas(300, 3, 2, 132) == 10
 
 
-@pytest.mark.parametrize("hq,hkv,total_k,num_seqs,d,size,heads", [
-    (32, 32, 16384, 2, 128, 1, 16),     # FP8 8k: 2 MiB of K/V per head, 16 heads in 32 MiB
-    (32, 32, 16384, 2, 128, 2, 8),      # bf16: 4 MiB per head
-    (32, 8, 16384, 2, 128, 2, 32),      # GQA: 4 query heads share each 4 MiB KV head
-    (16, 16, 16384, 2, 256, 1, 8),      # D = 256
-    (32, 32, 16384, 8, 128, 1, 32),     # 2k sequences: everything fits
-    (12, 12, 16384, 2, 128, 2, 6),      # a divisor of hq, not a power of two
-    (32, 32, 1 << 20, 1, 256, 2, 1),    # one head's K/V alone exceeds the budget
+@pytest.mark.parametrize("hq,hkv,keys,d,size,heads", [
+    (32, 32, 8192, 128, 1, 16),     # FP8 8k: 2 MiB of K/V per head, 16 heads in 32 MiB
+    (32, 32, 8192, 128, 2, 8),      # bf16: 4 MiB per head
+    (32, 8, 8192, 128, 2, 32),      # GQA: 4 query heads share each 4 MiB KV head
+    (16, 16, 8192, 256, 1, 8),      # D = 256
+    (32, 32, 2048, 128, 1, 32),     # 2k keys: everything fits
+    (12, 12, 8192, 128, 2, 6),      # a divisor of hq, not a power of two
+    (32, 32, 1 << 20, 256, 2, 1),   # one head's K/V alone exceeds the budget
 ])
-def test_persistent_sections_are_the_largest_head_divisor_whose_kv_fits_l2(hq, hkv, total_k, num_seqs, d, size, heads):
-    _, section = cutlass.persistent_grid(16384, num_seqs, hq, hkv, total_k, d, size, 132)
+def test_sections_are_the_largest_head_divisor_whose_kv_fits_l2(hq, hkv, keys, d, size, heads):
+    section = cutlass.section_heads(hq, hkv, keys, d, size)
     assert section == heads and hq % section == 0
+
+
+def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
+    """The lengths are on the device: the sections assume every sequence fills its table row."""
+    seen = {}
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
+    tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
+    cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
+                      lse=torch.empty(q.shape[:2]))
+    assert seen["variant"] == "paged"
+    assert seen["args"]["section_heads"] == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
+    monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
+    cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
+                      lse=torch.empty(q.shape[:2]))
+    assert seen["args"]["section_heads"] == 1
 
 
 # ---- registry (CPU) ------------------------------------------------------------------------------
@@ -518,7 +534,8 @@ def test_persistent_ctas_loop_over_many_tiles(monkeypatch, num_ctas, section_hea
     """Few CTAs, each running many work tiles in turn (one CTA: all of them): the pipelines carry
     their state from tile to tile, spare tiles are skipped, every row of every head is written."""
     monkeypatch.setattr(cutlass, "PERSISTENT", True)
-    monkeypatch.setattr(cutlass, "persistent_grid", lambda *shape: (num_ctas, section_heads))
+    monkeypatch.setattr(cutlass, "persistent_ctas", lambda *shape: num_ctas)
+    monkeypatch.setattr(cutlass, "section_heads", lambda *shape: section_heads)
     q_lens, k_lens = [300, 0, 17, 129, 64, 1000, 255], [300, 0, 700, 129, 0, 1000, 601]
     hq, hkv = 8, 2
     if dtype == E4M3:
