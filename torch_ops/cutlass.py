@@ -50,6 +50,8 @@ ARCH = "90a"
 VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}   # kernel family -> entry suffix
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
+# plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
+SECTION_MAX_WAVES = 16
 
 PERSISTENT: bool | None = None   # the persistent kernels or not; None: ATTN_CUTLASS_PERSISTENT
 
@@ -282,6 +284,19 @@ def section_heads(hq: int, hkv: int, keys: int, head_dim: int, element_size: int
     return max(fits, default=1)
 
 
+def sectioned(causal: bool, total_q: int, hq: int, num_sms: int) -> bool:
+    """Whether a plain or paged launch runs its work in sections of heads rather than head by head.
+
+    H200, one process, one library (results/trial_cutlass_sections_H200_20261122s.log): sections
+    put the heaviest causal tiles of all heads first, which shortens the tail of a grid of few
+    waves (paged 2k prefill 114 -> 95 us, the first mixed benchmark batch 448 -> 413 us, 8k
+    prefill 1.03x); head by head keeps one head's K/V hot in L2 for many CTAs, which non-causal
+    grids need (bf16 S = 2k 0.90x, FP8 and bf16 8k 0.97x, D = 256 0.96x in sections) and which
+    causal grids of 31 waves prefer too (bf16 S = 512 0.93x). So: causal, and at most
+    `SECTION_MAX_WAVES` waves of 128-row tiles (`floor(total_q / 128) * hq` CTAs)."""
+    return causal and (total_q // BLOCK_M) * hq <= SECTION_MAX_WAVES * num_sms
+
+
 def persistent_ctas(total_q: int, num_seqs: int, hq: int, num_sms: int) -> int:
     """CTAs of the persistent grid: one per SM (a CTA's shared memory fills most of an SM), no more
     than there are work tiles (`(total_q // BLOCK_M + min(num_seqs, total_q)) * hq`)."""
@@ -433,8 +448,11 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
     variant = "persistent" if use_persistent() else "plain"
     num_seqs = cu_q.shape[0] - 1
-    num_ctas = persistent_ctas(tq, num_seqs, hq, _num_sms(query.device.index)) if variant == "persistent" else 0
-    section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
+    sms = _num_sms(query.device.index)
+    num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
+    section = 1
+    if variant == "persistent" or sectioned(causal, tq, hq, sms):
+        section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
     args = dict(
         k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
         k_row_stride=k.stride(0), k_head_stride=k.stride(1),
@@ -466,7 +484,8 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=math.gcd(block_size & -block_size, PAGED_KEY_TILE),
         skip_q_len=skip_q_len,   # sections at the table's capacity: the lengths are on the device
-        section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size()))
+        section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size())
+        if sectioned(causal, tq, hq, _num_sms(query.device.index)) else 1)
     _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 

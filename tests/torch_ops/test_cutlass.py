@@ -208,20 +208,32 @@ def test_sections_are_the_largest_head_divisor_whose_kv_fits_l2(hq, hkv, keys, d
     assert section == heads and hq % section == 0
 
 
+def test_sections_only_for_causal_grids_of_few_waves():
+    # 2k causal queries x 32 heads: 16 tiles x 32 = 512 CTAs, under 16 waves of 132
+    assert cutlass.sectioned(True, 2048, 32, 132)
+    assert not cutlass.sectioned(False, 2048, 32, 132)      # non-causal: head by head
+    assert cutlass.sectioned(True, 8448, 32, 132)           # 66 x 32 = 2112 CTAs: 16 waves
+    assert not cutlass.sectioned(True, 8576, 32, 132)       # 67 x 32: more
+
+
 def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     """The lengths are on the device: the sections assume every sequence fills its table row."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
     tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
-    cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
-                      lse=torch.empty(q.shape[:2]))
-    assert seen["variant"] == "paged"
-    assert seen["args"]["section_heads"] == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
+
+    def section(**options):
+        cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
+                          lse=torch.empty(q.shape[:2]), **options)
+        assert seen["variant"] == "paged"
+        return seen["args"]["section_heads"]
+
+    assert section() == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
+    assert section(causal=False) == 1
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
-    cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
-                      lse=torch.empty(q.shape[:2]))
-    assert seen["args"]["section_heads"] == 1
+    assert section() == 1
 
 
 # ---- registry (CPU) ------------------------------------------------------------------------------
