@@ -801,9 +801,10 @@ CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int s
 #if !ATTN_PERSISTENT
 // One CTA per work item: a 1-D grid over the tiles x Hq items, in the persistent kernel's order
 // (section of heads, virtual tile, head within the section): the `section_heads` heads of a
-// section (chosen on the host so that their K/V fit in L2) run each q tile together, and causal
-// tiles go from the highest (most keys) down, across the heads of a section rather than head by
-// head, so the last CTAs to start are the shortest. A CTA with a spare tile exits.
+// section run each q tile together, and causal tiles go from the highest (most keys) down. The
+// host picks one head per section (head by head: the running CTAs share a head's K/V in L2) or,
+// for causal grids of few waves, as many heads as fit their K/V in L2, so that the heaviest tiles
+// of all those heads start first (torch_ops/cutlass.py `sectioned`). A CTA with a spare tile exits.
 struct Scheduler {
   struct Params {
     dim3 grid;

@@ -39,7 +39,8 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   (`rot * 4` B per token, shared by the heads of a tile) mostly hit L2, NeoX partners L1.
 - In flight: HBM3/HBM3e need ~2.5-3.5 MB in flight (3.35-4.8 TB/s x ~0.7 us), ~20-27 KB per
   SM. A program loads `TILE_ELEMS` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
-  KB in bf16) before its first store; at 4 warps and 48-128 registers (sm_90 build) 4-10 programs are resident per SM.
+  KB in bf16) before its first store; at 4 warps and 48-128 registers (sm_90 build) 4-10
+  programs are resident per SM.
 - Access width: the head-dim axis is contiguous (Triton specializes stride 1 and 16-byte
   alignment), so every k/v/q load and bf16 store is 16 B (`ld/st.global.v4.b32` in the PTX);
   scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
