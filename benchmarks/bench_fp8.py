@@ -12,7 +12,10 @@ per tensor without and with a Hadamard rotation of q and k (`quant.quantize_qk_i
 unquantized bf16 inputs (the whole quantization error, not only the kernel's). `hadamard_us`
 is the rotation of q and k alone (two bf16 matmuls, unfused), per call.
 
-    python benchmarks/bench_fp8.py [--quick | --shapes D:H:S ...] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
+    python benchmarks/bench_fp8.py [--quick | --shapes D:H:S[:B] ...] [--peers flashinfer_fa3,cudnn_sdpa,triton] [--out benchmarks/results]
+
+A shape's optional B is the number of sequences (default: 16k tokens' worth); B = 1 is one
+prompt's prefill, a grid of few waves.
 
 `ATTN_CUTLASS_PERSISTENT=1` runs the cutlass rows on the persistent kernels (recorded in the JSON
 as `cutlass_persistent`; benchmarks/probe_cutlass.py puts both grids side by side).
@@ -39,9 +42,9 @@ TOKENS = 16384
 SHAPES = [(128, 32, 8192), (256, 16, 8192), (128, 32, 2048), (128, 32, 512)]   # (head dim, heads, sequence length)
 
 
-def lengths(seqlen: int, ragged: bool) -> list[int]:
+def lengths(seqlen: int, ragged: bool, batch: int | None = None) -> list[int]:
     if not ragged:
-        return [seqlen] * (TOKENS // seqlen)
+        return [seqlen] * (batch or TOKENS // seqlen)
     rng, lens = random.Random(seqlen), []
     while sum(lens) < TOKENS:
         lens.append(min(rng.randint(seqlen // 8, 2 * seqlen), TOKENS - sum(lens)))
@@ -208,7 +211,7 @@ def bench_row(case: Case, outlier_case: Case, peers: list[str], label: str) -> d
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="D=128 S=8k only")
-    p.add_argument("--shapes", nargs="*", help="D:H:S triples (default: all of SHAPES)")
+    p.add_argument("--shapes", nargs="*", help="D:H:S or D:H:S:B (B sequences; default: all of SHAPES)")
     p.add_argument("--peers", default="flashinfer_fa3,cudnn_sdpa,triton")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
@@ -219,11 +222,12 @@ def main():
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]
-    for d, heads, seqlen in shapes:
+    for d, heads, seqlen, *batch in shapes:
+        batch = batch[0] if batch else None
         for causal in (False, True):
-            for ragged in ((False, True) if seqlen == 8192 and d == 128 else (False,)):
-                label = f"S={seqlen}{' ragged' if ragged else ''} D={d} H={heads}"
-                lens = lengths(seqlen, ragged)
+            for ragged in ((False, True) if seqlen == 8192 and d == 128 and batch is None else (False,)):
+                label = f"S={seqlen}{' ragged' if ragged else ''}{f' B={batch}' if batch else ''} D={d} H={heads}"
+                lens = lengths(seqlen, ragged, batch)
                 rows.append(bench_row(Case(lens, d, heads, causal), Case(lens, d, heads, causal, outliers=True),
                                       peers, label))
                 r = rows[-1]
