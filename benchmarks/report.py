@@ -97,8 +97,8 @@ def fp8_section(data: dict, name: str) -> list[str]:
              "flashinfer_fa3_bf16", "cudnn_sdpa_bf16")
     grid = " (persistent grid)" if data.get("cutlass_persistent") else ""
     lines = _header(data, f"FP8 context attention{grid}", name) + [
-        "TFLOP/s (causal counted as half the FLOPs), packed varlen batches of 16k tokens (`B=`: that many sequences); `×fa3` = "
-        "FlashInfer fa3 FP8 time / our FP8 time; RMSE of heads 0-1 against the fp32 reference on the "
+        "TFLOP/s (causal counted as half the FLOPs), packed varlen batches of 16k tokens (`B=`: that many "
+        "sequences); `×fa3` = FlashInfer fa3 FP8 time / our FP8 time; RMSE of heads 0-1 against the fp32 reference on the "
         "same FP8 inputs (ours / FlashInfer's).", "",
         "| case | causal | " + " | ".join(i.replace("flashinfer_", "") for i in impls) + " | ×fa3 | RMSE ours / fa3 |",
         "|---|---|" + "---|" * (len(impls) + 2)]

@@ -236,6 +236,24 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     assert section() == 1
 
 
+def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
+    """Causal launches of few waves run in sections sized at the mean key length; the rest head by head."""
+    seen = {}
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    q = torch.randn(2048, 32, 128).to(BF16)
+    kv = torch.randn(2 * 8192, 32, 128).to(BF16)   # two sequences of 8k keys: 4 MiB of K/V per head
+    cu_q, cu_k = torch.tensor([0, 1024, 2048], dtype=torch.int32), torch.tensor([0, 8192, 16384], dtype=torch.int32)
+
+    def section(causal):
+        cutlass.run(q, kv, kv, cu_q, cu_k, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]), causal=causal)
+        assert seen["variant"] == "plain"
+        return seen["args"]["section_heads"]
+
+    assert section(True) == cutlass.section_heads(32, 32, 8192, 128, 2) == 8
+    assert section(False) == 1
+
+
 # ---- registry (CPU) ------------------------------------------------------------------------------
 
 
