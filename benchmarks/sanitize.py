@@ -72,14 +72,14 @@ def run_prefill():
 
 def run_kv_cache_write():
     for fmt in FORMATS:
-        for block_size, t in ((16, 37), (5, 3), (1, 9)):
+        for block_size, t, rot in ((16, 37, 64), (5, 3, 64), (1, 9, 64), (16, 37, 128)):   # rot = D: split_halves
             dtype, group = FORMATS[fmt]
             cache = random_(PagedKVCache.allocate(16, block_size, 2, 128, dtype, quant_group=group, device="cuda"))
             key, value = (torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             slots = torch.randperm(16 * block_size, device="cuda")[:t].to(torch.int32)
             slots[0] = -1
             positions = torch.randint(0, 64, (t,), device="cuda", dtype=torch.int32)
-            cos_sin = torch.randn(64, 64, device="cuda")
+            cos_sin = torch.randn(64, rot, device="cuda")
             query = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
             torch.ops.attn.kv_cache_write(key, value, cache.k, cache.v, slots, **cache.scale_kwargs(), query=query,
                                           positions=positions, cos_sin_cache=cos_sin)

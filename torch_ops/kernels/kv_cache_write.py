@@ -27,7 +27,9 @@ Design
   `_div_by_qmax`; Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
   order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
   of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
-  rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit); GPT-J
+  rounding. NeoX loads each element's partner `d +- rot/2` a second time (an L1 hit), except
+  into FP8 caches with the whole head dim rotated, where a tile holds the rows' lower halves
+  and the upper halves come in a second tile of the same layout (`split_halves`); GPT-J
   swaps adjacent pairs in registers (reshape + split + join). Plain caches get the rotated key
   rounded to the key dtype, as the reference does.
 - Under TRITON_INTERPRET=1 the fp32 -> bf16/fp8 casts truncate (or round ties away without a
@@ -89,6 +91,7 @@ MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this ma
 GROUP_MAX_REGISTERS = 96
 MAX_HEAD_DIM = 1024
 STREAM_MIN_TOKENS = 2048   # from this many tokens on, streaming cache hints (module docstring)
+SPLIT_ROPE = True          # FP8 rows as two halves for NeoX RoPE over the whole head dim (split_halves)
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
 _FMT = {
@@ -150,6 +153,16 @@ def _rope(x, ptrs, mask, stride_d, cs_rows, cs_ok, stride_csd, g, e,
         xc = x * c
         ps = p * s
         return tl.where(rot, tl.where(e % 2 == 0, xc - ps, xc + ps), x)
+
+
+@triton.jit
+def _rope_halves(lo, hi, cs_rows, cs_ok, stride_csd, d, HALF: tl.constexpr):
+    """NeoX RoPE over the whole head dim of the fp32 tiles `lo` (dims `d < HALF`) and `hi` (dims
+    `d + HALF`), which share one layout: every element is loaded once and meets its partner in
+    the same thread. `cs_rows`/`cs_ok` broadcast to the tiles. The same operations as `_rope`."""
+    c = tl.load(cs_rows + d * stride_csd, mask=cs_ok, other=0.0).to(tl.float32)
+    s = tl.load(cs_rows + (d + HALF) * stride_csd, mask=cs_ok, other=0.0).to(tl.float32)
+    return lo * c - hi * s, hi * c + lo * s
 
 
 @triton.jit
@@ -237,7 +250,7 @@ def _kv_cache_write_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr,
     QGROUP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
-    ROPE: tl.constexpr, NEOX: tl.constexpr, ROT: tl.constexpr, HAS_QUERY: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, ROT: tl.constexpr, HAS_QUERY: tl.constexpr, SPLIT: tl.constexpr,
     BT_KV: tl.constexpr, BH_KV: tl.constexpr, BT_Q: tl.constexpr, BH_Q: tl.constexpr,
     INTERPRETED: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CM: tl.constexpr,
 ):
@@ -260,16 +273,29 @@ def _kv_cache_write_kernel(
         row_ok = w_ok[:, None, None, None] & (h4 < NUM_KV_HEADS)
         ld_ok = row_ok & (g < NG) & (e < QGROUP)
         k_ptrs = Key + t4 * stride_kt + h4 * stride_kh + d
+        v_ptrs = Value + t4 * stride_vt + h4 * stride_vh + d
         k = tl.load(k_ptrs, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
-        v = tl.load(Value + t4 * stride_vt + h4 * stride_vh + d, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
+        v = tl.load(v_ptrs, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
+        if SPLIT:  # the tile is each row's lower half; the upper half comes in tiles of the same layout
+            k_hi = tl.load(k_ptrs + HEAD_DIM // 2, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
+            v_hi = tl.load(v_ptrs + HEAD_DIM // 2, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
         if ROPE:
             pos = tl.load(Positions + t.to(tl.int64) * stride_pos, mask=t_ok, other=0).to(tl.int64)
             pos_ok = (pos >= 0) & (pos < max_position)
-            k = _rope(k.to(tl.float32), k_ptrs, ld_ok, 1, CosSin + pos * stride_cs, pos_ok, stride_csd, g, e,
-                      BT_KV, BH_KV, NGP, GP, QGROUP, ROT, NEOX)
+            if SPLIT:
+                # cos/sin pointers spelled out for every head: loaded in the tile's layout (L1 hits)
+                heads = tl.zeros((1, BH_KV, 1, 1), tl.int32)
+                cs_rows = (CosSin + pos * stride_cs)[:, None, None, None] + heads
+                k, k_hi = _rope_halves(k.to(tl.float32), k_hi.to(tl.float32), cs_rows,
+                                       pos_ok[:, None, None, None] & (heads == 0), stride_csd, d, HEAD_DIM // 2)
+            else:
+                k = _rope(k.to(tl.float32), k_ptrs, ld_ok, 1, CosSin + pos * stride_cs, pos_ok, stride_csd, g, e,
+                          BT_KV, BH_KV, NGP, GP, QGROUP, ROT, NEOX)
         if FMT != 0:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+            if SPLIT:
+                v_hi = v_hi.to(tl.float32)
         block4 = block[:, None, None, None]
         offset4 = offset[:, None, None, None]
         k_rows = KCache + block4 * stride_kcb + offset4 * stride_kct + h4 * stride_kch
@@ -286,6 +312,11 @@ def _kv_cache_write_kernel(
                FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
         _store(v, VCache, v_rows, v_scales, stride_vsg, row_ok, g, e,
                FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
+        if SPLIT:
+            _store(k_hi, KCache, k_rows, k_scales, stride_ksg, row_ok, g + NG // 2, e,
+                   FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
+            _store(v_hi, VCache, v_rows, v_scales, stride_vsg, row_ok, g + NG // 2, e,
+                   FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
     elif HAS_QUERY:
         # ---- rotated query of BT_Q tokens x BH_Q heads (names differ from the branch above:
         # a variable assigned in both branches of a runtime `if` must keep one type)
@@ -300,10 +331,18 @@ def _kv_cache_write_kernel(
         q_ptrs = Query + tq4 * stride_qt + hq * stride_qh + dq * stride_qd
         q = tl.load(q_ptrs, mask=q_ok, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
         q_pos = tl.load(Positions + tq.to(tl.int64) * stride_pos, mask=tq_ok, other=0).to(tl.int64)
-        q = _rope(q, q_ptrs, q_ok, stride_qd, CosSin + q_pos * stride_cs, (q_pos >= 0) & (q_pos < max_position),
-                  stride_csd, tl.zeros((1, 1), tl.int32), dq, BT_Q, BH_Q, 1, DP, HEAD_DIM, ROT, NEOX)
-        tl.store(QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od,
-                 exact_cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok, cache_modifier=STORE_CM)
+        q_pos_ok = (q_pos >= 0) & (q_pos < max_position)
+        o_ptrs = QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od
+        if SPLIT:  # DP is half the head dim here
+            q_hi = tl.load(q_ptrs + DP * stride_qd, mask=q_ok, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
+            q, q_hi = _rope_halves(q, q_hi, (CosSin + q_pos * stride_cs)[:, None, None, None],
+                                   q_pos_ok[:, None, None, None] & (dq < DP), stride_csd, dq, DP)
+            tl.store(o_ptrs + DP * stride_od, exact_cast(q_hi, QOut.dtype.element_ty, INTERPRETED), mask=q_ok,
+                     cache_modifier=STORE_CM)
+        else:
+            q = _rope(q, q_ptrs, q_ok, stride_qd, CosSin + q_pos * stride_cs, q_pos_ok,
+                      stride_csd, tl.zeros((1, 1), tl.int32), dq, BT_Q, BH_Q, 1, DP, HEAD_DIM, ROT, NEOX)
+        tl.store(o_ptrs, exact_cast(q, QOut.dtype.element_ty, INTERPRETED), mask=q_ok, cache_modifier=STORE_CM)
 
 
 # =================================================================================================
@@ -341,13 +380,26 @@ def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int)
     return bt, bh
 
 
-def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale) -> tuple[int, int, int, int]:
+def split_halves(head_dim: int, k_cache: torch.Tensor, positions, cos_sin_cache, rope_neox) -> bool:
+    """Whether the kernel takes each row as two halves (SPLIT): NeoX RoPE over the whole head dim (a
+    power of two) into an FP8 cache. Each element then meets its rotation partner in the same
+    thread instead of being loaded a second time. Measured on the H200 (T = 16k, % of copy,
+    results/trial_kvwrite_split_H200_20261122t.log): FP8 RoPE on k 94 -> 102, on q and k 95 -> 101;
+    bf16 98 -> 92 and INT4 81 -> 65-80 lost, INT8 moved within -1 to +2 points, so they keep one tile."""
+    return (SPLIT_ROPE and positions is not None and rope_neox and _FMT[k_cache.dtype] == FMT_FP8
+            and cos_sin_cache.shape[1] == head_dim == _pow2(head_dim))
+
+
+def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale, split: bool = False) -> tuple[int, int, int, int]:
     """(QGROUP, NG, NGP, GP): groups of QGROUP elements (INT8/INT4 scale groups, else the whole
-    row), NG of them per row, padded to powers of 2 in the tile."""
+    row, or its halves when `split`), NG of them per row, padded to powers of 2 in the tile, which
+    holds NGP of them (one half when `split`)."""
     if _FMT[k_cache.dtype] in (FMT_INT8, FMT_INT4):
         ng = k_scale.shape[-1]
         qgroup = head_dim // ng
         return qgroup, ng, _pow2(ng), _pow2(qgroup)
+    if split:
+        return head_dim // 2, 2, 1, head_dim // 2
     return head_dim, 1, 1, _pow2(head_dim)
 
 
@@ -374,15 +426,17 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
     if t == 0:
         return rotated
     fmt = _FMT[k_cache.dtype]
-    qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale)
-    dp = _pow2(d)
+    split = split_halves(d, k_cache, positions, cos_sin_cache, rope_neox)
+    qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
+    dp = d // 2 if split else _pow2(d)
+    halves = 2 if split else 1
     sms = num_sms(key.device)
-    bt_kv, bh_kv = tile(t, hkv, ngp * gp, sms, TILE_ELEMS[fmt])
+    bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, TILE_ELEMS[fmt])
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
-        bt_q, bh_q = tile(t, hq, dp, sms, TILE_ELEMS[fmt])
+        bt_q, bh_q = tile(t, hq, dp * halves, sms, TILE_ELEMS[fmt])
         n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
 
     if fmt == FMT_FP8:
@@ -417,7 +471,7 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         FMT=fmt, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fmt == FMT_FP8 else 0.0,
         QMAX=_QMAX.get(fmt, 0.0), QMAX_RCP=_QMAX_RCP.get(fmt, 0.0),
         QGROUP=qgroup, NG=ng, NGP=ngp, GP=gp, DP=dp,
-        ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None,
+        ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None, SPLIT=split,
         BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
         INTERPRETED=interpreting(),
         LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",

@@ -250,6 +250,9 @@ ROPE = [
     (INT8, "gptj", None, True, 64, (4, 2), 16, FP16, "NHD"),
     (INT8, "neox", 64, False, 96, (2, 1), 24, FP32, "HND"),
     (INT4, "neox", 32, True, 128, (8, 2), 32, FP16, "vllm"),
+    # NeoX over the whole head dim into FP8: rows taken as two halves (split_halves)
+    (E4M3, "neox", None, True, 64, (4, 2), None, FP32, "HND"),
+    (E5M2, "neox", None, False, 128, (2, 1), None, FP32, "combined_NHD"),
 ]
 
 
@@ -359,6 +362,22 @@ def test_group_scale_division_by_constant_reciprocal():
             q = _rn32(x * r)
             got = _rn32(q + _rn32(x - q * int(qmax)) * r)
             assert got == _rn32(x / int(qmax)), (qmax, hex(b))
+
+
+def test_split_halves_only_for_fp8_and_whole_neox_rotations():
+    from torch_ops.kernels import kv_cache_write as kcw
+    cache = {dt: torch.empty(1, 16, 1, 64, dtype=dt) for dt in (BF16, E4M3, INT8)}
+    cos_sin = {rot: torch.empty(8, rot) for rot in (32, 64)}
+    pos = torch.zeros(1, dtype=torch.int64)
+    assert kcw.split_halves(64, cache[E4M3], pos, cos_sin[64], True)
+    assert not kcw.split_halves(64, cache[E4M3], pos, cos_sin[32], True)         # partial rotation
+    assert not kcw.split_halves(64, cache[E4M3], pos, cos_sin[64], False)        # GPT-J pairs are adjacent
+    assert not kcw.split_halves(64, cache[E4M3], None, None, True)               # no RoPE
+    assert not kcw.split_halves(96, cache[E4M3], pos, torch.empty(8, 96), True)  # not a power of two
+    assert not kcw.split_halves(64, cache[BF16], pos, cos_sin[64], True)         # measured slower
+    assert not kcw.split_halves(64, cache[INT8], pos, cos_sin[64], True)
+    assert kcw.group_layout(64, cache[E4M3], None, True) == (32, 2, 1, 32)
+    assert kcw.group_layout(64, cache[E4M3], None) == (64, 1, 1, 64)
 
 
 def test_tile_depends_on_shapes_only(monkeypatch):
