@@ -17,8 +17,10 @@ is the rotation of q and k alone (two bf16 matmuls, unfused), per call.
 A shape's optional B is the number of sequences (default: 16k tokens' worth); B = 1 is one
 prompt's prefill, a grid of few waves.
 
-`ATTN_CUTLASS_PERSISTENT=1` runs the cutlass rows on the persistent kernels (recorded in the JSON
-as `cutlass_persistent`; benchmarks/probe_cutlass.py puts both grids side by side).
+The cutlass rows run the grid the automatic choice takes (the persistent one for short sequences,
+`cutlass.PERSISTENT_SHORT`); `ATTN_CUTLASS_PERSISTENT=1` / `0` forces the persistent / plain grid
+(recorded in the JSON as `cutlass_persistent`: true, false, or null for automatic;
+benchmarks/probe_cutlass.py puts both grids side by side).
 """
 
 from __future__ import annotations
@@ -216,8 +218,8 @@ def main():
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
     peers = args.peers.split(",") if args.peers else []
-    persistent = cutlass.use_persistent()
-    print(f"cutlass kernels: {'persistent' if persistent else 'plain'} grid", flush=True)
+    persistent = cutlass.persistent_mode()
+    print(f"cutlass kernels: {({True: 'persistent', False: 'plain'}).get(persistent, 'automatic')} grid", flush=True)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:

@@ -9,10 +9,12 @@ K/V from a paged cache for `PAGED_KERNELS`), linked into one shared library with
 CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
 
 `PERSISTENT` picks the grid: True runs the persistent kernels (one CTA per SM, each looping over
-work tiles), False the plain ones, None (the default) reads `ATTN_CUTLASS_PERSISTENT` (0 or 1,
-default 0). The persistent kernels measured 0.74-1.03x the plain ones on an H200 (docs/cutlass.md),
-so they are built only when chosen (their own JIT cache folder; `ATTN_CUTLASS_PERSISTENT=1` at
-install for the prebuilt library): the default build stays at half the compile time and size.
+work tiles), False the plain ones (one CTA per work tile), None (the default) reads
+`ATTN_CUTLASS_PERSISTENT` (0, 1, or unset / `auto`). Automatic: the persistent grid for short
+sequences where it measured faster (`PERSISTENT_SHORT`), the plain one elsewhere. The default
+build holds the persistent objects of `PERSISTENT_SHORT` only; forcing the persistent grid builds
+all of them (their own JIT cache folder; `ATTN_CUTLASS_PERSISTENT=1` at install for the prebuilt
+library).
 
 The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
@@ -63,6 +65,12 @@ KERNELS = {
 }
 # the paged_prefill kernels (K/V from a cache [num_blocks, block_size, Hkv, D]): 16-bit, D 64 and 128
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
+# (input dtype, head dim) -> the longest mean query length (non-causal, causal) for which context
+# attention runs the persistent grid automatically. H200, 16k tokens, 32 heads, persistent vs plain
+# in one process (results/trial_cutlass_short_H200_20261122t.log): FP8 S = 512 1.13x / 1.20x,
+# 1k 1.04x / 1.12x, 2k 1.02x / 1.08x, 4k 0.95x / 0.96x; bf16 S = 512 1.02x / 1.11x, 1k 0.95x / 1.01x,
+# 2k 0.90x / 0.95x. Elsewhere the persistent grid was 0.74-0.97x (docs/cutlass.md).
+PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (0, 512)}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
@@ -132,13 +140,24 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def built_variants() -> tuple[str, ...]:
-    """The kernel families a build compiles: plain and paged, and persistent when it is chosen."""
-    return ("plain", "paged", "persistent") if use_persistent() else ("plain", "paged")
+    """The kernel families a build compiles (see `kernels_of`)."""
+    return ("plain", "paged", "persistent")
+
+
+def kernels_of(variant: str) -> dict:
+    """The (input dtype, head dim) instantiations a build compiles for kernel family `variant`: every
+    one for the plain grid, `PAGED_KERNELS`, and for the persistent grid those of `PERSISTENT_SHORT`,
+    or all when the persistent grid is forced on."""
+    if variant == "paged":
+        return PAGED_KERNELS
+    if variant == "persistent" and persistent_mode() is not True:
+        return {key: KERNELS[key] for key in PERSISTENT_SHORT}
+    return KERNELS
 
 
 def build_units(variants: tuple[str, ...]) -> list[tuple[str, int, str]]:
     """(element, head dim, variant) of every translation unit a build of `variants` compiles."""
-    return sorted({(e, d, v) for v in variants for (_, d), e in (PAGED_KERNELS if v == "paged" else KERNELS).items()})
+    return sorted({(e, d, v) for v in variants for (_, d), e in kernels_of(v).items()})
 
 
 def build_key(nvcc: str, defines: tuple[str, ...] = (), variants: tuple[str, ...] = ("plain",)) -> str:
@@ -249,8 +268,9 @@ def _entry(element: str, head_dim: int, variant: str):
     try:
         fn = getattr(ctypes.CDLL(str(path)), name)
     except AttributeError as e:
-        hint = ("built without the persistent kernels (rebuild with ATTN_CUTLASS_PERSISTENT=1 set, or run the "
-                "plain ones)" if variant == "persistent" else "older than this source tree (rebuild it)")
+        hint = ("built without these persistent kernels (build it with ATTN_CUTLASS_PERSISTENT=1 set, or run the "
+                "plain ones: ATTN_CUTLASS_PERSISTENT=0)" if variant == "persistent" else
+                "older than this source tree (rebuild it)")
         raise RuntimeError(f"the CUTLASS library {path} has no {name}: a library {hint}") from e
     fn.argtypes = [ctypes.POINTER(FmhaArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -260,16 +280,28 @@ def _entry(element: str, head_dim: int, variant: str):
 # ---- the persistent grid -------------------------------------------------------------------------
 
 
-def use_persistent() -> bool:
-    """Whether calls run the persistent kernels: `PERSISTENT` if set, else `ATTN_CUTLASS_PERSISTENT`."""
+def persistent_mode() -> bool | None:
+    """The grid asked for: `PERSISTENT` if set, else `ATTN_CUTLASS_PERSISTENT` (1: persistent, 0:
+    plain); None (unset or `auto`): chosen per call by `runs_persistent`."""
     if PERSISTENT is not None:
         if not isinstance(PERSISTENT, bool):
             raise TypeError(f"torch_ops.cutlass.PERSISTENT must be True, False or None, got {PERSISTENT!r}")
         return PERSISTENT
-    value = os.environ.get("ATTN_CUTLASS_PERSISTENT", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"ATTN_CUTLASS_PERSISTENT must be 0 or 1, got {value!r}")
-    return value == "1"
+    value = os.environ.get("ATTN_CUTLASS_PERSISTENT", "auto").strip()
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"ATTN_CUTLASS_PERSISTENT must be 0, 1 or auto, got {value!r}")
+    return None if value == "auto" else value == "1"
+
+
+def runs_persistent(dtype: torch.dtype, head_dim: int, causal: bool, total_q: int, num_seqs: int) -> bool:
+    """Whether context attention runs the persistent grid: as forced (`persistent_mode`), else where
+    `PERSISTENT_SHORT` has the kernel and the mean query length `total_q / num_seqs` is at most its
+    limit. From shapes only (CUDA-graph safe)."""
+    mode = persistent_mode()
+    if mode is not None:
+        return mode
+    limits = PERSISTENT_SHORT.get((dtype, head_dim))
+    return limits is not None and total_q <= limits[int(causal)] * num_seqs
 
 
 def section_heads(hq: int, hkv: int, keys: int, head_dim: int, element_size: int) -> int:
@@ -446,8 +478,8 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     cu_k = cu_seqlens_k.to(torch.int32).contiguous()
     scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
-    variant = "persistent" if use_persistent() else "plain"
     num_seqs = cu_q.shape[0] - 1
+    variant = "persistent" if runs_persistent(query.dtype, d, causal, tq, num_seqs) else "plain"
     sms = _num_sms(query.device.index)
     num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
     section = 1

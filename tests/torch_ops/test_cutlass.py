@@ -48,10 +48,10 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain and paged kernels always; the persistent ones only when chosen (they are slower:
-    not built by default)."""
+    """The plain and paged kernels always; the persistent ones of PERSISTENT_SHORT, or all of them
+    when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -67,10 +67,11 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
     defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT",
                                                    "-DATTN_PAGED")))
                for c in compiles}
-    grids = [(0, 0), (0, 1)] + ([(1, 0)] if persistent else [])
+    short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
+    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (1, 0): cutlass.KERNELS if persistent else short}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
-                for p, g in grids for (_, d), e in (cutlass.PAGED_KERNELS if g else cutlass.KERNELS).items()}
-    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 12)
+                for (p, g), kernels in grids.items() for (_, d), e in kernels.items()}
+    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 14)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -161,30 +162,48 @@ def knob(monkeypatch):
     return monkeypatch
 
 
-def test_persistent_knob_defaults_off_and_reads_the_environment(knob):
-    assert cutlass.use_persistent() is False
+def test_persistent_knob_defaults_to_automatic_and_reads_the_environment(knob):
+    assert cutlass.persistent_mode() is None
     knob.setenv("ATTN_CUTLASS_PERSISTENT", "1")
-    assert cutlass.use_persistent() is True
+    assert cutlass.persistent_mode() is True
     knob.setenv("ATTN_CUTLASS_PERSISTENT", " 0 ")
-    assert cutlass.use_persistent() is False
+    assert cutlass.persistent_mode() is False
+    knob.setenv("ATTN_CUTLASS_PERSISTENT", "auto")
+    assert cutlass.persistent_mode() is None
     knob.setattr(cutlass, "PERSISTENT", True)   # the attribute wins over the environment
-    assert cutlass.use_persistent() is True
+    assert cutlass.persistent_mode() is True
     knob.setenv("ATTN_CUTLASS_PERSISTENT", "1")
     knob.setattr(cutlass, "PERSISTENT", False)
-    assert cutlass.use_persistent() is False
+    assert cutlass.persistent_mode() is False
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", ""])
-def test_persistent_environment_value_must_be_0_or_1(knob, value):
+def test_persistent_environment_value_must_be_0_1_or_auto(knob, value):
     knob.setenv("ATTN_CUTLASS_PERSISTENT", value)
-    with pytest.raises(ValueError, match="ATTN_CUTLASS_PERSISTENT must be 0 or 1"):
-        cutlass.use_persistent()
+    with pytest.raises(ValueError, match="ATTN_CUTLASS_PERSISTENT must be 0, 1 or auto"):
+        cutlass.persistent_mode()
 
 
 def test_persistent_attribute_must_be_a_bool_or_none(knob):
     knob.setattr(cutlass, "PERSISTENT", 1)
     with pytest.raises(TypeError, match="PERSISTENT must be True, False or None"):
-        cutlass.use_persistent()
+        cutlass.persistent_mode()
+
+
+def test_automatic_grid_is_persistent_for_short_fp8_and_short_causal_bf16(knob):
+    fp8, bf16, fp16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+    run = cutlass.runs_persistent
+    assert run(fp8, 128, False, 16384, 8) and run(fp8, 128, True, 16384, 8)             # mean 2k
+    assert not run(fp8, 128, False, 16384, 4) and not run(fp8, 128, True, 16384, 4)     # mean 4k
+    assert run(fp8, 128, True, 5000, 3)                                                 # ragged, mean under 2k
+    assert not run(fp8, 256, False, 1024, 2)                                            # no such kernel in the default build
+    assert run(bf16, 128, True, 16384, 32) and not run(bf16, 128, True, 16384, 16)      # causal: mean 512 and 1k
+    assert not run(bf16, 128, False, 16384, 32)                                         # non-causal: never
+    assert not run(fp16, 128, True, 16384, 32) and not run(bf16, 64, True, 16384, 32)
+    knob.setattr(cutlass, "PERSISTENT", False)
+    assert not run(fp8, 128, True, 16384, 32)
+    knob.setattr(cutlass, "PERSISTENT", True)
+    assert run(fp8, 128, False, 16384, 1) and run(fp16, 64, False, 16384, 1)
 
 
 def test_persistent_grid_is_one_cta_per_sm_at_most_one_per_work_tile():
@@ -474,6 +493,26 @@ def test_16bit_context_attention(dtype, d, causal, lens):
     out, lse = run_cutlass(problem, dtype, causal=causal, scale=0.1, q_scaling=1.5)
     baseline, _ = reference.context_attention(*problem, compute_dtype=dtype, causal=causal, scale=0.1, q_scaling=1.5)
     check(problem, out, lse, baseline, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,causal", [(E4M3, False), (E4M3, True), (BF16, True)])
+def test_automatic_grid_runs_short_batches_on_the_default_librarys_persistent_kernels(monkeypatch, dtype, causal):
+    monkeypatch.setattr(cutlass, "PERSISTENT", None)
+    monkeypatch.delenv("ATTN_CUTLASS_PERSISTENT", raising=False)
+    q_lens, k_lens = RAGGED[0]
+    if dtype == E4M3:
+        problem, scales = fp8_problem("cuda", q_lens, k_lens, 8, 2, 128, True)
+        baseline = fp8_p_baseline(problem, causal=causal, **scales)
+    else:
+        problem, scales = (torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=BF16),
+                           torch.randn(sum(k_lens), 2, 128, device="cuda", dtype=BF16),
+                           torch.randn(sum(k_lens), 2, 128, device="cuda", dtype=BF16),
+                           cumsum0(q_lens, "cuda"), cumsum0(k_lens, "cuda")), {}
+        baseline, _ = reference.context_attention(*problem, compute_dtype=BF16, causal=causal)
+    assert cutlass.runs_persistent(dtype, 128, causal, sum(q_lens), len(q_lens))
+    out, lse = run_cutlass(problem, BF16, causal=causal, **scales)
+    check(problem, out, lse, baseline, causal=causal, **scales)
 
 
 def many_sequences(count, long_every, rng):
