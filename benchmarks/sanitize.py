@@ -99,13 +99,15 @@ def run_cutlass():
     batches whose sequences start off the 16-key grid, more queries than keys, an empty one;
     then the paged kernels over the same lengths in four block sizes, alone and as the long part
     of the `mixed` backend (the Triton kernel takes the short sequences)."""
-    from torch_ops import quant
+    from torch_ops import cutlass, quant
 
     q_lens, k_lens = [1, 200, 0, 77, 130], [9, 333, 4, 20, 130]
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+    kernels = ((torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 256), (torch.bfloat16, 128))
     with torch_ops.use_backend("cutlass"):
-        for dtype, d in ((torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 256), (torch.bfloat16, 128)):
+        for grid, (dtype, d) in itertools.product((False, None), kernels):
+            cutlass.PERSISTENT = grid   # None: the automatic choice (persistent for the short FP8 D = 128 calls)
             q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             scales = {}
@@ -114,7 +116,8 @@ def run_cutlass():
                 scales = {"q_scale": qs, "k_scale": ks, "v_scale": vs}
             for causal in (False, True):
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
-    print("context_attention (cutlass): ok")
+    cutlass.PERSISTENT = None
+    print("context_attention (cutlass, plain and automatic grids): ok")
     for backend, block_size in itertools.product(("cutlass", "mixed"), (8, 16, 48, 256)):   # boxes of 8/16/16/128
         with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
