@@ -69,7 +69,7 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
 
 Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
 with an odd quant group (a rotated pair would straddle two groups).
-Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM_MIN_TOKENS`.
+Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM_MIN_TOKENS`, `SPLIT_ROPE`.
 """
 
 from __future__ import annotations
