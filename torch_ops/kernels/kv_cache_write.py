@@ -201,11 +201,12 @@ def _div_by_qmax(amax, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr, INTERPRETED: 
 def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
            FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr,
            BT: tl.constexpr, BH: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr,
-           QGROUP: tl.constexpr, INTERPRETED: tl.constexpr, STORE_CM: tl.constexpr):
+           QGROUP: tl.constexpr, INTERPRETED: tl.constexpr, STORE_CM: tl.constexpr, FLAT_ROWS: tl.constexpr = False):
     """Write the tile `x [BT, BH, NGP, GP]` to the cache rows `rows [BT, BH, 1, 1]` (pointers)
     where `row_ok`, in the cache format. `x` is fp32, or the cache dtype for plain caches.
     `scales`: FP8: the fp32 scale of each head `[1, BH, 1, 1]`; INT8/INT4: pointers to each row's
-    first group scale `[BT, BH, 1, 1]`."""
+    first group scale `[BT, BH, 1, 1]`. `FLAT_ROWS` (INT4 without padded groups): the packed row is
+    stored as one run of bytes instead of group by group."""
     ok = row_ok & (g < NG) & (e < QGROUP)
     d = g * QGROUP + e
     if FMT == 0:
@@ -233,9 +234,18 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         else:
             lo, hi = tl.split(tl.reshape(bits, (BT, BH, NGP, GP // 2, 2)))
             packed = ((lo & 15) | ((hi & 15) << 4)).to(tl.uint8)
-            j = tl.arange(0, GP // 2)[None, :]
-            byte = g * (QGROUP // 2) + j
-            tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2), cache_modifier=STORE_CM)
+            if FLAT_ROWS:
+                # groups unpadded: each row's bytes stored as one contiguous run, in 16-byte pieces
+                # (the group pieces below left half of every 32-byte sector to a second store:
+                # H200 T = 16k, RoPE on k 82 -> 84% of copy, results/trial_kvwrite_int4_rows_H200_20261122t.log)
+                ROW: tl.constexpr = NGP * GP // 2
+                flat = tl.reshape(packed, (BT, BH, 1, ROW))
+                b = tl.arange(0, ROW)[None, None, None, :]
+                tl.store(rows + b, flat, mask=row_ok, cache_modifier=STORE_CM)
+            else:
+                j = tl.arange(0, GP // 2)[None, :]
+                byte = g * (QGROUP // 2) + j
+                tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2), cache_modifier=STORE_CM)
 
 
 @triton.jit
@@ -251,6 +261,7 @@ def _kv_cache_write_kernel(
     FMT: tl.constexpr, FP8_MAX: tl.constexpr, QMAX: tl.constexpr, QMAX_RCP: tl.constexpr,
     QGROUP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
     ROPE: tl.constexpr, NEOX: tl.constexpr, ROT: tl.constexpr, HAS_QUERY: tl.constexpr, SPLIT: tl.constexpr,
+    FLAT_ROWS: tl.constexpr,
     BT_KV: tl.constexpr, BH_KV: tl.constexpr, BT_Q: tl.constexpr, BH_Q: tl.constexpr,
     INTERPRETED: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CM: tl.constexpr,
 ):
@@ -309,9 +320,9 @@ def _kv_cache_write_kernel(
             k_scales = KScale + block4 * stride_ksb + offset4 * stride_kst + h4 * stride_ksh
             v_scales = VScale + block4 * stride_vsb + offset4 * stride_vst + h4 * stride_vsh
         _store(k, KCache, k_rows, k_scales, stride_ksg, row_ok, g, e,
-               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
+               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM, FLAT_ROWS)
         _store(v, VCache, v_rows, v_scales, stride_vsg, row_ok, g, e,
-               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
+               FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM, FLAT_ROWS)
         if SPLIT:
             _store(k_hi, KCache, k_rows, k_scales, stride_ksg, row_ok, g + NG // 2, e,
                    FMT, FP8_MAX, QMAX, QMAX_RCP, BT_KV, BH_KV, NG, NGP, GP, QGROUP, INTERPRETED, STORE_CM)
@@ -472,6 +483,7 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         QMAX=_QMAX.get(fmt, 0.0), QMAX_RCP=_QMAX_RCP.get(fmt, 0.0),
         QGROUP=qgroup, NG=ng, NGP=ngp, GP=gp, DP=dp,
         ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None, SPLIT=split,
+        FLAT_ROWS=fmt == FMT_INT4 and ng == ngp and qgroup == gp,
         BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
         INTERPRETED=interpreting(),
         LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",

@@ -228,6 +228,7 @@ NO_ROPE = [
     (INT8, "HND", 7, 96, 2, 24, FP32, False, torch.int32),
     (INT4, "vllm", 1, 64, 4, 16, FP16, False, torch.int32),
     (INT4, "combined_NHD", 16, 128, 1, 128, FP32, False, torch.int64),
+    (INT4, "HND", 5, 96, 2, 24, FP16, False, torch.int32),   # padded groups: stored group by group
 ]
 
 
