@@ -73,7 +73,10 @@ static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
-// operand, see kOverlapSoftmax), unless -DATTN_BLOCK_N overrides the key tile (for tuning runs;
+// operand, see kOverlapSoftmax) in the plain grid, and at 128 keys in the persistent grid, which
+// runs short sequences (torch_ops.cutlass.PERSISTENT_SHORT; 1.01-1.08x the 192-key tiles up to
+// 2k keys, 0.99x at 4k: results/trial_cutlass_persistent_tiles_H200_20261122t.log), unless
+// -DATTN_BLOCK_N overrides the key tile (for tuning runs;
 // run the GPU tests on any other tile: bf16 160-key tiles in the overlapped loop gave wrong
 // outputs in a trial, results/trial_cutlass_bf16_tiles_H200_20261122m.log, not investigated).
 #ifdef ATTN_BLOCK_N
@@ -81,7 +84,7 @@ using TileShape = Shape<_128, Int<ATTN_BLOCK_N>, Int<kHeadDim>>;
 #else
 using TileShape = std::conditional_t<kHeadDim == 64, Shape<_128, _128, _64>,
     std::conditional_t<kHeadDim == 128,
-        std::conditional_t<kFp8, Shape<_128, _192, _128>, Shape<_128, _128, _128>>,
+        std::conditional_t<kFp8 && !kPersistent, Shape<_128, _192, _128>, Shape<_128, _128, _128>>,
         std::conditional_t<kFp8, Shape<_128, _128, _256>, Shape<_128, _64, _256>>>>;
 #endif
 
