@@ -71,7 +71,10 @@ PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8
 # 1k 1.04x / 1.12x, 2k 1.02x / 1.08x, 4k 0.95x / 0.96x; bf16 S = 512 1.02x / 1.11x, 1k 0.95x / 1.01x,
 # 2k 0.90x / 0.95x. Elsewhere the persistent grid was 0.74-0.97x (docs/cutlass.md). Its FP8 D = 128 kernel
 # has since taken 128-key tiles: another 1.06-1.08x at S <= 1k, 1.01x at 2k (csrc/fmha_sm90.cu, TileShape).
-PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (0, 512)}
+# bf16 D = 64 (results/trial_cutlass_persistent_d256_d64_H200_20261122t.log): 1.18x / 1.28x at S = 512, 1.04x /
+# 1.17x at 1k, 1.03x / 1.06x at 2k, 0.95x / 0.96x at 4k; FP8 D = 256 lost everywhere but causal 512 (1.03x).
+PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (0, 512),
+                    (torch.bfloat16, 64): (2048, 2048)}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
