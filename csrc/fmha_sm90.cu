@@ -489,8 +489,10 @@ struct VarlenMainloop : Base {
   // runs while that PV product is still in the tensor cores (intra-warpgroup overlap). As in the
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
   // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
-  // slower, and again within 1% after the softmax got cheaper (session 15, as did 6-8 K/V stages). K and V tiles share the pipeline, read in the order K0 V0 K1 V1 ...; tile j's K stage
-  // is released once its QK^T has completed, its V stage once its PV product has.
+  // slower, and within 1% again after the softmax got cheaper (session 15; so did 6-8 K/V stages:
+  // results/trial_cutlass_pingpong_stages_H200_20261122t.log). K and V tiles share the pipeline,
+  // read in the order K0 V0 K1 V1 ...; tile j's K stage is released once its QK^T has completed,
+  // its V stage once its PV product has.
   template <class BlkCoord, class OrderBarrier>
   CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
                                          SeqShape const& seq_problem, int box_rows,
