@@ -385,7 +385,7 @@ struct VarlenMainloop : Base {
     constexpr int kBlockN = get<1>(TileShape{});
     constexpr int kBoxDims = 128 / sizeof(Element);
     constexpr int kDimBoxes = kHeadDim / kBoxDims;
-    static_assert(kBlockN / 8 * kDimBoxes <= 32, "one TMA box per lane");
+    static_assert(!kPaged || kBlockN / 8 * kDimBoxes <= 32, "one TMA box per lane");
     if (lane_predicate) pipeline.producer_acquire(state);
     __syncwarp();
     int lane = cutlass::canonical_lane_idx(), i = lane / kDimBoxes, dim = lane % kDimBoxes * kBoxDims;
