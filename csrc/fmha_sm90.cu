@@ -14,7 +14,7 @@
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
 //   * an epilogue that writes bf16/fp16/e4m3 rows through shared memory in 16-byte chunks
-//     (predicated rows; the persistent kernels store from registers);
+//     (predicated rows; the persistent kernels in buffers of their own where they fit);
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
 //     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
 //     block table (see load_paged_tile).
@@ -648,10 +648,19 @@ struct VarlenMainloop : Base {
 // the kernel lays warpgroup i's TensorStorage over its Q block (a union with the mainloop's
 // storage, whose Q blocks come first), free once its mainloop is done. Outputs wider than the
 // inputs (FP8 in, bf16 out) take two rounds of 32 rows. The persistent kernels, whose Q warp
-// reloads that block during the epilogue, store from registers (pairs of values per thread).
+// reloads that block during the epilogue, stage in buffers of their own (the kernel keeps the
+// epilogue's storage apart from the mainloop's when persistent) where those fit beside the
+// mainloop's storage (every instantiation of PERSISTENT_SHORT), else store from registers (pairs
+// of values per thread). H200, one process (results/trial_cutlass_persistent_epilogue_H200_20261122u.log):
+// without any output stores the persistent kernels ran 1.16-1.23x faster at S = 512.
 struct VarlenEpilogue {
   static constexpr int kRows = get<0>(TileShape{}) / VarlenMainloop::NumMmaWarpGroups;  // per consumer warpgroup
-  static constexpr int kStagedBytes = kPersistent ? 16 : kRows * kHeadDim * int(sizeof(Element));
+  static constexpr int kOwnBytes = kRows * kHeadDim * 2;  // a 16-bit output tile
+  static constexpr int kSmemLimit = 227 * 1024;           // per CTA on sm_90, with room for the pipelines
+  static constexpr bool kStaged =
+      !kPersistent ||
+      int(sizeof(VarlenMainloop::SharedStorage)) + VarlenMainloop::NumMmaWarpGroups * kOwnBytes + 1024 <= kSmemLimit;
+  static constexpr int kStagedBytes = !kPersistent ? kRows * kHeadDim * int(sizeof(Element)) : kStaged ? kOwnBytes : 16;
   struct TensorStorage {
     alignas(128) uint8_t bytes[kStagedBytes];
   };
@@ -693,16 +702,18 @@ struct VarlenEpilogue {
   CUTLASS_DEVICE static void store_rows(Out* out, TensorStorage& staged, int wg, Acc const& acc_mn, Coord const& c_mn,
                                         int row0, int lq, float scale, int64_t row_stride) {
     using Pair = cutlass::Array<Out, 2>;
-    if constexpr (kPersistent) {
+    if constexpr (!kStaged) {
       convert_pairs<Out>(acc_mn, c_mn, scale, [&](int r, int col, Pair const& v) {
         if (row0 + r < lq) *reinterpret_cast<Pair*>(out + (row0 + r) * row_stride + col) = v;
       });
     } else {
       constexpr int kRowBytes = kHeadDim * int(sizeof(Out));
       constexpr int kChunks = kRowBytes / 16;
-      constexpr int kRounds = sizeof(Out) > sizeof(Element) ? 2 : 1;
+      constexpr int kRounds = kRows * kRowBytes > kStagedBytes ? 2 : 1;
       constexpr int kRoundRows = kRows / kRounds;
-      static_assert(kRoundRows * kRowBytes <= kStagedBytes && kChunks >= 4, "rows fit the Q block");
+      static_assert(kRoundRows * kRowBytes <= kStagedBytes && kChunks >= 4, "rows fit the staging buffer");
+      // persistent: the previous tile's rows have been read out of the buffer by every thread
+      if constexpr (kPersistent) cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
       // chunk c of row r sits at chunk c ^ (r % 4..8): a warp's pair writes (8 rows, one chunk)
       // and its 16-byte reads (whole rows) both spread over the banks
       auto chunk_at = [&](int r, int c) { return staged.bytes + r * kRowBytes + ((c ^ (r % min(kChunks, 8))) << 4); };

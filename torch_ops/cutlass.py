@@ -67,13 +67,12 @@ KERNELS = {
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
 # (input dtype, head dim) -> the longest mean query length (non-causal, causal) for which context
 # attention runs the persistent grid automatically. H200, 16k tokens, 32 heads, persistent vs plain
-# in one process (results/trial_cutlass_short_H200_20261122t.log): FP8 S = 512 1.13x / 1.20x,
-# 1k 1.04x / 1.12x, 2k 1.02x / 1.08x, 4k 0.95x / 0.96x; bf16 S = 512 1.02x / 1.11x, 1k 0.95x / 1.01x,
-# 2k 0.90x / 0.95x. Elsewhere the persistent grid was 0.74-0.97x (docs/cutlass.md). Its FP8 D = 128 kernel
-# has since taken 128-key tiles: another 1.06-1.08x at S <= 1k, 1.01x at 2k (csrc/fmha_sm90.cu, TileShape).
-# bf16 D = 64 (results/trial_cutlass_persistent_d256_d64_H200_20261122t.log): 1.18x / 1.28x at S = 512, 1.04x /
-# 1.17x at 1k, 1.03x / 1.06x at 2k, 0.95x / 0.96x at 4k; FP8 D = 256 lost everywhere but causal 512 (1.03x).
-PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (0, 512),
+# on one library in one process, since the persistent kernels stage their output in shared memory
+# (results/trial_cutlass_grid_H200_20261122u.log), non-causal / causal: FP8 D = 128 S = 512 1.31x /
+# 1.43x, 1k 1.16x / 1.27x, 2k 1.03x / 1.11x, 4k 0.96x / 0.97x; bf16 D = 128 1.09x / 1.20x, 1k 1.02x /
+# 1.07x, 2k 0.94x / 1.00x, 4k 0.93x / 0.83x; bf16 D = 64 1.23x / 1.37x, 2k 1.05x / 1.11x, 4k 0.97x /
+# 0.98x. FP8 D = 256 lost everywhere but causal 512 (1.03x; trial_cutlass_persistent_d256_d64_H200_20261122t.log).
+PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (512, 1024),
                     (torch.bfloat16, 64): (2048, 2048)}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)

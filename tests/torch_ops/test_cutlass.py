@@ -197,8 +197,8 @@ def test_automatic_grid_is_persistent_for_short_prompts_where_it_measured_faster
     assert not run(fp8, 128, False, 16384, 4) and not run(fp8, 128, True, 16384, 4)     # mean 4k
     assert run(fp8, 128, True, 5000, 3)                                                 # ragged, mean under 2k
     assert not run(fp8, 256, False, 1024, 2)                                            # not in the default build
-    assert run(bf16, 128, True, 16384, 32) and not run(bf16, 128, True, 16384, 16)      # causal: mean 512 and 1k
-    assert not run(bf16, 128, False, 16384, 32)                                         # non-causal: never
+    assert run(bf16, 128, True, 16384, 16) and not run(bf16, 128, True, 16384, 8)       # causal: mean 1k and 2k
+    assert run(bf16, 128, False, 16384, 32) and not run(bf16, 128, False, 16384, 16)    # non-causal: 512 and 1k
     assert run(bf16, 64, False, 16384, 8) and not run(bf16, 64, True, 16384, 4)          # D = 64: mean <= 2k
     assert not run(fp16, 128, True, 16384, 32) and not run(fp16, 64, True, 16384, 32)
     knob.setattr(cutlass, "PERSISTENT", False)

@@ -56,7 +56,10 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   Tried and dropped (H200, 2026-11-22): merging in the split kernel (the last split of a tile,
   after an atomic counter) was 1-2 µs faster for MHA but up to 2.3x slower for GQA at B = 1,
   where one program merges 22-26 splits serially; launching the merge as a programmatic
-  dependent launch changed nothing measurable (B = 1, ctx 1k, 32/32: 13.8 vs 13.5 µs).
+  dependent launch changed nothing measurable (B = 1, ctx 1k, 32/32: 13.8 vs 13.5 µs); empty
+  splits writing lse -inf so that the merge need not read the lengths (its loads then issue at
+  once; the merge kernel is 3.0-4.1 µs of a 9-27 µs call at B <= 16): 1.01-1.03x at up to 16
+  splits, 0.97-0.98x at 64 (results/trial_decode_merge_H200_20261122u.log).
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
@@ -832,6 +835,13 @@ def _word_view(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.view(word)
 
 
+def split_workspace(num_splits: int, tokens: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials, uninitialized: fp32 out `[num_splits, T, Hq, D]` and lse `[num_splits, T, Hq]`.
+    A split past its sequence's keys writes neither, and the merge never reads it (tests poison them)."""
+    return (torch.empty((num_splits, tokens, heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((num_splits, tokens, heads), dtype=torch.float32, device=device))
+
+
 def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> list[str]:
     """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
     why = []
@@ -942,8 +952,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
               and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:
-        pout = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=query.device)
-        plse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=query.device)
+        pout, plse = split_workspace(num_splits, t, hq, d, query.device)
         p_strides = (pout.stride(0), pout.stride(1), pout.stride(2), plse.stride(0), plse.stride(1))
     else:
         pout, plse = dummy, dummy
