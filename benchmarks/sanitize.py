@@ -107,7 +107,7 @@ def run_cutlass():
     kernels = ((torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 256), (torch.bfloat16, 128))
     with torch_ops.use_backend("cutlass"):
         for grid, (dtype, d) in itertools.product((False, None), kernels):
-            cutlass.PERSISTENT = grid   # None: the automatic choice (persistent for the short FP8 D = 128 calls)
+            cutlass.PERSISTENT = grid   # None: the automatic choice (persistent here at D = 128)
             q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             scales = {}
