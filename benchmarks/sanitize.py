@@ -47,8 +47,10 @@ def run_decode():
         # two long splits: replicated rows in the quantized formats
         q, cache, tables, seq_lens = paged_case(fmt, 16, [2001, 1500, 5, 0])
         pd.FORCE_NUM_SPLITS = 2
-        torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
-        pd.FORCE_NUM_SPLITS = None
+        try:
+            torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
+        finally:
+            pd.FORCE_NUM_SPLITS = None
     print("paged_decode: ok")
 
 
