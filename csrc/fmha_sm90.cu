@@ -656,8 +656,8 @@ struct VarlenMainloop : Base {
 struct VarlenEpilogue {
   static constexpr int kRows = get<0>(TileShape{}) / VarlenMainloop::NumMmaWarpGroups;  // per consumer warpgroup
   static constexpr int kOwnBytes = kRows * kHeadDim * 2;  // a 16-bit output tile
-  static constexpr int kSmemLimit = 227 * 1024;           // per CTA on sm_90, with room for the pipelines
-  static constexpr bool kStaged =
+  static constexpr int kSmemLimit = 227 * 1024;           // the most shared memory a CTA may have on sm_90
+  static constexpr bool kStaged =                         // (1 KB left for the pipelines' barriers)
       !kPersistent ||
       int(sizeof(VarlenMainloop::SharedStorage)) + VarlenMainloop::NumMmaWarpGroups * kOwnBytes + 1024 <= kSmemLimit;
   static constexpr int kStagedBytes = !kPersistent ? kRows * kHeadDim * int(sizeof(Element)) : kStaged ? kOwnBytes : 16;

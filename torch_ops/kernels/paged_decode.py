@@ -55,14 +55,13 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
   Tried and dropped (H200, 2026-11-22): merging in the split kernel (the last split of a tile,
   after an atomic counter) was 1-2 µs faster for MHA but up to 2.3x slower for GQA at B = 1,
-  where one program merges 22-26 splits serially; launching the merge as a programmatic
-  dependent launch changed nothing measurable (B = 1, ctx 1k, 32/32: 13.8 vs 13.5 µs); empty
-  splits writing lse -inf so that the merge need not read the lengths (its loads then issue at
-  once; the merge kernel is 3.0-4.1 µs of a 9-27 µs call at B <= 16): 1.01-1.03x at up to 16
-  splits, 0.97-0.98x at 64 (results/trial_decode_merge_H200_20261122u.log); the merge as a
-  programmatic dependent launch triggered at the split kernel's start (it reads the lengths, then
-  waits): 1.02-1.08x at B = 1 and for FP8, but 0.90-0.97x for bf16 at B = 16 (two splits) and
-  0.44-0.51x for INT4 at B = 4-16 with 8 splits (not understood; same log).
+  where one program merges 22-26 splits serially. The merge kernel is 3.0-4.1 µs of a 9-27 µs
+  call at B <= 16 (profiled), and neither of these shortened it enough to keep
+  (results/trial_decode_merge_H200_20261122u.log): a programmatic dependent launch, triggered
+  after the partials (13.8 vs 13.5 µs at B = 1, ctx 1k, 32/32) or at the split kernel's start
+  (1.02-1.08x at B = 1 and for FP8, but 0.90-0.97x for bf16 at B = 16 and 0.44-0.51x for INT4 at
+  B = 4-16, not understood); empty splits writing lse -inf so that the merge need not read the
+  lengths (1.01-1.03x up to 16 splits, 0.97-0.98x at 64).
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
