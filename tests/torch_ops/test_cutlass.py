@@ -261,9 +261,9 @@ def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
-    q = torch.randn(2048, 32, 128).to(BF16)
+    q = torch.randn(4096, 32, 128).to(BF16)       # 2k queries per sequence: the plain grid
     kv = torch.randn(2 * 8192, 32, 128).to(BF16)   # two sequences of 8k keys: 4 MiB of K/V per head
-    cu_q, cu_k = torch.tensor([0, 1024, 2048], dtype=torch.int32), torch.tensor([0, 8192, 16384], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 2048, 4096], dtype=torch.int32), torch.tensor([0, 8192, 16384], dtype=torch.int32)
 
     def section(causal):
         cutlass.run(q, kv, kv, cu_q, cu_k, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]), causal=causal)
