@@ -71,9 +71,11 @@ PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8
 # (results/trial_cutlass_grid_H200_20261122u.log), non-causal / causal: FP8 D = 128 S = 512 1.31x /
 # 1.43x, 1k 1.16x / 1.27x, 2k 1.03x / 1.11x, 4k 0.96x / 0.97x; bf16 D = 128 1.09x / 1.20x, 1k 1.02x /
 # 1.07x, 2k 0.94x / 1.00x, 4k 0.93x / 0.83x; bf16 D = 64 1.23x / 1.37x, 2k 1.05x / 1.11x, 4k 0.97x /
-# 0.98x. FP8 D = 256 lost everywhere but causal 512 (1.03x; trial_cutlass_persistent_d256_d64_H200_20261122t.log).
-PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048), (torch.bfloat16, 128): (512, 1024),
-                    (torch.bfloat16, 64): (2048, 2048)}
+# 0.98x; fp16 the same within 2-3% (trial_cutlass_grid_fp16_H200_20261122u.log). FP8 D = 256 lost everywhere but
+# causal 512 (1.03x; trial_cutlass_persistent_d256_d64_H200_20261122t.log).
+PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048),
+                    (torch.bfloat16, 128): (512, 1024), (torch.float16, 128): (512, 1024),
+                    (torch.bfloat16, 64): (2048, 2048), (torch.float16, 64): (2048, 2048)}
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
