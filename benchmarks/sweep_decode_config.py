@@ -10,6 +10,7 @@
     python benchmarks/sweep_decode_config.py --set onewarp16  # their pipeline depth, programs per SM
     python benchmarks/sweep_decode_config.py --set onewarp_plain  # 16-key one/two-warp plain configs
     python benchmarks/sweep_decode_config.py --set replicas  # one-warp programs with 1, 2, 4 row copies
+    python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -94,6 +95,13 @@ SETS = {
         shapes=[(1, 32, 32, 1024, 128), (1, 32, 32, 16384, 128), (4, 32, 8, 4096, 128), (1, 32, 8, 1024, 128),
                 (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128),
                 (128, 32, 32, 4096, 128), (64, 32, 4, 4096, 128)]),
+    "deep": dict(   # mid batches (B x Hkv near the SM count): one split with deeper pipelines
+        configs={"n64": (64, 4, 5), "n64s6": (64, 4, 6), "n64s7": (64, 4, 7), "n64s8": (64, 4, 8),
+                 "n64w8s7": (64, 8, 7), "n128s4": (128, 4, 4), "n32s8": (32, 4, 8)},
+        splits=(None, 1, 2), layouts=("p16",),
+        shapes=[(4, 32, 32, 512, 128), (16, 32, 8, 512, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 2048, 128),
+                (8, 32, 8, 1024, 128), (32, 32, 8, 1024, 128), (64, 32, 8, 512, 128), (128, 32, 8, 512, 128),
+                (16, 32, 32, 1024, 128), (4, 32, 32, 1024, 128), (16, 32, 4, 512, 128)]),
 }
 BLOCK_SIZE = 16
 

@@ -98,6 +98,14 @@ using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, i
 // output accumulator alone takes 128 of a consumer's 240 registers and the overlapped loop spills.
 // FP8 there reads V with the tokens of every 16 interleaved (see probabilities_operand).
 constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
+// The persistent FP8 D = 128 kernels read V token-major, as K, and two warps of the producer
+// warpgroup transpose each tile in shared memory into the interleaved layout the PV product reads
+// (transpose_tiles): a tile passes through three pipeline stages, K, raw V and transposed V. The
+// plain kernels read V transposed and interleaved by torch_ops/kernels/transpose.py: at S = 4k-8k
+// transposing here measured 2-4% slower there (192-key tiles in 6 stages, against 5 stages of K
+// and V), and 1.07x / 1.12x faster at S = 512 in the persistent kernels (non-causal / causal; H200,
+// results/trial_cutlass_v_transpose_H200_20261122v.log).
+constexpr bool kTransposeV = kInterleavedV && kPersistent;
 #ifdef ATTN_OVERLAP_SOFTMAX  // tuning runs only: the paged kernels then skip the V tail zeroing
 constexpr bool kOverlapSoftmax = ATTN_OVERLAP_SOFTMAX || kInterleavedV;
 #else
@@ -184,7 +192,19 @@ using cutlass::fmha::kernel::Tag;
 template <class... Options>
 using MainloopWith = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
     Element, float, float, TileShape, StrideQK, StrideQK, StrideV, VarlenMask, Options...>;
-using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>>, MainloopWith<>>;
+// K/V pipeline stages (each one K, raw V or V tile): three per key tile when V is transposed here,
+// where two warps take turns (transpose_tiles) and each waits only on its own stages: with a
+// multiple of 6 stages, each stage always holds the same kind of tile for the same warp, so a warp
+// never waits on a barrier that is two phases behind (where the phase parity would already match).
+#ifdef ATTN_STAGES_KV  // tuning runs
+constexpr int kStagesKV = ATTN_STAGES_KV;
+#else
+constexpr int kStagesKV = kTransposeV ? 6 : 5;
+#endif
+static_assert(!kTransposeV || kStagesKV % 6 == 0, "see kStagesKV");
+using StagesKV = Option<Tag::kStagesKV, Int<kStagesKV>>;
+using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>, StagesKV>,
+                                MainloopWith<StagesKV>>;
 
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
@@ -209,6 +229,10 @@ struct VarlenMainloop : Base {
     const int* seq_lens;
     int64_t block_table_stride;
     int max_blocks, block_size, num_blocks, box_rows_log2;
+    // kTransposeV: V token-major, read as K is (the example's tma_load_v is then unused), and the
+    // byte offset of the K/V pipeline's barriers from the mainloop's shared storage
+    typename Base::TMA_K tma_load_v_tokens;
+    int inner_pipeline_offset;
   };
 
   template <class BlkCoord>
@@ -248,11 +272,19 @@ struct VarlenMainloop : Base {
     Tensor mK = domain_offset(make_coord(seq.k0, _0{}, make_coord(_0{}, _0{})),
                               params.tma_load_k.get_tma_tensor(make_shape(tk, d, heads(problem))));
     Tensor gK = local_tile(mK, TileShapeQK{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _, _0{}, make_coord(_0{}, hk));
-    Tensor mV = domain_offset(make_coord(_0{}, seq.k0, make_coord(_0{}, _0{})),
-                              params.tma_load_v.get_tma_tensor(make_shape(d, tk, heads(problem))));
-    Tensor gV = local_tile(mV, TileShapePV{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _0{}, _, make_coord(_0{}, hk));
-    return make_tuple(tma_state(params.tma_load_k, make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{}), gK),
-                      tma_state(params.tma_load_v, make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{}), gV));
+    auto sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    if constexpr (kTransposeV) {  // raw V tiles land in stages laid out as K's
+      Tensor mV = domain_offset(make_coord(seq.k0, _0{}, make_coord(_0{}, _0{})),
+                                params.tma_load_v_tokens.get_tma_tensor(make_shape(tk, d, heads(problem))));
+      Tensor gV = local_tile(mV, TileShapeQK{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _, _0{}, make_coord(_0{}, hk));
+      return make_tuple(tma_state(params.tma_load_k, sK, gK), tma_state(params.tma_load_v_tokens, sK, gV));
+    } else {
+      Tensor mV = domain_offset(make_coord(_0{}, seq.k0, make_coord(_0{}, _0{})),
+                                params.tma_load_v.get_tma_tensor(make_shape(d, tk, heads(problem))));
+      Tensor gV = local_tile(mV, TileShapePV{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, _0{}, _, make_coord(_0{}, hk));
+      return make_tuple(tma_state(params.tma_load_k, sK, gK),
+                        tma_state(params.tma_load_v, make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{}), gV));
+    }
   }
 
   template <class ProblemShape>
@@ -302,33 +334,184 @@ struct VarlenMainloop : Base {
     int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(seq, problem, params));
     if constexpr (kPaged) {
       load_paged(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage, seq, trips);
-      return;
-    }
-    auto state_kv = kv_state(blk, params, problem, storage, seq);
-    LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
-    LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
-    int lane_predicate = cute::elect_one_sync();
-    auto k_iter = make_coord_iterator(trips);
-    int k_count = 2 * trips;  // K and V tiles share the pipeline
+    } else if constexpr (kTransposeV) {
+      load_transposing<kLoadQ>(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage,
+                               q_issued, first_tile, seq, trips);
+    } else {
+      auto state_kv = kv_state(blk, params, problem, storage, seq);
+      LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
+      LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
+      int lane_predicate = cute::elect_one_sync();
+      auto k_iter = make_coord_iterator(trips);
+      int k_count = 2 * trips;  // K and V tiles share the pipeline
 
+      if constexpr (kLoadQ) {
+        auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
+        q.next(smem_pipe_write_q);
+        load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+        q.rest(smem_pipe_write_q);
+      } else {
+        load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+        if (first_tile) {
+          q_issued.arrive();
+          q_issued.wait(0);
+        }
+      }
+      load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      CUTLASS_PRAGMA_NO_UNROLL
+      while (k_count > 0) {
+        load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+        load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      }
+    }
+  }
+
+  // The K/V load warp of the kernels that transpose V (kTransposeV): K_j, raw V_j and the
+  // transposed V_j take three consecutive pipeline stages; this warp loads the first two by TMA and
+  // skips the third, which the transposing warp (reduce) fills. Q as in load_kv_maybe_q. Every
+  // lane tracks the stages (the elected lane alone issues the copies).
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_transposing(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                       MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
+                                       MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
+                                       SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile,
+                                       Sequence const& seq, int trips) {
+    auto state_kv = kv_state(blk, params, problem, storage, seq);
+    int lane_predicate = cute::elect_one_sync();
+    auto load = [&](auto const& tma, auto const& state, int tile) {
+      if (lane_predicate) {
+        pipeline.producer_acquire(smem_pipe_write);
+        copy(tma.with(*pipeline.producer_get_barrier(smem_pipe_write)), get<0>(state)(_, _, _, tile),
+             get<1>(state)(_, _, _, smem_pipe_write.index()));
+      }
+      ++smem_pipe_write;
+    };
     if constexpr (kLoadQ) {
       auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
       q.next(smem_pipe_write_q);
-      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      load(params.tma_load_k, get<0>(state_kv), 0);
       q.rest(smem_pipe_write_q);
     } else {
-      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
+      load(params.tma_load_k, get<0>(state_kv), 0);
       if (first_tile) {
         q_issued.arrive();
         q_issued.wait(0);
       }
     }
-    load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
+    load(params.tma_load_v_tokens, get<1>(state_kv), 0);
+    ++smem_pipe_write;
     CUTLASS_PRAGMA_NO_UNROLL
-    while (k_count > 0) {
-      load_k.template step<false>(k_iter, get<0>(state_kv), smem_pipe_write, lane_predicate, k_count);
-      load_v.template step<true>(k_iter, get<1>(state_kv), smem_pipe_write, lane_predicate, k_count);
+    for (int tile = 1; tile < trips; tile++) {
+      load(params.tma_load_k, get<0>(state_kv), tile);
+      load(params.tma_load_v_tokens, get<1>(state_kv), tile);
+      ++smem_pipe_write;
     }
+  }
+
+  // kTransposeV: two warps of the producer warpgroup transpose the V tiles, in turns: the
+  // otherwise idle "reducer" warp (the example's kernel calls reduce once per work tile) the even
+  // ones and the Q warp the odd ones (one warp alone: FP8 S = 2k 699 -> 578 TF/s, H200).
+  // value_tiles_ counts each warp's V tiles across the work tiles of a persistent CTA. The example's
+  // kernel gives neither warp a handle on the K/V pipeline, whose barriers lie at a fixed offset
+  // (inner_pipeline_offset) from the mainloop's shared storage.
+  int value_tiles_ = 0;
+
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer>
+  CUTLASS_DEVICE void reduce(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                             PipelineReducer&, PipelineStateReducer&, SharedStorage& storage) {
+    if constexpr (kTransposeV) transpose_tiles(blk, params, problem, storage, 0);
+  }
+
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE void transpose_tiles(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                      SharedStorage& storage, int parity) {
+    auto& barriers = *reinterpret_cast<typename MainloopPipeline::SharedStorage*>(
+        reinterpret_cast<char*>(&storage) + params.inner_pipeline_offset);
+    typename MainloopPipeline::Params view;
+    view.role = MainloopPipeline::ThreadCategory::ProducerConsumer;
+    view.num_consumers = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+    MainloopPipeline pipeline(barriers, view, ClusterShape{}, cute::false_type{});  // initialized by the kernel
+    int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(sequence(blk, params), problem, params));
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int tile = 0; tile < trips; tile++, value_tiles_++) {
+      if ((value_tiles_ & 1) != parity) continue;
+      int raw = 3 * value_tiles_ + 1;  // K_j, raw V_j, V_j: stages 3j, 3j + 1, 3j + 2 (j counted per CTA)
+      constexpr int S = MainloopPipeline::Stages;
+      transpose_value(pipeline, PipelineState(raw % S, (raw / S) & 1, raw),
+                      PipelineState((raw + 1) % S, ((raw + 1) / S & 1) ^ 1, raw + 1), storage);
+    }
+  }
+
+  // One V tile from the raw stage (keys x D, laid out as K) into the transposed stage (SmemLayoutV:
+  // D x keys, with the keys of every 16 interleaved as probabilities_operand wants: position 4c + i
+  // holds key 2c + (i & 1) + 8 (i >> 1)), by the whole warp, 16 keys x 32 dims per step. The
+  // transposing ldmatrix gives lane (r = lane / 4, c = lane % 4) the 16-bit dim pairs (2r, 2r + 1)
+  // of keys 2c, 2c + 1 (one register) and 2c + 8, 2c + 9 (another) in each of two 16-dim chunks;
+  // two byte permutes per chunk make the words of positions 4c .. 4c + 3 for dims 2r and 2r + 1,
+  // as stmatrix wants them (the 4 lanes of a row hold its 16 positions). Lanes of rows r >= 4 swap
+  // their two dims, so that each stored 8 x 16-byte matrix has 8 distinct dims mod 8: no bank
+  // conflicts, as the ldmatrix rows (8 keys) have none. The raw stage goes back to the load warp's
+  // TMA (its empty barrier counts the consumers' 256 arrivals), the transposed one to the
+  // consumers (its full barrier waits for one arrival, with no TMA bytes).
+  template <class Pipeline>
+  CUTLASS_DEVICE static void transpose_value(Pipeline& pipeline, PipelineState raw, PipelineState transposed,
+                                             SharedStorage& storage) {
+    constexpr int kBlockN = get<1>(TileShape{});
+    static_assert(!kTransposeV || (kHeadDim == 128 && (kBlockN == 128 || kBlockN == 192)),
+                  "transpose_value knows the stage layouts of FP8 D = 128 at 128 and 192 keys");
+    constexpr int kStageBytes = kBlockN * kHeadDim;
+    uint32_t src = cute::cast_smem_ptr_to_uint(storage.smem_k.data()) + raw.index() * kStageBytes;
+    uint32_t dst = cute::cast_smem_ptr_to_uint(storage.smem_v.data()) + transposed.index() * kStageBytes;
+    if ((src | dst) % 1024) __trap();  // the addresses below take the swizzle atoms from 0 mod 1024
+    // lane i addresses row i % 8 of 8 x 16-byte matrix i / 8 for both ldmatrix and stmatrix
+    int lane = cutlass::canonical_lane_idx(), m = lane >> 3, row = lane & 7;
+    uint32_t even = lane < 16 ? 0x6420 : 0x7531, odd = lane < 16 ? 0x7531 : 0x6420;  // (lane / 4 < 4)
+    pipeline.consumer_wait(raw);
+    // the transposed stage's producer wait (producer_acquire would also expect TMA bytes)
+    while (pipeline.producer_try_acquire(transposed).get() != cutlass::BarrierStatus::WaitDone) {
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int q = 0; q < kHeadDim / 32; q++) {
+      // ldmatrix: key 8 (m % 2) + row of block 0, 16-dim chunk 2q + m / 2 (raw rows: chunk ^= key % 8)
+      uint32_t from = src + (8 * (m & 1) + row) * 128 + (((2 * q + (m >> 1)) ^ row) << 4);
+      // stmatrix: dim 32q + 16 (m / 2) + 2 row, + 1 for odd m (rows >= 4: for even m)
+      int dim = 32 * q + 16 * (m >> 1) + 2 * row + ((m & 1) ^ int(row >= 4));
+      auto to = [&](int b) {  // block b's 16 positions of row `dim`
+        if constexpr (kBlockN == 128) {  // rows of 128 bytes, chunk ^= row % 8
+          return dst + dim * 128 + ((b ^ (dim & 7)) << 4);
+        } else {  // three panels of 64 keys x D, rows of 64 bytes, chunk ^= (row / 2) % 4
+          return dst + (b >> 2) * (64 * kHeadDim) + dim * 64 + (((b & 3) ^ ((dim >> 1) & 3)) << 4);
+        }
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int b = 0; b < kBlockN / 16; b += 2) {  // two blocks per step, loads first
+        uint32_t x[8];
+        ldmatrix_trans(from + b * 2048, x);
+        ldmatrix_trans(from + (b + 1) * 2048, x + 4);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 2; i++) {
+          uint32_t* y = x + 4 * i;
+          stmatrix(to(b + i), __byte_perm(y[0], y[1], even), __byte_perm(y[0], y[1], odd),
+                   __byte_perm(y[2], y[3], even), __byte_perm(y[2], y[3], odd));
+        }
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // the stores, visible to the consumers' wgmma reads
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(pipeline.producer_get_barrier(transposed));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 8; i++) pipeline.consumer_release(raw);  // 32 lanes x 8 = the 256 consumer arrivals
+  }
+
+  // x[0..3] = four 8 x 8 16-bit matrices at the rows the lanes address, transposed (ldmatrix)
+  CUTLASS_DEVICE static void ldmatrix_trans(uint32_t address, uint32_t* x) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                 : "r"(address));
+  }
+  CUTLASS_DEVICE static void stmatrix(uint32_t address, uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(x0), "r"(x1),
+                 "r"(x2), "r"(x3));
   }
 
   // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above, each K/V
@@ -401,7 +584,7 @@ struct VarlenMainloop : Base {
 
   // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that
   // warpgroup has released its previous tile's block (at the end of its mainloop, so the load
-  // overlaps that tile's epilogue).
+  // overlaps that tile's epilogue); then, with kTransposeV, the tile's odd V tiles.
   template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void load_maybe_q(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                    MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
@@ -413,6 +596,7 @@ struct VarlenMainloop : Base {
       q_issued.wait(0);
     }
     q.rest(smem_pipe_write_q);
+    if constexpr (kTransposeV) transpose_tiles(blk, params, problem, storage, 1);
   }
 
   // One consumer warpgroup's rows (64 of the CTA's 128) against all of the CTA's key tiles, with
@@ -491,8 +675,9 @@ struct VarlenMainloop : Base {
   // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
   // slower, and within 1% again after the softmax got cheaper (session 15; so did 6-8 K/V stages:
   // results/trial_cutlass_pingpong_stages_H200_20261122t.log). K and V tiles share the pipeline,
-  // read in the order K0 V0 K1 V1 ...; tile j's K stage is released once its QK^T has completed,
-  // its V stage once its PV product has.
+  // read in the order K0 V0 K1 V1 ... (with kTransposeV each V stage follows its raw V stage, which
+  // the load warp consumes); tile j's K stage is released once its QK^T has completed, its V stage
+  // once its PV product has.
   template <class BlkCoord, class OrderBarrier>
   CUTLASS_DEVICE auto compute_overlapped(BlkCoord const& blk, BlkCoord const& wg, typename Base::Params const& p,
                                          SeqShape const& seq_problem, int box_rows,
@@ -571,6 +756,7 @@ struct VarlenMainloop : Base {
     PipelineState k_read = smem_pipe_read;
     PipelineState v_read = k_read;
     ++v_read;
+    if constexpr (kTransposeV) ++v_read;  // past the raw V stage
     Tensor acc_s = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
     auto issue_qk = [&]() {  // acc_s = Q K[k_read]^T
       pipeline.consumer_wait(k_read);
@@ -626,6 +812,7 @@ struct VarlenMainloop : Base {
       pipeline.consumer_release(v_read);
       v_read = k_read;
       ++v_read;
+      if constexpr (kTransposeV) ++v_read;
       p_op = to_operand(acc_s);
     }
     if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
@@ -911,9 +1098,13 @@ static_assert(kPersistent || (sizeof(VarlenEpilogue::TensorStorage) * VarlenMain
                               offsetof(Kernel::SharedStorage, tensors) == 0),
               "epilogue storage i must lie over Q block i");
 
-template <bool kTransposed = kFp8>
+// kTransposeV kernels read V through tma_load_v_tokens; the example's (transposed) V descriptor
+// then gets a stand-in layout over V's memory, never read: tokens contiguous, padded to 16.
 auto value_stride(AttnFmhaArgs const& a) {
-  if constexpr (kTransposed) {
+  if constexpr (kTransposeV) {
+    int padded = (max(a.total_k, 1) + 15) / 16 * 16;
+    return make_stride(_1{}, padded, make_stride(0, padded * kHeadDim));
+  } else if constexpr (kFp8) {
     return make_stride(_1{}, int(a.v_dim_stride), make_stride(0, int(a.v_head_stride)));
   } else {
     return make_stride(int(a.v_row_stride), _1{}, make_stride(0, int(a.v_head_stride)));
@@ -961,18 +1152,21 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   Base::Arguments tensors{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.k), dK,
                           static_cast<Element const*>(a.v), dV};
   auto base = Base::to_underlying_arguments(packed, tensors, nullptr);
-  if (a.v_interleaved != int(kInterleavedV)) {
-    return fail(kInterleavedV ? "this kernel reads V with the tokens of every 16 interleaved (v_interleaved = 1)"
-                              : "this kernel reads V in token order (v_interleaved = 0)");
+  constexpr int kValueLayout = !kFp8 || kTransposeV ? ATTN_V_TOKENS : kInterleavedV ? ATTN_V_TRANSPOSED_INTERLEAVED
+                                                                                   : ATTN_V_TRANSPOSED;
+  if (a.v_layout != kValueLayout) {
+    static char const* const expected[] = {"V token-major (v_layout = 0)", "V transposed (v_layout = 1)",
+                                           "V transposed, the tokens of every 16 interleaved (v_layout = 2)"};
+    return fail(expected[kValueLayout]);
   }
-  if constexpr (kInterleavedV) {  // V's TMA box spans the zero-padded last group of 16 tokens
+  if constexpr (kInterleavedV && !kTransposeV) {  // V's TMA box spans the zero-padded last group of 16 tokens
     base.tma_load_v = Base::to_underlying_arguments(make_shape(1, a.hq, tq, (max(tk, 1) + 15) / 16 * 16, d),
                                                     tensors, nullptr).tma_load_v;
   }
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, {}, 0};
   if constexpr (kPaged) {
     int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
     if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
@@ -990,6 +1184,13 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.block_size = a.block_size;
     mainloop.num_blocks = a.num_blocks;
     mainloop.box_rows_log2 = box_rows_log2;
+  }
+  if constexpr (kTransposeV) {
+    Base::Arguments v_as_k{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.v),
+                           StrideQK{int(a.v_row_stride), _1{}, heads(a.v_head_stride)}, static_cast<Element const*>(a.v), dV};
+    mainloop.tma_load_v_tokens = Base::to_underlying_arguments(packed, v_as_k, nullptr).tma_load_k;
+    static_assert(offsetof(Kernel::SharedStorage, tensors) == 0, "the mainloop's storage opens the kernel's");
+    mainloop.inner_pipeline_offset = int(offsetof(Kernel::SharedStorage, pipeline_storage_inner));
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};

@@ -9,16 +9,19 @@ extern "C" {
 #endif
 
 enum AttnOutDtype { ATTN_OUT_BF16 = 0, ATTN_OUT_FP16 = 1, ATTN_OUT_E4M3 = 2 };
+// How a kernel reads V (AttnFmhaArgs.v_layout, checked): token-major [total_k, hkv, head_dim]
+// (bf16/fp16, and FP8 at head dim 128 in the persistent grid, which transposes tiles in shared
+// memory), or transposed, vt [hkv, head_dim, >= total_k] (FP8 otherwise: the FP8 wgmma wants the
+// PV reduction dim contiguous), at head dim 128 with the tokens of every aligned 16 interleaved and
+// ceil(total_k / 16) * 16 of them, the padding zero (torch_ops/kernels/transpose.py).
+enum AttnValueLayout { ATTN_V_TOKENS = 0, ATTN_V_TRANSPOSED = 1, ATTN_V_TRANSPOSED_INTERLEAVED = 2 };
 
 typedef struct {
   // query [total_q, hq, head_dim], key [total_k, hkv, head_dim] (row/head strides in elements).
   const void* q;
   const void* k;
-  // FP8: value transposed, vt [hkv, head_dim, >= total_k] (v_head_stride, v_dim_stride; tokens
-  // contiguous), as the FP8 wgmma wants the PV reduction dim contiguous; with v_interleaved the
-  // tokens of every aligned 16 are interleaved and vt holds ceil(total_k / 16) * 16 of them, the
-  // padding zero (torch_ops/kernels/transpose.py). bf16/fp16: value [total_k, hkv, head_dim]
-  // (v_row_stride, v_head_stride).
+  // value as v_layout says: [total_k, hkv, head_dim] (v_row_stride, v_head_stride) or vt [hkv,
+  // head_dim, >= total_k] (v_head_stride, v_dim_stride; tokens contiguous)
   const void* v;
   void* out;        // [total_q, hq, head_dim] in out_dtype (out_row_stride, out_head_stride)
   float* lse;       // [total_q, hq] fp32, natural log (lse_row_stride; heads contiguous)
@@ -42,7 +45,7 @@ typedef struct {
   // persistent kernels only: CTAs in the grid; all kernels: heads per section of the work order
   // (divides hq; the work runs section by section, each q tile over a section's heads together)
   int32_t num_ctas, section_heads;
-  int32_t v_interleaved;    // 1 for the kernels that read V interleaved (FP8 D = 128), else 0; checked
+  int32_t v_layout;         // AttnValueLayout
   // paged kernels only (bf16/fp16): k and v are caches [num_blocks, block_size, hkv, head_dim]
   // with the k_/v_ row (token), head and block strides; cu_seqlens_k is unused, seq_lens [num_seqs]
   // gives each sequence's keys, block_tables [num_seqs, max_blocks] int32 (block_table_stride)

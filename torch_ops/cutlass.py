@@ -84,7 +84,7 @@ PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_ROWS = 16
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
-INTERLEAVED_V_HEAD_DIMS = (128,)   # FP8 kernels that read V with the tokens of every 16 interleaved
+V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "positions": (None, "fused RoPE"),
@@ -260,7 +260,7 @@ class FmhaArgs(ctypes.Structure):
         *((n, ctypes.c_int32) for n in ("total_q", "total_k", "num_seqs", "hq", "hkv", "head_dim", "causal",
                                        "q_scale_stride", "k_scale_stride", "v_scale_stride", "out_dtype")),
         ("softmax_scale", ctypes.c_float),
-        *((n, ctypes.c_int32) for n in ("num_ctas", "section_heads", "v_interleaved")),
+        *((n, ctypes.c_int32) for n in ("num_ctas", "section_heads", "v_layout")),
         *((n, ctypes.c_void_p) for n in ("block_tables", "seq_lens")),
         *((n, ctypes.c_int64) for n in ("block_table_stride", "k_block_stride", "v_block_stride")),
         *((n, ctypes.c_int32) for n in ("max_blocks", "block_size", "num_blocks", "box_rows", "skip_q_len")),
@@ -459,32 +459,46 @@ def _scale(s: torch.Tensor | None) -> tuple[int | None, int]:
     return s.data_ptr(), 1 if s.dim() == 1 else 0
 
 
+def value_layout(dtype: torch.dtype, head_dim: int, variant: str) -> int:
+    """How the kernel reads V (`AttnValueLayout` in csrc/fmha_sm90.h): token-major, except FP8 outside
+    the persistent D = 128 kernels (which transpose V tiles in shared memory), where the FP8 wgmma
+    wants V transposed, at D = 128 with the tokens of every 16 interleaved."""
+    if dtype != torch.float8_e4m3fn or (head_dim == 128 and variant == "persistent"):
+        return V_TOKENS
+    return V_TRANSPOSED_INTERLEAVED if head_dim == 128 else V_TRANSPOSED
+
+
+def value_operand(value: torch.Tensor, layout: int) -> tuple[torch.Tensor, dict]:
+    """V in `layout`, with its `FmhaArgs` fields. The transposed layouts take one pass of
+    `kernels.transpose` over V (36 µs for 16k tokens x 32 heads x 128 on an H200) into a buffer of
+    V's size (tokens padded to 16)."""
+    if layout == V_TOKENS:
+        v = _tma_ready(value)
+        return v, dict(v_row_stride=v.stride(0), v_head_stride=v.stride(1), v_dim_stride=0, v_layout=layout)
+    from .kernels import transpose
+    tk, hkv, d = value.shape
+    padded = -(-tk // 16) * 16   # whole interleaved groups; 16-byte TMA strides
+    interleaved = layout == V_TRANSPOSED_INTERLEAVED
+    v = transpose.tokens_last(value, value.new_empty(hkv, d, padded)[..., :padded if interleaved else tk],
+                              interleave16=interleaved)
+    return v, dict(v_row_stride=0, v_head_stride=v.stride(0), v_dim_stride=v.stride(1), v_layout=layout)
+
+
 def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
         out_scale=None, q_scale=None, k_scale=None, v_scale=None, **unused) -> None:
-    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]`. FP8 value is first transposed to
-    `[Hkv, D, Tk]` (tokens contiguous; at D = 128 interleaved by 16 and padded) by
-    `kernels.transpose`: one pass over V, 36 µs for 16k tokens x 32 heads x 128 on an H200,
-    about 1.5% of an 8k prefill."""
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` (V as `value_layout` says)."""
     tq, hq, d = query.shape
     tk, hkv, _ = key.shape
     if tq == 0:
         return
-    fp8 = query.dtype == torch.float8_e4m3fn
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    variant = "persistent" if runs_persistent(query.dtype, d, causal, tq, num_seqs) else "plain"
     q, k = _tma_ready(query), _tma_ready(key)
-    interleaved = fp8 and d in INTERLEAVED_V_HEAD_DIMS
-    if fp8:
-        from .kernels import transpose
-        padded = -(-tk // 16) * 16
-        v = transpose.tokens_last(value, value.new_empty(hkv, d, padded)[..., :padded if interleaved else tk],
-                                  interleave16=interleaved)
-    else:
-        v = _tma_ready(value)
+    v, v_args = value_operand(value, value_layout(query.dtype, d, variant))
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(torch.int32).contiguous()
     scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
-    num_seqs = cu_q.shape[0] - 1
-    variant = "persistent" if runs_persistent(query.dtype, d, causal, tq, num_seqs) else "plain"
     sms = _num_sms(query.device.index)
     num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
     section = 1
@@ -492,11 +506,9 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
         section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
     args = dict(
         k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
-        k_row_stride=k.stride(0), k_head_stride=k.stride(1),
-        v_row_stride=v.stride(0) if not fp8 else 0, v_head_stride=v.stride(0) if fp8 else v.stride(1),
-        v_dim_stride=v.stride(1) if fp8 else 0, total_k=tk, hkv=hkv, q_scale_stride=qs_stride,
-        k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas, section_heads=section,
-        v_interleaved=int(interleaved))
+        k_row_stride=k.stride(0), k_head_stride=k.stride(1), **v_args, total_k=tk, hkv=hkv,
+        q_scale_stride=qs_stride, k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas,
+        section_heads=section)
     _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
 
 
