@@ -1155,8 +1155,9 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   constexpr int kValueLayout = !kFp8 || kTransposeV ? ATTN_V_TOKENS : kInterleavedV ? ATTN_V_TRANSPOSED_INTERLEAVED
                                                                                    : ATTN_V_TRANSPOSED;
   if (a.v_layout != kValueLayout) {
-    static char const* const expected[] = {"V token-major (v_layout = 0)", "V transposed (v_layout = 1)",
-                                           "V transposed, the tokens of every 16 interleaved (v_layout = 2)"};
+    static char const* const expected[] = {
+        "this kernel reads V token-major (v_layout = 0)", "this kernel reads V transposed (v_layout = 1)",
+        "this kernel reads V transposed with the tokens of every 16 interleaved (v_layout = 2)"};
     return fail(expected[kValueLayout]);
   }
   if constexpr (kInterleavedV && !kTransposeV) {  // V's TMA box spans the zero-padded last group of 16 tokens

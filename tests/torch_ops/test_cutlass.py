@@ -215,6 +215,34 @@ def test_persistent_grid_is_one_cta_per_sm_at_most_one_per_work_tile():
     assert cutlass.persistent_ctas(300, 3, 2, 132) == 10
 
 
+@pytest.mark.parametrize("dtype,d,variant,layout", [
+    (torch.bfloat16, 128, "plain", cutlass.V_TOKENS), (torch.float16, 64, "persistent", cutlass.V_TOKENS),
+    (torch.float8_e4m3fn, 128, "persistent", cutlass.V_TOKENS),   # tiles transposed in shared memory
+    (torch.float8_e4m3fn, 128, "plain", cutlass.V_TRANSPOSED_INTERLEAVED),
+    (torch.float8_e4m3fn, 256, "plain", cutlass.V_TRANSPOSED),
+])
+def test_value_layout_follows_the_kernel(kernel_device, dtype, d, variant, layout):
+    assert cutlass.value_layout(dtype, d, variant) == layout
+    value = torch.randn(37, 2, d, device=kernel_device).to(dtype)
+    v, fields = cutlass.value_operand(value, layout)
+    assert fields["v_layout"] == layout
+    if layout == cutlass.V_TOKENS:
+        assert v.data_ptr() == value.data_ptr() and (fields["v_row_stride"], fields["v_head_stride"]) == (2 * d, d)
+        return
+    tokens = 48 if layout == cutlass.V_TRANSPOSED_INTERLEAVED else 37   # whole groups of 16, zero-padded
+    assert v.shape == (2, d, tokens) and fields["v_dim_stride"] == 48 and fields["v_head_stride"] == 48 * d
+    order = torch.tensor(transpose_positions(tokens, layout == cutlass.V_TRANSPOSED_INTERLEAVED))
+    expected = value.view(torch.uint8)[order.clamp(max=36)].permute(1, 2, 0)
+    expected[..., order >= 37] = 0
+    assert torch.equal(v.view(torch.uint8), expected)
+
+
+def transpose_positions(tokens: int, interleaved: bool) -> list[int]:
+    """The token at each position along vt's last dim."""
+    from torch_ops.kernels.transpose import INTERLEAVE16
+    return [p - p % 16 + INTERLEAVE16[p % 16] if interleaved else p for p in range(tokens)]
+
+
 @pytest.mark.parametrize("hq,hkv,keys,d,size,heads", [
     (32, 32, 8192, 128, 1, 16),     # FP8 8k: 2 MiB of K/V per head, 16 heads in 32 MiB
     (32, 32, 8192, 128, 2, 8),      # bf16: 4 MiB per head
