@@ -100,11 +100,11 @@ using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, i
 constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
 // The persistent FP8 D = 128 kernels read V token-major, as K, and two warps of the producer
 // warpgroup transpose each tile in shared memory into the interleaved layout the PV product reads
-// (transpose_tiles): a tile passes through three pipeline stages, K, raw V and transposed V. The
-// plain kernels read V transposed and interleaved by torch_ops/kernels/transpose.py: at S = 4k-8k
-// transposing here measured 2-4% slower there (192-key tiles in 6 stages, against 5 stages of K
-// and V), and 1.07x / 1.12x faster at S = 512 in the persistent kernels (non-causal / causal; H200,
-// results/trial_cutlass_v_transpose_H200_20261122v.log).
+// (transpose_tiles): a tile passes through three pipeline stages, K, raw V and transposed V. H200,
+// S = 512: 1.07x / 1.12x (non-causal / causal; results/trial_cutlass_v_transpose_final_H200_20261122v.log).
+// The plain kernels read V transposed and interleaved by torch_ops/kernels/transpose.py: with their
+// 192-key tiles in 6 stages (against 5 stages of K and V) transposing here ran 0.96x at S = 4k-8k
+// (results/trial_cutlass_v_transpose_H200_20261122v.log).
 constexpr bool kTransposeV = kInterleavedV && kPersistent;
 #ifdef ATTN_OVERLAP_SOFTMAX  // tuning runs only: the paged kernels then skip the V tail zeroing
 constexpr bool kOverlapSoftmax = ATTN_OVERLAP_SOFTMAX || kInterleavedV;
@@ -335,8 +335,7 @@ struct VarlenMainloop : Base {
     if constexpr (kPaged) {
       load_paged(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage, seq, trips);
     } else if constexpr (kTransposeV) {
-      load_transposing<kLoadQ>(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage,
-                               q_issued, first_tile, seq, trips);
+      load_transposing(blk, params, problem, pipeline, smem_pipe_write, storage, q_issued, first_tile, seq, trips);
     } else {
       auto state_kv = kv_state(blk, params, problem, storage, seq);
       LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
@@ -366,14 +365,13 @@ struct VarlenMainloop : Base {
     }
   }
 
-  // The K/V load warp of the kernels that transpose V (kTransposeV): K_j, raw V_j and the
-  // transposed V_j take three consecutive pipeline stages; this warp loads the first two by TMA and
-  // skips the third, which the transposing warp (reduce) fills. Q as in load_kv_maybe_q. Every
-  // lane tracks the stages (the elected lane alone issues the copies).
-  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  // The K/V load warp of the kernels that transpose V (kTransposeV, persistent): K_j, raw V_j and
+  // the transposed V_j take three consecutive pipeline stages; this warp loads the first two by TMA
+  // and skips the third, which the transposing warps fill (transpose_tiles). Every lane tracks the
+  // stages (the elected lane alone issues the copies).
+  template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void load_transposing(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                        MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
-                                       MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
                                        SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile,
                                        Sequence const& seq, int trips) {
     auto state_kv = kv_state(blk, params, problem, storage, seq);
@@ -386,17 +384,10 @@ struct VarlenMainloop : Base {
       }
       ++smem_pipe_write;
     };
-    if constexpr (kLoadQ) {
-      auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
-      q.next(smem_pipe_write_q);
-      load(params.tma_load_k, get<0>(state_kv), 0);
-      q.rest(smem_pipe_write_q);
-    } else {
-      load(params.tma_load_k, get<0>(state_kv), 0);
-      if (first_tile) {
-        q_issued.arrive();
-        q_issued.wait(0);
-      }
+    load(params.tma_load_k, get<0>(state_kv), 0);
+    if (first_tile) {  // as in load_kv_maybe_q
+      q_issued.arrive();
+      q_issued.wait(0);
     }
     load(params.tma_load_v_tokens, get<1>(state_kv), 0);
     ++smem_pipe_write;
@@ -450,15 +441,16 @@ struct VarlenMainloop : Base {
   // two byte permutes per chunk make the words of positions 4c .. 4c + 3 for dims 2r and 2r + 1,
   // as stmatrix wants them (the 4 lanes of a row hold its 16 positions). Lanes of rows r >= 4 swap
   // their two dims, so that each stored 8 x 16-byte matrix has 8 distinct dims mod 8: no bank
-  // conflicts, as the ldmatrix rows (8 keys) have none. The raw stage goes back to the load warp's
+  // conflicts, as the ldmatrix rows (8 keys) have none (the addresses were checked against CuTe's
+  // layouts on the host). The raw stage goes back to the load warp's
   // TMA (its empty barrier counts the consumers' 256 arrivals), the transposed one to the
   // consumers (its full barrier waits for one arrival, with no TMA bytes).
   template <class Pipeline>
   CUTLASS_DEVICE static void transpose_value(Pipeline& pipeline, PipelineState raw, PipelineState transposed,
                                              SharedStorage& storage) {
     constexpr int kBlockN = get<1>(TileShape{});
-    static_assert(!kTransposeV || (kHeadDim == 128 && (kBlockN == 128 || kBlockN == 192)),
-                  "transpose_value knows the stage layouts of FP8 D = 128 at 128 and 192 keys");
+    static_assert(!kTransposeV || (kHeadDim == 128 && kBlockN == 128),
+                  "transpose_value knows the stage layouts of FP8 D = 128 at 128 keys");
     constexpr int kStageBytes = kBlockN * kHeadDim;
     uint32_t src = cute::cast_smem_ptr_to_uint(storage.smem_k.data()) + raw.index() * kStageBytes;
     uint32_t dst = cute::cast_smem_ptr_to_uint(storage.smem_v.data()) + transposed.index() * kStageBytes;
@@ -476,13 +468,8 @@ struct VarlenMainloop : Base {
       uint32_t from = src + (8 * (m & 1) + row) * 128 + (((2 * q + (m >> 1)) ^ row) << 4);
       // stmatrix: dim 32q + 16 (m / 2) + 2 row, + 1 for odd m (rows >= 4: for even m)
       int dim = 32 * q + 16 * (m >> 1) + 2 * row + ((m & 1) ^ int(row >= 4));
-      auto to = [&](int b) {  // block b's 16 positions of row `dim`
-        if constexpr (kBlockN == 128) {  // rows of 128 bytes, chunk ^= row % 8
-          return dst + dim * 128 + ((b ^ (dim & 7)) << 4);
-        } else {  // three panels of 64 keys x D, rows of 64 bytes, chunk ^= (row / 2) % 4
-          return dst + (b >> 2) * (64 * kHeadDim) + dim * 64 + (((b & 3) ^ ((dim >> 1) & 3)) << 4);
-        }
-      };
+      // block b's 16 positions of row `dim` (rows of 128 bytes, chunk ^= row % 8)
+      auto to = [&](int b) { return dst + dim * 128 + ((b ^ (dim & 7)) << 4); };
       CUTLASS_PRAGMA_NO_UNROLL
       for (int b = 0; b < kBlockN / 16; b += 2) {  // two blocks per step, loads first
         uint32_t x[8];
