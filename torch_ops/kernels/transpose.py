@@ -1,7 +1,8 @@
 """Triton byte transpose of a token-major tensor into head-dim-major: `dst[h, d, t] = src[t, h, d]`.
 
 The CUTLASS FP8 kernels read V with tokens contiguous (FP8 wgmma reduces over the contiguous
-dim), so `torch_ops.cutlass` transposes V once per call. PyTorch's copy of the permuted view
+dim), so `torch_ops.cutlass` transposes V once per call (except for the persistent D = 128
+kernels, which transpose V tiles in shared memory). PyTorch's copy of the permuted view
 reads one byte per thread with a large stride; this kernel moves 64 x 128 byte tiles (64 tokens
 of 128 dims: whole 128-byte lines on both sides), read along d and written along t. H200, one
 process (results/trial_transpose_tiles_H200_20261122u.log): 16k tokens x 32 heads x 128 in 35.7
