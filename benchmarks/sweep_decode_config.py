@@ -11,6 +11,7 @@
     python benchmarks/sweep_decode_config.py --set onewarp_plain  # 16-key one/two-warp plain configs
     python benchmarks/sweep_decode_config.py --set replicas  # one-warp programs with 1, 2, 4 row copies
     python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
+    python benchmarks/sweep_decode_config.py --set deep_small  # B x Hkv = 32-64: one split of large programs
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -102,6 +103,12 @@ SETS = {
         shapes=[(4, 32, 32, 512, 128), (16, 32, 8, 512, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 2048, 128),
                 (8, 32, 8, 1024, 128), (32, 32, 8, 1024, 128), (64, 32, 8, 512, 128), (128, 32, 8, 512, 128),
                 (16, 32, 32, 1024, 128), (4, 32, 32, 1024, 128), (16, 32, 4, 512, 128)]),
+    "deep_small": dict(   # fewer programs (B x Hkv = 32-64, one-warp programs today): one split of large programs?
+        configs={"n16w1": (16, 1, 5, 8, None, 1), "n64": (64, 4, 5), "n64w8s7": (64, 8, 7), "n32w8s7": (32, 8, 7)},
+        splits=(None, 1, 2, 4), layouts=("p16",),
+        shapes=[(4, 32, 8, 512, 128), (8, 32, 8, 512, 128), (4, 32, 16, 512, 128), (16, 32, 4, 512, 128),
+                (2, 32, 32, 512, 128), (1, 32, 32, 512, 128), (4, 32, 8, 256, 128), (4, 32, 8, 1024, 128),
+                (8, 32, 8, 1024, 128)]),
 }
 BLOCK_SIZE = 16
 
