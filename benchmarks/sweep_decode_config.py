@@ -12,6 +12,7 @@
     python benchmarks/sweep_decode_config.py --set replicas  # one-warp programs with 1, 2, 4 row copies
     python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
     python benchmarks/sweep_decode_config.py --set deep_small  # B x Hkv = 32-64: one split of large programs
+    python benchmarks/sweep_decode_config.py --set deep64  # head dim 64 near the SM count: one split of 8 warps
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -109,6 +110,11 @@ SETS = {
         shapes=[(4, 32, 8, 512, 128), (8, 32, 8, 512, 128), (4, 32, 16, 512, 128), (16, 32, 4, 512, 128),
                 (2, 32, 32, 512, 128), (1, 32, 32, 512, 128), (4, 32, 8, 256, 128), (4, 32, 8, 1024, 128),
                 (8, 32, 8, 1024, 128)]),
+    "deep64": dict(   # head dim 64, B x Hkv near the SM count: one split of 8-warp programs?
+        configs={"n128": (128, 4, 5), "n128w8s7": (128, 8, 7), "n128w8s5": (128, 8, 5), "n64w8s7": (64, 8, 7)},
+        splits=(None, 1, 2), layouts=("p16", "one"),
+        shapes=[(4, 32, 32, 512, 64), (16, 32, 8, 512, 64), (16, 64, 8, 512, 64), (16, 32, 8, 256, 64),
+                (16, 32, 8, 1024, 64), (4, 32, 32, 1024, 64)]),
 }
 BLOCK_SIZE = 16
 

@@ -47,8 +47,8 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
 - **Split-K.** `num_splits` comes from shapes only (B, Hkv, M tiles, `block_tables.shape[1]`,
   block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. When the batch
   alone comes near filling the GPU, plain caches take tiles of twice the keys and one or two
-  splits instead (`large_tile_splits`; one split of 8 warps for tables of <= 512 keys at D = 128,
-  `SHORT_CONTEXT_KEYS`). Inside, each
+  splits instead (`large_tile_splits`; one split for tables of <= 512 keys at D = 128, in 8-warp
+  programs, and <= 1024 keys at D = 64: `SHORT_CONTEXT`). Inside, each
   sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
   at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
   past the span exit at once (they write nothing, and the merge kernel never reads them).
@@ -121,12 +121,13 @@ MAX_BLOCK_M_QUANTIZED = 32
 LARGE_TILE_KEYS = {64: 128, 128: 64}
 LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
-# Short contexts on the large tiles (D = 128, <= 16 query rows, the table holding at most this
-# many keys): one split of 8-warp programs and 7 stages instead of two splits and their merge.
-# H200, 16-token pages (results/decode_config_sweep_deep_H200_20261122v.log): B = 4 32/32 ctx 512
-# 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3; at ctx 1k within 0.3 us, at 2k 42.3 -> 47.6.
-SHORT_CONTEXT_KEYS = 512
-SHORT_CONTEXT_CONFIG = {"num_warps": 8, "num_stages": 7}
+# Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
+# instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d ->
+# (keys, config changes). H200 (results/decode_config_sweep_deep{,64}_H200_20261122v.log, 16-token
+# pages): D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
+# 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0, B = 16
+# 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4, decode_config_sweep_H200_20261122f.log).
+SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -908,9 +909,10 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
-        if num_splits > 1 and block_d == 128 and block_m == 16 and max_blocks * page <= SHORT_CONTEXT_KEYS:
+        keys, short_cfg = SHORT_CONTEXT.get(block_d, (0, {}))
+        if num_splits > 1 and block_m == 16 and max_blocks * page <= keys:
             num_splits = 1
-            cfg.update(SHORT_CONTEXT_CONFIG)
+            cfg.update(short_cfg)
     block_n = cfg["BLOCK_N"]
     if not num_splits:
         per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)

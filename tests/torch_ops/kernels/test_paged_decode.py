@@ -268,32 +268,34 @@ def test_large_tiles_when_the_batch_nearly_fills_the_gpu():
 
 
 def test_large_tiles_automatic(kernel_device):
-    # no knobs: 4 programs on the interpreter's 8 "SMs" take 128-key tiles in two splits
-    problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=64, bs=16)
+    # no knobs: 4 programs on the interpreter's 8 "SMs" take 128-key tiles in two splits (a table
+    # longer than SHORT_CONTEXT's)
+    problem = make_problem(kernel_device, lens=[1259, 0, 5, 130], hq=4, hkv=1, d=64, bs=16)
     run_and_check(problem)
     assert pd.LAST_NUM_SPLITS == 2
 
 
-def test_short_context_on_large_tiles_takes_one_split(kernel_device, knobs):
-    # 4 programs on the interpreter's 8 "SMs", D = 128, a 272-key table: one split, no merge
-    problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=128, bs=16)
+@pytest.mark.parametrize("d", [64, 128])
+def test_short_context_on_large_tiles_takes_one_split(kernel_device, knobs, d):
+    # 4 programs on the interpreter's 8 "SMs", a 272-key table: one split, no merge
+    problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=d, bs=16)
     run_and_check(problem)
     assert pd.LAST_NUM_SPLITS == 1
-    knobs(SHORT_CONTEXT_KEYS=0)
+    knobs(SHORT_CONTEXT={})
     run_and_check(problem)
     assert pd.LAST_NUM_SPLITS == 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (32, 32)])
-def test_short_context_on_large_tiles_gpu(kernel_device, hq, hkv):
-    # B x Hkv = 128 programs (at most one per SM on an H100/H200), a 512-key table (make_problem
-    # adds a block): the one-split 8-warp config; ragged lengths, an empty sequence
+@pytest.mark.parametrize("d,hq,hkv", [(128, 32, 8), (128, 32, 32), (64, 32, 8)])
+def test_short_context_on_large_tiles_gpu(kernel_device, d, hq, hkv):
+    # B x Hkv = 128 programs (at most one per SM on an H100/H200), a table of SHORT_CONTEXT's keys
+    # (make_problem adds a block): one split (of 8 warps at D = 128); ragged lengths, an empty sequence
     rng = random.Random(torch.randint(0, 2**31, ()).item())
-    b = 128 // hkv
-    lens = [496, 0, 1, 17] + [rng.randint(1, 496) for _ in range(b - 4)]
-    run_and_check(make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=128, bs=16))
-    assert pd.LAST_NUM_SPLITS == 1 and pd.LAST_KERNEL.metadata.num_warps == 8
+    b, longest = 128 // hkv, pd.SHORT_CONTEXT[d][0] - 16
+    lens = [longest, 0, 1, 17] + [rng.randint(1, longest) for _ in range(b - 4)]
+    run_and_check(make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=16))
+    assert pd.LAST_NUM_SPLITS == 1 and pd.LAST_KERNEL.metadata.num_warps == (8 if d == 128 else 4)
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
