@@ -122,8 +122,9 @@ LARGE_TILE_KEYS = {64: 128, 128: 64}
 LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
 # Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
-# instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d ->
-# (keys, config changes). H200 (results/decode_config_sweep_deep{,64}_H200_20261122v.log, 16-token
+# instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
+# head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
+# changes). H200 (results/decode_config_sweep_deep{,64}_H200_20261122v.log, 16-token
 # pages): D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
 # 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0, B = 16
 # 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4, decode_config_sweep_H200_20261122f.log).
