@@ -160,7 +160,8 @@ class Case:
     def kv_bytes(self) -> int:
         return common.kv_bytes([self.ctx] * self.batch, self.hkv, D, self.cache_dtype, self.group)
 
-    def ours(self, i):
+    def ours(self, i, backend=None):
+        """Set i on `backend`, or (None) through the automatic choice (`backend()` says which)."""
         import torch_ops
 
         q, k, v, ks, vs = self.sets[i]
@@ -168,9 +169,15 @@ class Case:
         bt, sl = self.block_tables, self.seq_lens
 
         def fn():
-            with torch_ops.use_backend("triton"):
+            with torch_ops.use_backend(backend):
                 torch.ops.attn.paged_decode.out(q, k, v, bt, sl, k_scale=ks, v_scale=vs, out=out, lse=lse)
         return fn
+
+    def backend(self) -> str:
+        import torch_ops
+
+        q, k, v, ks, vs = self.sets[0]
+        return torch_ops.backend_for("paged_decode", q, k, v, self.block_tables, self.seq_lens, k_scale=ks, v_scale=vs)
 
 
 def case_sets(batch, ctx, hq, hkv, fmt, l2_bytes, free_bytes):
@@ -347,6 +354,7 @@ class Runner:
         n_sets = case_sets(batch, ctx, hq, hkv, fmt, self.l2, self.free_bytes())
         case = Case(batch, ctx, hq, hkv, fmt, n_sets=n_sets)
         row["rotated_sets"] = n_sets
+        row["backend"] = case.backend()
         if self.args.check:
             row["check"] = common.run_check(functools.partial(check_ours, case))
         t, how = common.time_us([case.ours(i) for i in range(n_sets)])
@@ -354,7 +362,7 @@ class Runner:
         row["ours_GBps"] = kv / t / 1e3
         row["ours_pct_copy"] = 100 * row["ours_GBps"] / bw["copy_GBps"]
         row["ours_pct_read"] = 100 * row["ours_GBps"] / bw["read_GBps"]
-        row["kernel"] = kernel_report()
+        row["kernel"] = kernel_report() if row["backend"] == "triton" else {}
         contiguous = None
         for peer in peers:
             if self.time_left() < 20:
@@ -469,7 +477,7 @@ def tune(runner: Runner, bw) -> list[dict]:
             b, ctx, hq, hkv = shape
             cases[key] = Case(b, ctx, hq, hkv, fmt, n_sets=case_sets(b, ctx, hq, hkv, fmt, runner.l2, runner.free_bytes()))
         case = cases[key]
-        fns = [case.ours(i) for i in range(len(case.sets))]
+        fns = [case.ours(i, "triton") for i in range(len(case.sets))]
         saved = {k: getattr(pd, k) for k in knobs}
         res = {"shape": list(shape), "fmt": fmt, "variant": name}
         try:

@@ -40,7 +40,9 @@ def decode_section(data: dict, name: str) -> list[str]:
         "`GB/s` = KV bytes read / time; `%read` = of the measured read bandwidth. Ratios are peer "
         "time / our time (> 1: we are faster); FI = FlashInfer decode (CUDA cores), FI-tc = "
         "FlashInfer with tensor cores (its prefill kernel). cuDNN/flash SDPA and FlexAttention "
-        "read a contiguous cache. D = 128, block size 16, bf16 queries.",
+        "read a contiguous cache. D = 128, block size 16, bf16 queries. `(cuda)`: the automatic "
+        "choice ran the CUDA kernel (torch_ops/cuda_decode.py); otherwise, or in runs before it "
+        "existed, the Triton kernel.",
         "",
         "| B | ctx | Hq/Hkv | KV | ours µs | GB/s | %read | FI | FI-tc | cuDNN | flash | flex "
         "| ×best FI | ×cuDNN | err ok |",
@@ -49,7 +51,8 @@ def decode_section(data: dict, name: str) -> list[str]:
     for row in data["rows"]:
         fi = [r for r in (_ratio(row, "flashinfer"), _ratio(row, "flashinfer_tc")) if r]
         lines.append(
-            f"| {row['batch']} | {row['ctx']} | {row['hq']}/{row['hkv']} | {row['fmt']} | "
+            f"| {row['batch']} | {row['ctx']} | {row['hq']}/{row['hkv']} | {row['fmt']}"
+            f"{' (cuda)' if row.get('backend') == 'cuda' else ''} | "
             f"{row['ours_us']:.1f} | {row['ours_GBps']:.0f} | {100 * row['ours_GBps'] / read:.0f} | "
             + " | ".join(_us(row, p) for p in PEERS)
             + f" | {_fmt_ratio(min(fi) if fi else None)} | {_fmt_ratio(_ratio(row, 'cudnn_sdpa'))} | "

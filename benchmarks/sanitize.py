@@ -1,5 +1,5 @@
-"""A sample of every Triton op's configurations (and of the CUTLASS kernels: `cutlass`), run
-once each, for compute-sanitizer:
+"""A sample of every Triton op's configurations (and of the CUTLASS kernels: `cutlass`, and the
+CUDA decode kernel: `cuda_decode`), run once each, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize.py
 
@@ -133,8 +133,27 @@ def run_cutlass():
     print("paged_prefill (cutlass, mixed): ok")
 
 
+def run_cuda_decode():
+    """The CUDA decode kernel (csrc/decode_sm90.cu): odd and empty lengths, 1..8 query tokens,
+    D = 64 and 128, fp16 and bf16, each cluster size from 1 to 16 (its merge in distributed
+    shared memory)."""
+    from torch_ops import cuda_decode
+
+    real = cuda_decode.cluster_size
+    with torch_ops.use_backend("cuda"):
+        for size, d, (hq, hkv, qps), dtype in itertools.product(
+                (1, 2, 3, 4, 8, 16), (64, 128), ((8, 2, 1), (32, 32, 1), (8, 1, 2), (16, 2, 2)),
+                (torch.bfloat16, torch.float16)):
+            cuda_decode.cluster_size = lambda *a, size=size: size
+            q, cache, tables, seq_lens = paged_case("bf16", 16, [1, 17, 0, 300, 1000], hq=hq, hkv=hkv, d=d,
+                                                    q_per_seq=qps)
+            torch.ops.attn.paged_decode(q.to(dtype), cache.k.to(dtype), cache.v.to(dtype), tables, seq_lens)
+    cuda_decode.cluster_size = real
+    print("paged_decode (cuda): ok")
+
+
 OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write,
-       "merge_states": run_merge_states, "cutlass": run_cutlass}
+       "merge_states": run_merge_states, "cutlass": run_cutlass, "cuda_decode": run_cuda_decode}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

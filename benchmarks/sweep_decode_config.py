@@ -126,7 +126,7 @@ def input_sets(b, hq, hkv, ctx, d, layout, dev):
     if layout not in ("p16", "one"):
         from bench_decode import Case
         case = Case(b, ctx, hq, hkv, layout, n_sets=count, device=dev)
-        return [case.ours(i) for i in range(count)]
+        return [case.ours(i, "triton") for i in range(count)]
     sets = []
     for _ in range(count):
         q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)

@@ -26,15 +26,12 @@ library built elsewhere (e.g. a tuning variant).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,13 +39,16 @@ from pathlib import Path
 
 import torch
 
+from .nvcc import ARCH, CSRC, cache_dir, find_nvcc
+from .nvcc import file_lock as _file_lock
+from .nvcc import nvcc_version as _nvcc_version
+from .nvcc import run_tool as _run_tool
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
-ARCH = "90a"
 VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}   # kernel family -> entry suffix
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
@@ -102,17 +102,6 @@ def cutlass_include_dirs() -> list[Path]:
     return [root / "include", root / "tools" / "util" / "include", root / "examples" / "88_hopper_fmha"]
 
 
-def find_nvcc() -> str | None:
-    if os.environ.get("ATTN_NVCC"):
-        return os.environ["ATTN_NVCC"]
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidate = Path(cuda_home or "/usr/local/cuda") / "bin" / "nvcc"
-    return str(candidate) if candidate.exists() else None
-
-
 def compile_command(nvcc: str, element: str, head_dim: int, output: Path, include_dirs: list[Path],
                     defines: tuple[str, ...] = (), variant: str = "plain") -> list[str]:
     """nvcc command line that compiles the `element` x `head_dim` instantiation of kernel family
@@ -138,10 +127,6 @@ def _cutlass_version() -> str:
     from importlib.metadata import version
 
     return version("nvidia-cutlass")
-
-
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def built_variants() -> tuple[str, ...]:
@@ -202,27 +187,6 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
             raise RuntimeError(f"linking the CUTLASS kernels failed:\n{result.stderr[-4000:]}")
         os.replace(staged, output)   # atomic: a concurrent reader sees the old file or the whole new one
     return output
-
-
-def _run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATTN_CACHE_DIR") or Path.home() / ".cache" / "attn_ops")
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def library_path() -> Path:

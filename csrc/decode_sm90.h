@@ -1,0 +1,44 @@
+// C ABI of the small-problem paged decode kernel in decode_sm90.cu: plain C, no torch headers.
+// torch_ops/cuda_decode.py mirrors this struct field by field (ctypes.Structure `DecodeArgs`).
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum AttnDecodeDtype { ATTN_DECODE_BF16 = 0, ATTN_DECODE_FP16 = 1 };
+
+typedef struct {
+  // query [batch * q_per_seq, hq, head_dim] (token, head strides in elements; dim stride 1)
+  const void* q;
+  // caches [num_blocks, block_size, hkv, head_dim] (block, token, head strides; dim stride 1),
+  // the query's dtype
+  const void* k_cache;
+  const void* v_cache;
+  const int* block_tables;  // [batch, >= max_blocks] int32 (block_table_stride)
+  const int* seq_lens;      // [batch] int32: keys of each sequence
+  void* out;                // [batch * q_per_seq, hq, head_dim], the query's dtype
+  float* lse;               // [batch * q_per_seq, hq] fp32, natural log
+  int64_t q_token_stride, q_head_stride;
+  int64_t k_block_stride, k_token_stride, k_head_stride;
+  int64_t v_block_stride, v_token_stride, v_head_stride;
+  int64_t block_table_stride;
+  int64_t out_token_stride, out_head_stride;
+  int64_t lse_token_stride, lse_head_stride;
+  int32_t batch, hq, hkv, head_dim, q_per_seq, block_size;
+  int32_t dtype;            // AttnDecodeDtype
+  int32_t cluster_size;     // CTAs (splits of the key range) per (sequence, KV head): 1, 2, 4, 8 or 16
+  float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling
+} AttnDecodeArgs;
+
+// int attn_decode_sm90(const AttnDecodeArgs*, void* stream, char* err, int err_len): 0 on success,
+// else nonzero with a message in err. Rows (q_per_seq x hq / hkv) at most 16; head_dim 64 or 128.
+int attn_decode_sm90(const AttnDecodeArgs* args, void* stream, char* err, int err_len);
+// How many clusters of args->cluster_size CTAs (for args->dtype and head_dim) fit on the current
+// device at once, or -1 on error.
+int attn_decode_sm90_max_clusters(const AttnDecodeArgs* args);
+
+#ifdef __cplusplus
+}
+#endif

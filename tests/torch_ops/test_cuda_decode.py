@@ -1,0 +1,157 @@
+"""The `cuda` backend (torch_ops/cuda_decode.py, csrc/decode_sm90.cu): paged decode of small problems.
+
+CPU: the C ABI mirror, the grid and automatic-choice rules, the reasons it declines a call. GPU
+(marked): the kernel against the float64 reference with the error-ratio tolerance (the checks of
+the Triton kernel's tests), every cluster size, CUDA-graph replays, the automatic choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import re
+
+import pytest
+import torch
+
+import torch_ops
+from torch_ops import cuda_decode as cd
+from torch_ops.nvcc import CSRC
+from torch_ops.testing import assert_replays_match_eager, poison_
+from tests.torch_ops.kernels import test_paged_decode as tp
+
+CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int*": ctypes.c_void_p,
+          "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+
+
+def test_args_mirror_the_header():
+    header = (CSRC / "decode_sm90.h").read_text()
+    body = re.search(r"typedef struct \{(.*?)\} AttnDecodeArgs;", header, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        ctype, names = re.fullmatch(r"(const void\*|void\*|const int\*|float\*|int64_t|int32_t|float)\s+(.+);", line).groups()
+        fields += [(name.strip(), CTYPES[ctype]) for name in names.split(",")]
+    assert [(n, t) for n, t in cd.DecodeArgs._fields_] == fields
+
+
+def test_cluster_size_is_a_resident_power_of_two():
+    sms = 132
+
+    def resident(n):   # one CTA per SM, and clusters of 16 fit 7 GPCs only (the H200's answer)
+        return {1: 132, 2: 66, 4: 30, 8: 15, 16: 7}.get(n, sms // n)
+    assert cd.cluster_size(1, 8, 16384, resident) == 8        # 16 clusters of 16 would not all be resident
+    assert cd.cluster_size(1, 4, 16384, resident) == 16
+    assert cd.cluster_size(1, 32, 16384, resident) == 2       # 32 > 30 clusters of 4 fit
+    assert cd.cluster_size(4, 32, 16384, resident) == 1
+    assert cd.cluster_size(1, 8, 256, resident) == 2          # each warp keeps >= MIN_WARP_KEYS keys
+    assert cd.cluster_size(200, 8, 512, resident) == 1        # more pairs than SMs: no clusters
+
+
+def _problem(device="cpu", *, t=4, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, cache_dtype=None):
+    q = torch.zeros(t, hq, d, dtype=dtype, device=device)
+    k = torch.zeros(8, bs, hkv, d, dtype=cache_dtype or dtype, device=device)
+    return q, k, k.clone(), torch.zeros(t, 4, dtype=torch.int32, device=device), torch.full((t,), 5, dtype=torch.int32, device=device)
+
+
+def test_unsupported_names_what_is_missing():
+    assert cd.unsupported(*_problem()) == ["the CUDA decode kernel needs CUDA tensors, got cpu"]
+    why = " | ".join(cd.unsupported(*_problem(hq=64, hkv=2, bs=24, d=96), softcap=5.0, sinks=torch.zeros(64)))
+    for part in ("32 query rows per KV head", "block_size 24", "head dim 96", "soft-capping", "learned sinks"):
+        assert part in why
+    why = " | ".join(cd.unsupported(*_problem(cache_dtype=torch.float8_e4m3fn)))
+    assert "bf16/fp16 caches" in why
+
+
+def test_explicit_request_on_cpu_raises():
+    q, k, v, bt, sl = _problem()
+    with torch_ops.use_backend("cuda"), pytest.raises(ValueError, match="'cuda' cannot run attn::paged_decode"):
+        torch.ops.attn.paged_decode(q, k, v, bt, sl)
+
+
+def test_compile_command():
+    cmd = cd.compile_command("/opt/nvcc", torch_ops.nvcc.Path("/tmp/lib.so"), ("ATTN_DECODE_STAGES=3",))
+    assert cmd[0] == "/opt/nvcc" and "-shared" in cmd and "-gencode=arch=compute_90a,code=sm_90a" in cmd
+    assert str(CSRC / "decode_sm90.cu") in cmd and "-DATTN_DECODE_STAGES=3" in cmd and cmd[-2:] == ["-o", "/tmp/lib.so"]
+
+
+@pytest.mark.parametrize("keys,size,ctas,declined", [
+    (1024, 2, 64, False), (4096, 1, 128, False), (4096, 2, 64, True), (16384, 8, 64, False),
+    (16384, 16, 64, True), (16384, 1, 128, True), (65536, 8, 64, True),
+])
+def test_automatic_choice_rule(monkeypatch, keys, size, ctas, declined):
+    q, k, v, _, sl = _problem()
+    bt = torch.zeros(sl.shape[0], keys // 16, dtype=torch.int32)
+    monkeypatch.setattr(cd, "_grid", lambda *a: (size, ctas, 132, 132))
+    assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
+    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 32, 16, 132))   # more pairs (4 x 8) than resident CTAs
+    assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+
+
+def _run_cuda(q, cache, bt, sl, **options):
+    out = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+    with torch_ops.use_backend("cuda"):
+        torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **options)
+    return out, lse
+
+
+MATRIX = [(d, dtype, hq, hkv, qps) for d in cd.HEAD_DIMS for dtype in (torch.bfloat16, torch.float16)
+          for hq, hkv in ((32, 32), (32, 8), (64, 8), (32, 4), (16, 1), (8, 2)) for qps in (1, 2, 4)
+          if qps * hq // hkv <= cd.MAX_ROWS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,hq,hkv,qps", MATRIX)
+def test_matrix(kernel_device, monkeypatch, d, dtype, hq, hkv, qps):
+    """Odd lengths (0, 1, block size +- 1, non-multiples), random pages, shared prefixes, every
+    layout, the automatic cluster size and forced ones."""
+    rng = random.Random(f"{d}{dtype}{hq}{hkv}{qps}")
+    real = cd.cluster_size
+    for forced in (None, 1, 2, 3, 4, 8, 16):
+        monkeypatch.setattr(cd, "cluster_size", lambda *a, forced=forced: forced or real(*a))
+        lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
+        lens = [max(n, qps) if n else 0 for n in lens]
+        q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=rng.choice([16, 32, 48, 256]),
+                                           qps=qps, dtype=dtype, layout=rng.choice(["NHD", "HND", "vllm"]),
+                                           share_prefix=rng.random() < 0.3)
+        out, lse = _run_cuda(q, cache, bt, sl)
+        tp.check(q, cache, bt, sl, out, lse)
+
+
+@pytest.mark.gpu
+def test_scale_options(kernel_device):
+    q, cache, bt, sl = tp.make_problem(kernel_device, lens=[700, 33], hq=32, hkv=8, d=128, bs=16,
+                                       index_dtype=torch.int64)
+    out, lse = _run_cuda(q, cache, bt, sl, scale=0.3, q_scaling=1.5)
+    tp.check(q, cache, bt, sl, out, lse, scale=0.3, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_new_lengths(kernel_device):
+    q, cache, bt, sl = tp.make_problem(kernel_device, lens=[900] * 4, hq=32, hkv=8, d=128, bs=16)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=kernel_device)
+    steps = [[900, 40, 0, 300], [17, 800, 5, 0], [1, 1, 1, 1], [900, 899, 898, 897]]
+
+    def fill(step):
+        sl.copy_(torch.tensor(steps[step], dtype=torch.int32))
+        q.normal_()
+
+    def call():
+        with torch_ops.use_backend("cuda"):
+            torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse)
+    assert_replays_match_eager(call, fill, [out, lse], lambda o, l: tp.check(q, cache, bt, sl, o, l))
+
+
+@pytest.mark.gpu
+def test_automatic_choice_on_the_gpu(kernel_device):
+    small = tp.make_problem(kernel_device, lens=[512] * 4, hq=32, hkv=8, d=128, bs=16)
+    large = tp.make_problem(kernel_device, lens=[16] * 512, hq=32, hkv=8, d=128, bs=16)
+    for (q, cache, bt, sl), want in ((small, "cuda"), (large, "triton")):
+        assert torch_ops.backend_for("paged_decode", q, cache.k, cache.v, bt, sl) == want

@@ -1,0 +1,287 @@
+"""The `cuda` backend: `attn::paged_decode` of small problems through csrc/decode_sm90.cu.
+
+One launch per call: the keys of a (sequence, KV head) are split over the CTAs of a thread-block
+cluster (`cluster_size`) and over each CTA's 8 warps; the partial softmax states meet in shared
+memory, then in distributed shared memory (the kernel's header says how). No split-K workspace
+and no merge kernel: at small batch those, and the Triton kernel's long per-tile instruction
+chain, are most of the Triton kernel's time.
+
+Serves bf16/fp16 caches of the query's dtype, head dims 64 and 128, block sizes that are
+multiples of 16, up to 16 query rows per KV head (`q_per_seq x Hq / Hkv`), and the plain options
+(`scale`, `q_scaling`). The automatic choice takes it where it measured faster than the Triton
+kernel (`auto_declines`).
+
+The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
+just-in-time build on first use (one translation unit without CUTLASS headers, ~5 s), cached
+under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
+`ATTN_DECODE_LIBRARY` points at a library built elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .nvcc import ARCH, CSRC, cache_dir, file_lock, find_nvcc, nvcc_version, run_tool
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("decode_sm90.cu", "decode_sm90.h")
+PREBUILT = Path(__file__).resolve().parent / "_decode_sm90.so"
+LIBRARY_NAME = "libattn_decode_sm90.so"
+HEAD_DIMS = (64, 128)
+MAX_ROWS = 16            # query rows per KV head: one 16-row MMA tile
+BLOCK_MULTIPLE = 16      # block_size must be a multiple of the kernel's key tile
+WARPS = 8                # per CTA (ATTN_DECODE_WARPS in the kernel)
+MAX_CLUSTER = 16         # CTAs per cluster (16 is the non-portable maximum on Hopper)
+MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key tile of the table
+# automatic choice: tables of up to SHORT_KEYS keys, or up to MID_KEYS keys when the grid fills
+# FULL_GRID of the SMs, or up to LONG_KEYS keys in clusters of LONG_CLUSTERS CTAs (see auto_declines)
+SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
+FULL_GRID = 0.75
+LONG_CLUSTERS = (4, 8)
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
+PLAIN_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
+    "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
+    "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "out_scale": (None, "FP8 output"),
+}
+
+
+# ---- build ---------------------------------------------------------------------------------------
+
+
+def compile_command(nvcc: str, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
+    return [
+        nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
+        "-shared", "-cudart=static", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
+        *(f"-D{d}" for d in defines), f"-I{CSRC}", str(CSRC / "decode_sm90.cu"), "-o", str(output),
+    ]
+
+
+def build_key(nvcc: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    for part in (nvcc_version(nvcc), " ".join(compile_command("nvcc", Path("o")))):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = ()) -> Path:
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (set ATTN_NVCC or CUDA_HOME) to build the CUDA decode kernel")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        staged = Path(tmp) / LIBRARY_NAME
+        cmd = compile_command(nvcc, staged, defines)
+        result = run_tool(cmd)
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        os.replace(staged, output)
+    return output
+
+
+@functools.cache
+def library_path() -> Path:
+    if os.environ.get("ATTN_DECODE_LIBRARY"):
+        return Path(os.environ["ATTN_DECODE_LIBRARY"])
+    if PREBUILT.exists():
+        return PREBUILT
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no prebuilt CUDA decode library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
+    target = cache_dir() / f"decode_sm90-{build_key(nvcc)}" / LIBRARY_NAME
+    with file_lock(target.parent.with_suffix(".lock")):
+        if not target.exists():
+            log.warning("attn-ops: compiling the CUDA decode kernel (csrc/decode_sm90.cu, sm_%s) with %s into %s",
+                        ARCH, nvcc, target.parent)
+            start = time.perf_counter()
+            build(target, nvcc=nvcc)
+            log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
+                        target.stat().st_size / 1e6)
+    return target
+
+
+class DecodeArgs(ctypes.Structure):
+    """Mirror of `AttnDecodeArgs` (csrc/decode_sm90.h), field by field."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out", "lse")),
+        *((name, ctypes.c_int64) for name in (
+            "q_token_stride", "q_head_stride", "k_block_stride", "k_token_stride", "k_head_stride",
+            "v_block_stride", "v_token_stride", "v_head_stride", "block_table_stride",
+            "out_token_stride", "out_head_stride", "lse_token_stride", "lse_head_stride")),
+        *((name, ctypes.c_int32) for name in (
+            "batch", "hq", "hkv", "head_dim", "q_per_seq", "block_size", "dtype", "cluster_size")),
+        ("softmax_scale", ctypes.c_float),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.attn_decode_sm90.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.attn_decode_sm90.restype = ctypes.c_int
+    lib.attn_decode_sm90_max_clusters.argtypes = [ctypes.POINTER(DecodeArgs)]
+    lib.attn_decode_sm90_max_clusters.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def resident_clusters(path: Path, device_index: int, dtype: torch.dtype, head_dim: int, size: int) -> int:
+    """Clusters of `size` CTAs that fit on the device at once (the hardware's answer)."""
+    args = DecodeArgs(head_dim=head_dim, dtype=DTYPES[dtype], cluster_size=size, hq=1, hkv=1, q_per_seq=1, batch=1)
+    with torch.cuda.device(device_index):
+        n = _library(path).attn_decode_sm90_max_clusters(ctypes.byref(args))
+    if n < 0:
+        raise RuntimeError(f"cudaOccupancyMaxActiveClusters failed for clusters of {size}")
+    return n
+
+
+# ---- the problems it serves ------------------------------------------------------------------------
+
+
+def cluster_size(batch: int, num_kv_heads: int, capacity: int, resident: Callable[[int], int]) -> int:
+    """CTAs per (sequence, KV head), from shapes only (CUDA-graph safe): the largest power of two
+    whose clusters, one per (sequence, KV head), are all resident at once (`resident(size)`: how
+    many the device holds), leaving each warp at least `MIN_WARP_KEYS` of the table's `capacity`.
+    H200, D = 128 (results/trial_cuda_decode_*_H200_20261122w.log): a second wave of clusters
+    doubles the time; sizes that are not powers of two (3, 6, 9) ran 2-12% slower than the power of
+    two below them."""
+    units = batch * num_kv_heads
+    size = 1
+    while (size * 2 <= MAX_CLUSTER and capacity >= size * 2 * WARPS * MIN_WARP_KEYS
+           and units <= resident(size * 2)):
+        size *= 2
+    return size
+
+
+def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
+    """(cluster size, CTAs, resident single CTAs, SMs) of a call."""
+    d, batch, hkv = query.shape[-1], seq_lens.shape[0], k_cache.shape[2]
+    path = library_path()
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+
+    def resident(n: int) -> int:
+        return resident_clusters(path, index, query.dtype, d, n)
+
+    capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
+    size = cluster_size(batch, hkv, capacity, resident)
+    return size, size * batch * hkv, resident(1), torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _build_unavailable() -> str | None:
+    """Why the library can be neither loaded nor built here (None: it can)."""
+    if PREBUILT.exists() or os.environ.get("ATTN_DECODE_LIBRARY"):
+        return None
+    if find_nvcc() is None:
+        return "no prebuilt CUDA decode library (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
+    if not (CSRC / SOURCES[0]).exists():
+        return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
+    return None
+
+
+def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None, **options) -> list[str]:
+    """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
+    why = []
+    if query.device.type != "cuda":
+        why.append(f"the CUDA decode kernel needs CUDA tensors, got {query.device.type}")
+    elif torch.cuda.get_device_capability(query.device) != (9, 0):
+        why.append("the CUDA decode kernel is built for sm_90a (Hopper) only")
+    elif _build_unavailable():
+        why.append(_build_unavailable())
+    if query.dtype not in DTYPES or k_cache.dtype != query.dtype:
+        why.append(f"bf16/fp16 caches of the query's dtype only, got a {k_cache.dtype} cache")
+    t, hq, d = query.shape
+    if d not in HEAD_DIMS:
+        why.append(f"head dim {d} is not built (built: {HEAD_DIMS})")
+    batch, hkv = seq_lens.shape[0], k_cache.shape[2]
+    rows = (t // batch) * (hq // hkv) if batch else 0
+    if rows > MAX_ROWS:
+        why.append(f"{rows} query rows per KV head (q_per_seq x Hq / Hkv) > {MAX_ROWS}")
+    if k_cache.shape[1] % BLOCK_MULTIPLE:
+        why.append(f"block_size {k_cache.shape[1]} is not a multiple of {BLOCK_MULTIPLE}")
+    for name, tensor in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if tensor.data_ptr() % 16 or any(s % 8 for s in tensor.stride()[:-1]):
+            why.append(f"{name} needs 16-byte aligned data and strides (multiples of 8 elements), got {tensor.stride()}")
+    if batch > 65535 or hkv > 65535:
+        why.append("batch and KV heads must be at most 65535 (grid dimensions)")
+    for name, (off, what) in PLAIN_OPTIONS.items():
+        value = options.get(name, off)
+        if (value is not None) if off is None else (value != off):
+            why.append(f"{what} ({name}) is not implemented in the CUDA decode kernel")
+    return why
+
+
+def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
+        k_scale=None, v_scale=None, **options) -> None:
+    t, hq, d = query.shape
+    batch = seq_lens.shape[0]
+    if t == 0 or batch == 0:
+        return
+    _, block_size, hkv, _ = k_cache.shape
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    if not tables.numel():
+        tables = torch.zeros(batch, 1, dtype=torch.int32, device=query.device)
+    size = _grid(query, k_cache, tables, seq_lens)[0]
+    args = DecodeArgs(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), lse.data_ptr(),
+        query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        batch, hq, hkv, d, t // batch, block_size, DTYPES[query.dtype],
+        size,
+        (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
+    )
+    err = ctypes.create_string_buffer(512)
+    with torch.cuda.device(query.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        if _library(library_path()).attn_decode_sm90(ctypes.byref(args), stream, err, len(err)) != 0:
+            raise RuntimeError(f"CUDA paged_decode failed: {err.value.decode()}")
+
+
+class CudaDecodeBackend:
+    """`attn::paged_decode` of small problems through csrc/decode_sm90.cu."""
+
+    name = "cuda"
+    auto_devices = ("cuda",)
+
+    def reasons(self, op, args, kwargs):
+        if op != "paged_decode":
+            return [f"no CUDA kernel for attn::{op}"]
+        return unsupported(*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
+
+    def auto_declines(self, op, args, kwargs):
+        """Where the Triton kernel measured faster. H200, D = 128, bf16, 16-token pages, one
+        process (results/trial_cuda_decode_*_H200_20261122w.log): this kernel streams ~45 GB/s
+        per SM and starts in a few µs, the Triton kernel needs split-K and a merge kernel below
+        ~100 (sequence, KV head) pairs but reaches the HBM limit with all SMs on long tables.
+        So: one wave of CTAs at most; then tables of <= 1k keys (1.02-1.4x the Triton kernel),
+        <= 4k keys if the grid covers 3/4 of the SMs (1.02-1.11x), and up to 32k keys in clusters
+        of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 lost 3-22% from 2k keys).
+        D = 64 takes the same rule (unmeasured)."""
+        query, k_cache, _, block_tables, seq_lens = args[:5]
+        size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
+        keys = block_tables.shape[1] * k_cache.shape[1]
+        if seq_lens.shape[0] * k_cache.shape[2] > single:
+            return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]
+        if (keys <= SHORT_KEYS or (keys <= MID_KEYS and ctas >= FULL_GRID * sms)
+                or (keys <= LONG_KEYS and size in LONG_CLUSTERS)):
+            return []
+        return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size}: the Triton kernel is faster (measured)"]
+
+    def run(self, op, args, kwargs):
+        run(*args, **kwargs)

@@ -1,0 +1,52 @@
+"""What the CUDA libraries built from csrc/ share: finding nvcc, running it, and the on-disk
+cache of just-in-time builds (`torch_ops.cutlass`, `torch_ops.cuda_decode`). No torch import."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+ARCH = "90a"
+
+
+def find_nvcc() -> str | None:
+    """`ATTN_NVCC`, else `nvcc` on PATH, else `$CUDA_HOME/bin/nvcc` (None if none exists)."""
+    if os.environ.get("ATTN_NVCC"):
+        return os.environ["ATTN_NVCC"]
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(cuda_home or "/usr/local/cuda") / "bin" / "nvcc"
+    return str(candidate) if candidate.exists() else None
+
+
+def nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def run_tool(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def cache_dir() -> Path:
+    """Where just-in-time builds are kept: `ATTN_CACHE_DIR`, default `~/.cache/attn_ops`."""
+    return Path(os.environ.get("ATTN_CACHE_DIR") or Path.home() / ".cache" / "attn_ops")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on `path` across processes (so that concurrent processes build once)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
