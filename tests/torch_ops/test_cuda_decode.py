@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_explicit_request_on_cpu_raises():
 
 
 def test_compile_command():
-    cmd = cd.compile_command("/opt/nvcc", torch_ops.nvcc.Path("/tmp/lib.so"), ("ATTN_DECODE_STAGES=3",))
+    cmd = cd.compile_command("/opt/nvcc", Path("/tmp/lib.so"), ("ATTN_DECODE_STAGES=3",))
     assert cmd[0] == "/opt/nvcc" and "-shared" in cmd and "-gencode=arch=compute_90a,code=sm_90a" in cmd
     assert str(CSRC / "decode_sm90.cu") in cmd and "-DATTN_DECODE_STAGES=3" in cmd and cmd[-2:] == ["-o", "/tmp/lib.so"]
 
