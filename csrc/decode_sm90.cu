@@ -17,12 +17,22 @@
 //   bank conflicts.
 // - Merge: each warp's (m, l, O) to shared memory, combined per CTA; with a cluster, every CTA
 //   combines a slice of the rows x dims from all CTAs' shared memory and writes out and lse.
+// - FP8/INT8/INT4 caches (4-stage pipelines, group scales copied beside each tile): each thread
+//   reads its own bytes of a key row with one or two 16-byte loads and turns them into fp16 MMA
+//   operands in registers (FP8: cvt; INT8/INT4: the 0x6400 exponent trick, then the group scale).
+//   The dot product does not care in which order the head dims are summed, so each thread's
+//   bytes feed the k-slots of its Q K^T fragment in storage order and the query is loaded in the
+//   same order; for P V each thread owns D/8 consecutive dims, one per n-tile, and the output
+//   is written back by that map. The query is multiplied by the softmax scale and rounded to fp16.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
 #include <stdio.h>
+
+#include <type_traits>
 
 #include "decode_sm90.h"
 
@@ -36,18 +46,33 @@ namespace {
 #ifndef ATTN_DECODE_STAGES
 #define ATTN_DECODE_STAGES 2
 #endif
+#ifndef ATTN_DECODE_QUANT_STAGES
+#define ATTN_DECODE_QUANT_STAGES 4
+#endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;       // query rows of a CTA: one m16 MMA tile
 constexpr int kKeys = 16;       // keys per tile
 constexpr int kMaxCluster = 16;
 
-template <int D>
+// how a cache format stores a key row
+template <int F>
+struct Storage {
+  static constexpr bool kPlain = F == ATTN_DECODE_KV_PLAIN;
+  static constexpr bool kFp8 = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2;
+  static constexpr bool kGrouped = F == ATTN_DECODE_KV_INT8 || F == ATTN_DECODE_KV_INT4;
+  static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
+};
+
+template <int D, int F>
 struct Layout {
-  static constexpr int kRowBytes = D * 2 + 16;            // one padded key row in shared memory
+  static constexpr int kRowBytes = D * Storage<F>::kBits / 8 + 16;  // one padded key row in shared memory
   static constexpr int kTileBytes = kKeys * kRowBytes;    // a K or a V tile
-  static constexpr int kStages = ATTN_DECODE_STAGES;      // K/V tile buffers per warp
-  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;
+  static constexpr int kScaleRow = 16;                    // bytes per key of a group-scale tile
+  static constexpr int kScaleBytes = Storage<F>::kGrouped ? kKeys * kScaleRow : 0;
+  static constexpr int kStageBytes = 2 * kTileBytes + 2 * kScaleBytes;  // K, V, K scales, V scales
+  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : ATTN_DECODE_QUANT_STAGES;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kOStride = D + 8;                  // floats per row of an O buffer
   static constexpr int kCtaO = kWarps * kWarpBytes;       // byte offsets of the merge buffers
   static constexpr int kWarpM = kCtaO + kRows * kOStride * 4;
@@ -74,6 +99,7 @@ struct Elem<__nv_bfloat16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
   static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x)); }
 };
 template <>
 struct Elem<__half> {
@@ -87,6 +113,7 @@ struct Elem<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
   static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) { return __half22float2(*reinterpret_cast<__half2*>(&x)); }
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -97,6 +124,17 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
+}
+// 4, 8 or 16 bytes global -> shared (a scale row); zeros when !valid
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, int bytes, bool valid) {
+  const int n = valid ? bytes : 0;
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+  } else if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -126,9 +164,151 @@ __device__ __forceinline__ float weight(float m, float m_all) {
   return m == -CUDART_INF_F ? 0.f : exp2_approx(m - m_all);
 }
 
-template <typename T, int D>
+// ---- FP8/INT8/INT4 -> fp16 pairs (a uint32_t holds two fp16 values, the first in the low half)
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+// (a & mask) | bits
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+__device__ __forceinline__ __half2 as_h2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
+__device__ __forceinline__ uint32_t as_u32(__half2 x) { return *reinterpret_cast<uint32_t*>(&x); }
+
+// bytes (b0, b1, b2, b3) of w -> fp16 pairs (b0, b1) and (b2, b3)
+template <int F>
+__device__ __forceinline__ void bytes_to_half2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (F == ATTN_DECODE_KV_INT8) {
+    // 0x64XX is the fp16 1024 + XX: bias the signed bytes to XX = x + 128, then subtract 1152
+    const uint32_t x = w ^ 0x80808080u;
+    const __half2 bias = __float2half2_rn(1152.f);
+    lo = as_u32(__hsub2(as_h2(prmt(x, 0x64646464u, 0x4140u)), bias));
+    hi = as_u32(__hsub2(as_h2(prmt(x, 0x64646464u, 0x4342u)), bias));
+  } else {
+    constexpr __nv_fp8_interpretation_t kind = F == ATTN_DECODE_KV_E4M3 ? __NV_E4M3 : __NV_E5M2;
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), kind);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), kind);
+    lo = a.x | (uint32_t(a.y) << 16);
+    hi = b.x | (uint32_t(b.y) << 16);
+  }
+}
+
+// 8 offset-8 nibbles (e0 .. e7, e0 lowest) -> fp16 pairs (e0, e4), (e1, e5), (e2, e6), (e3, e7)
+__device__ __forceinline__ void nibbles_to_half2(uint32_t w, uint32_t (&r)[4]) {
+  const __half2 bias = __float2half2_rn(1032.f), sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.f);
+  const uint32_t w8 = w >> 8;
+  r[0] = as_u32(__hsub2(as_h2(and_or(w, 0x000f000fu, 0x64006400u)), bias));          // 1024 + n
+  r[1] = as_u32(__hfma2(as_h2(and_or(w, 0x00f000f0u, 0x64006400u)), sixteenth, bias16));  // 1024 + 16 n
+  r[2] = as_u32(__hsub2(as_h2(and_or(w8, 0x000f000fu, 0x64006400u)), bias));
+  r[3] = as_u32(__hfma2(as_h2(and_or(w8, 0x00f000f0u, 0x64006400u)), sixteenth, bias16));
+}
+
+// Group scales of the two values of a pair. The product is rounded to fp16 once, as the
+// reference dequantizes: a packed fp16 multiply for fp16 scale caches, fp32 for fp32 ones.
+template <bool kFp32>
+struct PairScale {
+  float lo, hi;
+  __device__ __forceinline__ uint32_t apply(uint32_t x) const {
+    if constexpr (kFp32) {
+      const float2 v = __half22float2(as_h2(x));
+      return as_u32(__floats2half2_rn(v.x * lo, v.y * hi));
+    }
+    return as_u32(__hmul2(as_h2(x), __floats2half2_rn(lo, hi)));
+  }
+};
+
+// one group scale of a scale tile row
+__device__ __forceinline__ float load_scale(const unsigned char* row, int group, bool fp32) {
+  return fp32 ? reinterpret_cast<const float*>(row)[group] : __half2float(reinterpret_cast<const __half*>(row)[group]);
+}
+
+template <int N>
+__device__ __forceinline__ void load_words(const unsigned char* p, uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N % 4 == 0, "1, 2 or 4k words");
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+// The quantized formats' operand maps. A thread (lane = 4 g + t4) owns, of each key row of a K
+// tile, the D/4 elements from t4 * D/4; of each V row, the D/8 elements from g * D/8.
+template <int D, int F>
+struct QuantMap {
+  static constexpr bool kInt4 = F == ATTN_DECODE_KV_INT4;
+  static constexpr int kKWords = D * Storage<F>::kBits / 8 / 4 / 4;  // 32-bit words of a K row slice
+  static constexpr int kVWords = kKWords / 2;                          // of a V row slice
+  // head dim of k-slot (kk, r, e) of Q K^T (B operand register r, half e) for lane t4
+  static __device__ __forceinline__ int k_dim(int t4, int kk, int r, int e) {
+    return t4 * (D / 4) + (kInt4 ? 8 * (kk / 2) + 2 * (kk % 2) + r + 4 * e : 4 * kk + 2 * r + e);
+  }
+  // head dim of column c of P V n-tile nt
+  static __device__ __forceinline__ int v_dim(int c, int nt) { return c * (D / 8) + nt; }
+};
+
+// Q K^T operands of key row `row` of a quantized K tile: kb[kk] = B registers of k-step kk
+template <int D, int F, bool S>
+__device__ __forceinline__ void quant_k_operands(const unsigned char* row, int t4, const PairScale<S>& s, uint32_t (&kb)[D / 16][2]) {
+  using Map = QuantMap<D, F>;
+  uint32_t w[Map::kKWords];
+  load_words(row + t4 * Map::kKWords * 4, w);
+#pragma unroll
+  for (int j = 0; j < Map::kKWords; ++j) {
+    if constexpr (Map::kInt4) {
+      uint32_t r[4];
+      nibbles_to_half2(w[j], r);
+      kb[2 * j][0] = r[0], kb[2 * j][1] = r[1], kb[2 * j + 1][0] = r[2], kb[2 * j + 1][1] = r[3];
+    } else {
+      bytes_to_half2<F>(w[j], kb[j][0], kb[j][1]);
+    }
+  }
+  if constexpr (Storage<F>::kGrouped) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) kb[kk][0] = s.apply(kb[kk][0]), kb[kk][1] = s.apply(kb[kk][1]);
+  }
+}
+
+// P V operands of word u of the V row slices of keys (k0, k1): vb[i] = the B register (k0, k1)
+// of n-tile u * (4 or 8) + i
+template <int F, bool S>
+__device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const PairScale<S>& s,
+                                                 uint32_t (&vb)[F == ATTN_DECODE_KV_INT4 ? 8 : 4]) {
+  if constexpr (F == ATTN_DECODE_KV_INT4) {
+    uint32_t r[4];
+    nibbles_to_half2(prmt(w0, w1, 0x5410u), r);   // bytes (k0.0, k0.1, k1.0, k1.1): nibbles 0-3 of both keys
+    vb[0] = r[0], vb[1] = r[1], vb[2] = r[2], vb[3] = r[3];
+    nibbles_to_half2(prmt(w0, w1, 0x7632u), r);   // nibbles 4-7
+    vb[4] = r[0], vb[5] = r[1], vb[6] = r[2], vb[7] = r[3];
+  } else {
+    bytes_to_half2<F>(prmt(w0, w1, 0x5140u), vb[0], vb[1]);  // bytes (k0.0, k1.0, k0.1, k1.1)
+    bytes_to_half2<F>(prmt(w0, w1, 0x7362u), vb[2], vb[3]);
+  }
+  if constexpr (Storage<F>::kGrouped) {
+#pragma unroll
+    for (int i = 0; i < (F == ATTN_DECODE_KV_INT4 ? 8 : 4); ++i) vb[i] = s.apply(vb[i]);
+  }
+}
+
+// kScaleF32: INT8/INT4 with fp32 scale caches
+template <typename T, int D, int F, bool kScaleF32>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a) {
-  using Lay = Layout<D>;
+  using Lay = Layout<D, F>;
+  using KV = Storage<F>;
+  using Map = QuantMap<D, F>;
+  using M = std::conditional_t<KV::kPlain, T, __half>;  // the MMA operand type
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -139,6 +319,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
   const int L = a.seq_lens[b];
   const int bs = a.block_size;
   const float scale_log2 = a.softmax_scale * 1.4426950408889634f;
+  // logits s = q.k * smult[row]: plain caches multiply by the softmax scale; quantized ones by
+  // k_scale (FP8) and by the power of two that brought the row's query into fp16 range
+  float kv_mult = 1.f, out_mult = 1.f;
+  if constexpr (KV::kFp8) {
+    const int h = a.scale_per_head ? kvh : 0;
+    kv_mult = static_cast<const float*>(a.k_scale)[h];
+    out_mult = static_cast<const float*>(a.v_scale)[h];
+  }
 
   // this warp's keys [start, end), cut in 16-key tiles
   const int units = a.cluster_size * kWarps;
@@ -151,6 +339,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
   const T* q = static_cast<const T*>(a.q);
   uint32_t qf[D / 16][4];
   int limit[2];
+  float smult[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int m = g + 8 * h;
@@ -160,23 +349,68 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
     limit[h] = min(end, L - a.q_per_seq + token + 1);
     const T* row = q + (int64_t)(b * a.q_per_seq + token) * a.q_token_stride +
                    (int64_t)(kvh * group + mm % group) * a.q_head_stride;
+    if constexpr (KV::kPlain) {
+      smult[h] = scale_log2;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      qf[kk][h] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 2 * t4) : 0u;
-      qf[kk][2 + h] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 + 2 * t4) : 0u;
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          qf[kk][2 * r + h] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 * r + 2 * t4) : 0u;
+    } else {
+      // the thread's D/4 dims from t4 * D/4 in 16-byte loads, scaled by a power of two so that the
+      // row's max |q| <= 2^15 (exact), then rounded to fp16 in the K slices' order (QuantMap)
+      float x[D / 4];
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const uint4 v = real ? reinterpret_cast<const uint4*>(row + t4 * (D / 4))[i] : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Elem<T>::unpack(w[j]);
+          x[8 * i + 2 * j] = f.x, x[8 * i + 2 * j + 1] = f.y;
+        }
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < D / 4; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      int e;
+      frexpf(amax, &e);
+      const int shift = max(0, e - 15);
+      const float down = ldexpf(1.f, -shift);
+      smult[h] = scale_log2 * kv_mult * ldexpf(1.f, shift);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          qf[kk][2 * r + h] = Elem<__half>::pack(x[Map::k_dim(0, kk, r, 0)] * down, x[Map::k_dim(0, kk, r, 1)] * down);
     }
   }
 
   // the K/V pipeline of this warp
   unsigned char* wbuf = smem + warp * Lay::kWarpBytes;
   const uint32_t wsmem = smem_addr(wbuf);
-  const T* kbase = static_cast<const T*>(a.k_cache) + kvh * a.k_head_stride;
-  const T* vbase = static_cast<const T*>(a.v_cache) + kvh * a.v_head_stride;
+  constexpr int kElemBytes = KV::kPlain ? 2 : 1;  // of the cache tensors' elements (INT4: a byte of two)
+  const unsigned char* kbase = static_cast<const unsigned char*>(a.k_cache) + kvh * a.k_head_stride * kElemBytes;
+  const unsigned char* vbase = static_cast<const unsigned char*>(a.v_cache) + kvh * a.v_head_stride * kElemBytes;
   const int* table = a.block_tables + b * a.block_table_stride;
-  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  constexpr int kChunks = (Lay::kRowBytes - 16) / 16;   // 16-byte chunks per row
   constexpr int kPerLane = kKeys * kChunks / 32;
   constexpr int kRowStep = 32 / kChunks;         // rows per pass of the warp
-  static_assert(32 % kChunks == 0, "a row is 1, 2, 4, 8, 16 or 32 chunks");
+  static_assert(32 % kChunks == 0 && kPerLane >= 1, "a row is 1, 2, 4, 8, 16 or 32 chunks");
+  // group scales: lane l < 16 copies the K scales of key l, lane 16 + l the V scales
+  const int scale_bytes = KV::kGrouped ? (a.head_dim / a.quant_group) * (kScaleF32 ? 4 : 2) : 0;
+  constexpr int scale_elem = kScaleF32 ? 4 : 2;
+  const unsigned char* sbase = nullptr;
+  int64_t s_block = 0, s_token = 0;
+  if constexpr (KV::kGrouped) {
+    const bool v = lane >= 16;
+    sbase = static_cast<const unsigned char*>(v ? a.v_scale : a.k_scale) +
+            kvh * (v ? a.vs_head_stride : a.ks_head_stride) * scale_elem;
+    s_block = (v ? a.vs_block_stride : a.ks_block_stride) * scale_elem;
+    s_token = (v ? a.vs_token_stride : a.ks_token_stride) * scale_elem;
+  }
   // tiles lie in one page (block_size % 16 == 0): lane j holds the page and offset of tile 32 i + j
   int lane_page = 0, lane_off = 0;
   auto fetch_pages = [&](int first) {
@@ -192,22 +426,27 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
     const int page = __shfl_sync(0xffffffffu, lane_page, tile & 31);
     const int off = __shfl_sync(0xffffffffu, lane_off, tile & 31);
     const int t0 = start + tile * kKeys;
-    const uint32_t sk = wsmem + (tile % Lay::kStages) * 2 * Lay::kTileBytes;
+    const uint32_t sk = wsmem + (tile % Lay::kStages) * Lay::kStageBytes;
     const uint32_t sv = sk + Lay::kTileBytes;
-    const T* kp = kbase + (int64_t)page * a.k_block_stride + (int64_t)off * a.k_token_stride;
-    const T* vp = vbase + (int64_t)page * a.v_block_stride + (int64_t)off * a.v_token_stride;
+    const unsigned char* kp = kbase + (page * a.k_block_stride + off * a.k_token_stride) * kElemBytes;
+    const unsigned char* vp = vbase + (page * a.v_block_stride + off * a.v_token_stride) * kElemBytes;
     // lane copies 16-byte chunk c of rows r0, r0 + kRowStep, ...
     const int r0 = lane / kChunks, c = lane % kChunks;
-    kp += r0 * a.k_token_stride + c * 8;
-    vp += r0 * a.v_token_stride + c * 8;
+    kp += (r0 * a.k_token_stride) * kElemBytes + c * 16;
+    vp += (r0 * a.v_token_stride) * kElemBytes + c * 16;
     const uint32_t so = r0 * Lay::kRowBytes + c * 16;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const bool ok = t0 + r0 + i * kRowStep < end;
       cp_async16(sk + so + i * kRowStep * Lay::kRowBytes, kp, ok);
       cp_async16(sv + so + i * kRowStep * Lay::kRowBytes, vp, ok);
-      kp += kRowStep * a.k_token_stride;
-      vp += kRowStep * a.v_token_stride;
+      kp += kRowStep * a.k_token_stride * kElemBytes;
+      vp += kRowStep * a.v_token_stride * kElemBytes;
+    }
+    if constexpr (KV::kGrouped) {
+      const int key = lane & 15;
+      const uint32_t dst = sk + 2 * Lay::kTileBytes + (lane >> 4) * Lay::kScaleBytes + key * Lay::kScaleRow;
+      cp_async_small(dst, sbase + page * s_block + (off + key) * s_token, scale_bytes, t0 + key < end);
     }
   };
 
@@ -216,10 +455,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
 
-  // ldmatrix lane addresses: K (x4: keys 0-7 / 8-15 x the two 8-dim halves of a k-step),
-  // V (x4.trans: keys 0-7 / 8-15 x two 8-dim blocks)
+  // ldmatrix lane addresses (plain caches): K (x4: keys 0-7 / 8-15 x the two 8-dim halves of a
+  // k-step), V (x4.trans: keys 0-7 / 8-15 x two 8-dim blocks)
   const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+  // the group of the thread's K and V slices (one each: quant_group >= D / 4)
+  const int k_group = KV::kGrouped ? t4 * (D / 4) / a.quant_group : 0;
+  const int v_group = KV::kGrouped ? g * (D / 8) / a.quant_group : 0;
 
 #pragma unroll
   for (int i = 0; i < Lay::kStages - 1; ++i) {
@@ -231,17 +473,40 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
     cp_async_commit();
     cp_async_wait<Lay::kStages - 1>();
     __syncwarp();
-    const uint32_t sk = wsmem + (it % Lay::kStages) * 2 * Lay::kTileBytes;
+    const uint32_t sk = wsmem + (it % Lay::kStages) * Lay::kStageBytes;
     const uint32_t sv = sk + Lay::kTileBytes;
+    const unsigned char* tile_k = wbuf + (it % Lay::kStages) * Lay::kStageBytes;
+    const unsigned char* tile_v = tile_k + Lay::kTileBytes;
+    const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
+    const unsigned char* scales_v = scales_k + Lay::kScaleBytes;
 
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
+    if constexpr (KV::kPlain) {
+      const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t kb[4];
-      ldmatrix_x4(ka + kk * 32, kb);
-      Elem<T>::mma(s[0], qf[kk], kb[0], kb[1]);
-      Elem<T>::mma(s[1], qf[kk], kb[2], kb[3]);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t kb[4];
+        ldmatrix_x4(ka + kk * 32, kb);
+        Elem<M>::mma(s[0], qf[kk], kb[0], kb[1]);
+        Elem<M>::mma(s[1], qf[kk], kb[2], kb[3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {  // key rows g and g + 8
+        const int key = g + 8 * j;
+        PairScale<kScaleF32> sc{1.f, 1.f};
+        if constexpr (KV::kGrouped) sc.lo = sc.hi = load_scale(scales_k + key * Lay::kScaleRow, k_group, kScaleF32);
+        uint32_t kb[D / 16][2];
+        quant_k_operands<D, F, kScaleF32>(tile_k + key * Lay::kRowBytes, t4, sc, kb);
+        float odd[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulator chains: half the MMA latency
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          Elem<M>::mma(s[j], qf[kk], kb[kk][0], kb[kk][1]);
+          Elem<M>::mma(odd, qf[kk + 1], kb[kk + 1][0], kb[kk + 1][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[j][i] += odd[i];
+      }
     }
 
     // mask, scale, online softmax (row g: s[.][0..1], row g + 8: s[.][2..3])
@@ -256,7 +521,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
         for (int e = 0; e < 2; ++e) {
           const int key = t0 + 8 * j + 2 * t4 + e;
           float& x = s[j][2 * h + e];
-          x = key < limit[h] ? x * scale_log2 : -CUDART_INF_F;
+          x = key < limit[h] ? x * smult[h] : -CUDART_INF_F;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -287,15 +552,38 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
     }
 
     // O += P V: P (16 rows x 16 keys) straight from the score registers
-    const uint32_t pa[4] = {Elem<T>::pack(s[0][0], s[0][1]), Elem<T>::pack(s[0][2], s[0][3]),
-                            Elem<T>::pack(s[1][0], s[1][1]), Elem<T>::pack(s[1][2], s[1][3])};
-    const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
+    const uint32_t pa[4] = {Elem<M>::pack(s[0][0], s[0][1]), Elem<M>::pack(s[0][2], s[0][3]),
+                            Elem<M>::pack(s[1][0], s[1][1]), Elem<M>::pack(s[1][2], s[1][3])};
+    if constexpr (KV::kPlain) {
+      const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
 #pragma unroll
-    for (int jj = 0; jj < D / 16; ++jj) {
-      uint32_t vb[4];
-      ldmatrix_x4_trans(va + jj * 32, vb);
-      Elem<T>::mma(o[2 * jj], pa, vb[0], vb[1]);
-      Elem<T>::mma(o[2 * jj + 1], pa, vb[2], vb[3]);
+      for (int jj = 0; jj < D / 16; ++jj) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(va + jj * 32, vb);
+        Elem<M>::mma(o[2 * jj], pa, vb[0], vb[1]);
+        Elem<M>::mma(o[2 * jj + 1], pa, vb[2], vb[3]);
+      }
+    } else {
+      // keys 2 t4, 2 t4 + 1 (B register 0) and 2 t4 + 8, 2 t4 + 9 (register 1)
+      uint32_t w[4][Map::kVWords];
+      PairScale<kScaleF32> sc[2] = {{1.f, 1.f}, {1.f, 1.f}};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) load_words(tile_v + (2 * t4 + (i & 1) + 8 * (i >> 1)) * Lay::kRowBytes + g * Map::kVWords * 4, w[i]);
+      if constexpr (KV::kGrouped) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          sc[r] = {load_scale(scales_v + (2 * t4 + 8 * r) * Lay::kScaleRow, v_group, kScaleF32),
+                   load_scale(scales_v + (2 * t4 + 8 * r + 1) * Lay::kScaleRow, v_group, kScaleF32)};
+      }
+      constexpr int kPer = Map::kInt4 ? 8 : 4;  // n-tiles per word
+#pragma unroll
+      for (int u = 0; u < Map::kVWords; ++u) {
+        uint32_t b0[kPer], b1[kPer];
+        quant_v_operands<F, kScaleF32>(w[0][u], w[1][u], sc[0], b0);
+        quant_v_operands<F, kScaleF32>(w[2][u], w[3][u], sc[1], b1);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) Elem<M>::mma(o[u * kPer + i], pa, b0[i], b1[i]);
+      }
     }
     __syncwarp();
   }
@@ -311,8 +599,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
   float* wo = reinterpret_cast<float*>(wbuf);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
-    *reinterpret_cast<float2*>(wo + g * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][0], o[j][1]);
-    *reinterpret_cast<float2*>(wo + (g + 8) * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][2], o[j][3]);
+    if constexpr (KV::kPlain) {
+      *reinterpret_cast<float2*>(wo + g * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][0], o[j][1]);
+      *reinterpret_cast<float2*>(wo + (g + 8) * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][2], o[j][3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = Map::v_dim(2 * t4 + e, j);
+        wo[g * Lay::kOStride + col] = o[j][e];
+        wo[(g + 8) * Lay::kOStride + col] = o[j][2 + e];
+      }
+    }
   }
   float* warp_m = reinterpret_cast<float*>(smem + Lay::kWarpM);
   float* warp_l = reinterpret_cast<float*>(smem + Lay::kWarpL);
@@ -351,7 +648,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
       l_all += f * warp_l[w * kRows + m];
     }
     if (single) {
-      out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all : 0.f);
+      out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all * out_mult : 0.f);
       if (col == 0) lse_of(m, m_all, l_all);
     } else {
       cta_o[m * Lay::kOStride + col] = acc;
@@ -389,16 +686,16 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a
     for (int r = 0; r < n; ++r)
       acc += factor[m * kMaxCluster + r] * cluster.map_shared_rank(cta_o, r)[m * Lay::kOStride + col];
     const float l_all = row_l[m];
-    out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all : 0.f);
+    out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all * out_mult : 0.f);
   }
   cluster.sync();  // no CTA leaves while the others read its shared memory
 }
 
-template <typename T, int D>
+template <typename T, int D, int F, bool S>
 cudaError_t configure() {
   static const cudaError_t configured = [] {
-    auto kernel = decode_kernel<T, D>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<D>::kBytes);
+    auto kernel = decode_kernel<T, D, F, S>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<D, F>::kBytes);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     return e;
   }();
@@ -423,15 +720,15 @@ struct LaunchConfig {
   }
 };
 
-template <typename T, int D>
+template <typename T, int D, int F, bool S>
 int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len) {
-  cudaError_t e = configure<T, D>();
+  cudaError_t e = configure<T, D, F, S>();
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     return 1;
   }
-  LaunchConfig lc(a, Layout<D>::kBytes, stream);
-  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D>, a);
+  LaunchConfig lc(a, Layout<D, F>::kBytes, stream);
+  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D, F, S>, a);
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: launch (cluster %d, grid %d x %d x %d): %s", a.cluster_size,
              a.cluster_size, a.hkv, a.batch, cudaGetErrorString(e));
@@ -440,14 +737,58 @@ int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len)
   return 0;
 }
 
-template <typename T, int D>
+template <typename T, int D, int F, bool S>
 int max_clusters(const AttnDecodeArgs& a) {
-  if (configure<T, D>() != cudaSuccess) return -1;
+  if (configure<T, D, F, S>() != cudaSuccess) return -1;
   AttnDecodeArgs one = a;
   one.hkv = one.batch = 1;
-  LaunchConfig lc(one, Layout<D>::kBytes, nullptr);
+  LaunchConfig lc(one, Layout<D, F>::kBytes, nullptr);
   int n = 0;
-  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D>, &lc.cfg) == cudaSuccess ? n : -1;
+  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D, F, S>, &lc.cfg) == cudaSuccess ? n : -1;
+}
+
+struct Launcher {
+  const AttnDecodeArgs& a;
+  cudaStream_t stream;
+  char* err;
+  int err_len;
+  template <typename T, int D, int F, bool S>
+  int operator()() const { return launch<T, D, F, S>(a, stream, err, err_len); }
+};
+struct ClusterCounter {
+  const AttnDecodeArgs& a;
+  template <typename T, int D, int F, bool S>
+  int operator()() const { return max_clusters<T, D, F, S>(a); }
+};
+
+// run `f.template operator()<T, D, F, S>()` for the call's query dtype, head dim, cache format and
+// (INT8/INT4) scale dtype
+template <typename Fn>
+int dispatch(const AttnDecodeArgs& a, const Fn& f) {
+  auto by_format = [&](auto t, auto d) -> int {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+    switch (a.kv_format) {
+      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false>();
+      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false>();
+      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false>();
+      case ATTN_DECODE_KV_INT8:
+        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT8, true>()
+                            : f.template operator()<T, D, ATTN_DECODE_KV_INT8, false>();
+      case ATTN_DECODE_KV_INT4:
+        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT4, true>()
+                            : f.template operator()<T, D, ATTN_DECODE_KV_INT4, false>();
+      default: return -2;
+    }
+  };
+  auto by_dim = [&](auto t) -> int {
+    switch (a.head_dim) {
+      case 64: return by_format(t, std::integral_constant<int, 64>());
+      case 128: return by_format(t, std::integral_constant<int, 128>());
+      default: return -3;
+    }
+  };
+  return a.dtype == ATTN_DECODE_BF16 ? by_dim(__nv_bfloat16()) : by_dim(__half());
 }
 
 }  // namespace
@@ -462,22 +803,24 @@ extern "C" __attribute__((visibility("default"))) int attn_decode_sm90(const Att
              a.cluster_size, a.block_size);
     return 1;
   }
-  if (a.batch == 0) return 0;
-  const bool bf16 = a.dtype == ATTN_DECODE_BF16;
-  switch (a.head_dim) {
-    case 64: return bf16 ? launch<__nv_bfloat16, 64>(a, s, err, err_len) : launch<__half, 64>(a, s, err, err_len);
-    case 128: return bf16 ? launch<__nv_bfloat16, 128>(a, s, err, err_len) : launch<__half, 128>(a, s, err, err_len);
-    default: snprintf(err, err_len, "decode_sm90: head_dim %d is not built (64, 128)", a.head_dim); return 1;
+  if (a.kv_format == ATTN_DECODE_KV_INT8 || a.kv_format == ATTN_DECODE_KV_INT4) {
+    const int groups = a.quant_group > 0 ? a.head_dim / a.quant_group : 0;
+    const int row = groups * (a.scale_fp32 ? 4 : 2);
+    if (groups < 1 || groups > 4 || groups * a.quant_group != a.head_dim || (row != 4 && row != 8 && row != 16)) {
+      snprintf(err, err_len, "decode_sm90: unsupported quant_group %d (head_dim %d, %s scales)", a.quant_group,
+               a.head_dim, a.scale_fp32 ? "fp32" : "fp16");
+      return 1;
+    }
   }
+  if (a.batch == 0) return 0;
+  const int r = dispatch(a, Launcher{a, s, err, err_len});
+  if (r < 0) snprintf(err, err_len, "decode_sm90: head_dim %d / kv_format %d is not built", a.head_dim, a.kv_format);
+  return r == 0 ? 0 : 1;
 }
 
 // how many clusters of args->cluster_size CTAs can be resident at once on the current device
 // (for the grid heuristic), or -1
 extern "C" __attribute__((visibility("default"))) int attn_decode_sm90_max_clusters(const AttnDecodeArgs* args) {
-  const bool bf16 = args->dtype == ATTN_DECODE_BF16;
-  switch (args->head_dim) {
-    case 64: return bf16 ? max_clusters<__nv_bfloat16, 64>(*args) : max_clusters<__half, 64>(*args);
-    case 128: return bf16 ? max_clusters<__nv_bfloat16, 128>(*args) : max_clusters<__half, 128>(*args);
-    default: return -1;
-  }
+  const int n = dispatch(*args, ClusterCounter{*args});
+  return n < 0 ? -1 : n;
 }

@@ -8,12 +8,21 @@ extern "C" {
 #endif
 
 enum AttnDecodeDtype { ATTN_DECODE_BF16 = 0, ATTN_DECODE_FP16 = 1 };
+// the cache's storage: the query's dtype, FP8 (per-tensor or per-head fp32 scales), or group-wise
+// symmetric INT8 / packed INT4 (offset-8 nibbles, element 2i low) with a scale cache
+enum AttnDecodeKV {
+  ATTN_DECODE_KV_PLAIN = 0,
+  ATTN_DECODE_KV_E4M3 = 1,
+  ATTN_DECODE_KV_E5M2 = 2,
+  ATTN_DECODE_KV_INT8 = 3,
+  ATTN_DECODE_KV_INT4 = 4,
+};
 
 typedef struct {
   // query [batch * q_per_seq, hq, head_dim] (token, head strides in elements; dim stride 1)
   const void* q;
-  // caches [num_blocks, block_size, hkv, head_dim] (block, token, head strides; dim stride 1),
-  // the query's dtype
+  // caches [num_blocks, block_size, hkv, head_dim] (block, token, head strides; dim stride 1) in
+  // the query's dtype, FP8, INT8, or [..., head_dim / 2] bytes of packed INT4 (kv_format)
   const void* k_cache;
   const void* v_cache;
   const int* block_tables;  // [batch, >= max_blocks] int32 (block_table_stride)
@@ -30,12 +39,23 @@ typedef struct {
   int32_t dtype;            // AttnDecodeDtype
   int32_t cluster_size;     // CTAs (splits of the key range) per (sequence, KV head): 1, 2, 4, 8 or 16
   float softmax_scale;      // (scale or 1/sqrt(D)) / q_scaling
+  int32_t kv_format;        // AttnDecodeKV
+  // FP8: fp32 dequantization scales, one value or one per KV head (scale_per_head).
+  // INT8/INT4: scale caches [num_blocks, block_size, hkv, groups] (strides in elements, last 1),
+  // fp32 (scale_fp32) or fp16, groups = head_dim / quant_group in 1..4, 4 to 16 bytes per row.
+  const void* k_scale;
+  const void* v_scale;
+  int64_t ks_block_stride, ks_token_stride, ks_head_stride;
+  int64_t vs_block_stride, vs_token_stride, vs_head_stride;
+  int32_t scale_per_head, scale_fp32, quant_group;
 } AttnDecodeArgs;
 
 // int attn_decode_sm90(const AttnDecodeArgs*, void* stream, char* err, int err_len): 0 on success,
 // else nonzero with a message in err. Rows (q_per_seq x hq / hkv) at most 16; head_dim 64 or 128.
+// The query is bf16 or fp16; FP8/INT8/INT4 caches are dequantized to fp16 in registers (the
+// products run in fp16, the query converted after the softmax scale).
 int attn_decode_sm90(const AttnDecodeArgs* args, void* stream, char* err, int err_len);
-// How many clusters of args->cluster_size CTAs (for args->dtype and head_dim) fit on the current
+// How many clusters of args->cluster_size CTAs (for args->dtype, kv_format and head_dim) fit on the current
 // device at once, or -1 on error.
 int attn_decode_sm90_max_clusters(const AttnDecodeArgs* args);
 

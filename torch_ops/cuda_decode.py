@@ -6,10 +6,11 @@ memory, then in distributed shared memory (the kernel's header says how). No spl
 and no merge kernel: at small batch those, and the Triton kernel's long per-tile instruction
 chain, are most of the Triton kernel's time.
 
-Serves bf16/fp16 caches of the query's dtype, head dims 64 and 128, block sizes that are
-multiples of 16, up to 16 query rows per KV head (`q_per_seq x Hq / Hkv`), and the plain options
-(`scale`, `q_scaling`). The automatic choice takes it where it measured faster than the Triton
-kernel (`auto_declines`).
+Serves bf16/fp16 caches of the query's dtype, FP8 (e4m3/e5m2, per-tensor or per-head scales) and
+group-quantized INT8/INT4 caches with 1 to 4 scale groups per head (`quant_group >= D / 4`), head
+dims 64 and 128, block sizes that are multiples of 16, up to 16 query rows per KV head
+(`q_per_seq x Hq / Hkv`), and the plain options (`scale`, `q_scaling`). The automatic choice
+takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
 just-in-time build on first use (one translation unit without CUTLASS headers, ~5 s), cached
@@ -51,6 +52,8 @@ SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
+KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
+MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
 PLAIN_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "out_scale": (None, "FP8 output"),
@@ -125,6 +128,11 @@ class DecodeArgs(ctypes.Structure):
         *((name, ctypes.c_int32) for name in (
             "batch", "hq", "hkv", "head_dim", "q_per_seq", "block_size", "dtype", "cluster_size")),
         ("softmax_scale", ctypes.c_float),
+        ("kv_format", ctypes.c_int32),
+        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in (
+            "ks_block_stride", "ks_token_stride", "ks_head_stride", "vs_block_stride", "vs_token_stride", "vs_head_stride")),
+        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group")),
     ]
 
 
@@ -138,10 +146,16 @@ def _library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def kv_format_code(cache_dtype: torch.dtype) -> int:
+    return KV_FORMATS.get(cache_dtype, 0)
+
+
 @functools.lru_cache(maxsize=None)
-def resident_clusters(path: Path, device_index: int, dtype: torch.dtype, head_dim: int, size: int) -> int:
+def resident_clusters(path: Path, device_index: int, dtype: torch.dtype, head_dim: int, size: int,
+                      cache_dtype: torch.dtype | None = None) -> int:
     """Clusters of `size` CTAs that fit on the device at once (the hardware's answer)."""
-    args = DecodeArgs(head_dim=head_dim, dtype=DTYPES[dtype], cluster_size=size, hq=1, hkv=1, q_per_seq=1, batch=1)
+    args = DecodeArgs(head_dim=head_dim, dtype=DTYPES[dtype], cluster_size=size, hq=1, hkv=1, q_per_seq=1, batch=1,
+                      kv_format=kv_format_code(cache_dtype or dtype))
     with torch.cuda.device(device_index):
         n = _library(path).attn_decode_sm90_max_clusters(ctypes.byref(args))
     if n < 0:
@@ -174,7 +188,7 @@ def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
 
     def resident(n: int) -> int:
-        return resident_clusters(path, index, query.dtype, d, n)
+        return resident_clusters(path, index, query.dtype, d, n, k_cache.dtype)
 
     capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
     size = cluster_size(batch, hkv, capacity, resident)
@@ -193,6 +207,27 @@ def _build_unavailable() -> str | None:
     return None
 
 
+def _scale_reasons(k_cache, k_scale, v_scale, d: int) -> list[str]:
+    """Why the kernel cannot read these dequantization scales (the front has checked their shapes)."""
+    if k_scale is None or v_scale is None:
+        return [f"a {k_cache.dtype} cache needs k_scale and v_scale"]
+    if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return [f"{name} must have unit stride" for name, t in (("k_scale", k_scale), ("v_scale", v_scale))
+                if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1]
+    groups = k_scale.shape[-1]
+    if groups > MAX_SCALE_GROUPS:
+        return [f"{groups} scale groups per head (quant_group {d // groups}) > {MAX_SCALE_GROUPS}: the CUDA kernel "
+                f"needs quant_group >= D / {MAX_SCALE_GROUPS}"]
+    row = groups * k_scale.element_size()
+    if row not in (4, 8, 16):
+        return [f"{row}-byte scale rows ({groups} x {k_scale.dtype}); the CUDA kernel copies rows of 4, 8 or 16 bytes"]
+    why = []
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.stride(-1) != 1 or t.data_ptr() % row or any(s * t.element_size() % row for s in t.stride()[:3]):
+            why.append(f"{name} needs unit stride over its groups and rows aligned to {row} bytes")
+    return why
+
+
 def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None, **options) -> list[str]:
     """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
     why = []
@@ -202,11 +237,13 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None
         why.append("the CUDA decode kernel is built for sm_90a (Hopper) only")
     elif _build_unavailable():
         why.append(_build_unavailable())
-    if query.dtype not in DTYPES or k_cache.dtype != query.dtype:
-        why.append(f"bf16/fp16 caches of the query's dtype only, got a {k_cache.dtype} cache")
+    if query.dtype not in DTYPES or not (k_cache.dtype == query.dtype or k_cache.dtype in KV_FORMATS):
+        why.append(f"bf16/fp16 queries with caches of their dtype or FP8/INT8/INT4, got {query.dtype} and {k_cache.dtype}")
     t, hq, d = query.shape
     if d not in HEAD_DIMS:
         why.append(f"head dim {d} is not built (built: {HEAD_DIMS})")
+    elif k_cache.dtype in KV_FORMATS:
+        why += _scale_reasons(k_cache, k_scale, v_scale, d)
     batch, hkv = seq_lens.shape[0], k_cache.shape[2]
     rows = (t // batch) * (hq // hkv) if batch else 0
     if rows > MAX_ROWS:
@@ -214,8 +251,9 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None
     if k_cache.shape[1] % BLOCK_MULTIPLE:
         why.append(f"block_size {k_cache.shape[1]} is not a multiple of {BLOCK_MULTIPLE}")
     for name, tensor in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.data_ptr() % 16 or any(s % 8 for s in tensor.stride()[:-1]):
-            why.append(f"{name} needs 16-byte aligned data and strides (multiples of 8 elements), got {tensor.stride()}")
+        if tensor.data_ptr() % 16 or any(s * tensor.element_size() % 16 for s in tensor.stride()[:-1]):
+            why.append(f"{name} needs 16-byte aligned data and strides, got strides {tensor.stride()} of "
+                       f"{tensor.element_size()}-byte elements")
     if batch > 65535 or hkv > 65535:
         why.append("batch and KV heads must be at most 65535 (grid dimensions)")
     for name, (off, what) in PLAIN_OPTIONS.items():
@@ -223,6 +261,18 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None
         if (value is not None) if off is None else (value != off):
             why.append(f"{what} ({name}) is not implemented in the CUDA decode kernel")
     return why
+
+
+def _scale_fields(k_cache, k_scale, v_scale, d: int) -> dict:
+    """The DecodeArgs fields of the cache's dequantization scales."""
+    if k_scale is None:
+        return {}
+    if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return {"k_scale": k_scale.data_ptr(), "v_scale": v_scale.data_ptr(), "scale_per_head": int(k_scale.numel() > 1)}
+    return {"k_scale": k_scale.data_ptr(), "v_scale": v_scale.data_ptr(),
+            **dict(zip(("ks_block_stride", "ks_token_stride", "ks_head_stride"), k_scale.stride()[:3])),
+            **dict(zip(("vs_block_stride", "vs_token_stride", "vs_head_stride"), v_scale.stride()[:3])),
+            "scale_fp32": int(k_scale.dtype == torch.float32), "quant_group": d // k_scale.shape[-1]}
 
 
 def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
@@ -245,6 +295,8 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         batch, hq, hkv, d, t // batch, block_size, DTYPES[query.dtype],
         size,
         (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
+        kv_format_code(k_cache.dtype),
+        **_scale_fields(k_cache, k_scale, v_scale, d),
     )
     err = ctypes.create_string_buffer(512)
     with torch.cuda.device(query.device):
@@ -272,16 +324,19 @@ class CudaDecodeBackend:
         So: one wave of CTAs at most; then tables of <= 1k keys (1.02-1.4x the Triton kernel),
         <= 4k keys if the grid covers 3/4 of the SMs (1.02-1.11x), and up to 32k keys in clusters
         of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 lost 3-22% from 2k keys).
+        FP8/INT8/INT4 caches (trial_cuda_decode_quant_H200_20261123a.log): the same without the
+        long tables in clusters, where each warp's dequantizing chain sets the pace (0.5-0.9x).
         D = 64 takes the same rule (unmeasured)."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         if seq_lens.shape[0] * k_cache.shape[2] > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]
-        if (keys <= SHORT_KEYS or (keys <= MID_KEYS and ctas >= FULL_GRID * sms)
-                or (keys <= LONG_KEYS and size in LONG_CLUSTERS)):
+        long_tables = size in LONG_CLUSTERS and k_cache.dtype not in KV_FORMATS
+        if keys <= SHORT_KEYS or (keys <= MID_KEYS and ctas >= FULL_GRID * sms) or (keys <= LONG_KEYS and long_tables):
             return []
-        return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size}: the Triton kernel is faster (measured)"]
+        return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size} ({k_cache.dtype} cache): "
+                "the Triton kernel is faster (measured)"]
 
     def run(self, op, args, kwargs):
         run(*args, **kwargs)

@@ -63,7 +63,24 @@ def test_unsupported_names_what_is_missing():
     for part in ("32 query rows per KV head", "block_size 24", "head dim 96", "soft-capping", "learned sinks"):
         assert part in why
     why = " | ".join(cd.unsupported(*_problem(cache_dtype=torch.float8_e4m3fn)))
-    assert "bf16/fp16 caches" in why
+    assert "needs k_scale and v_scale" in why
+    why = " | ".join(cd.unsupported(*_problem(dtype=torch.float32)))
+    assert "bf16/fp16 queries" in why
+
+
+@pytest.mark.parametrize("d,groups,scale_dtype,reason", [
+    (128, 4, torch.float16, None), (128, 4, torch.float32, None), (64, 2, torch.float16, None),
+    (128, 8, torch.float16, "8 scale groups per head"),       # quant_group 16 < D / 4
+    (128, 1, torch.float16, "2-byte scale rows"),             # too small for one cp.async
+])
+def test_group_scales_the_kernel_reads(d, groups, scale_dtype, reason):
+    q, k, v, bt, sl = _problem(d=d, cache_dtype=torch.int8)
+    ks = torch.ones(*k.shape[:3], groups, dtype=scale_dtype)
+    why = [w for w in cd.unsupported(q, k, v, bt, sl, k_scale=ks, v_scale=ks.clone()) if "CUDA tensors" not in w]
+    assert why == [] if reason is None else reason in " | ".join(why)
+    fields = cd._scale_fields(k, ks, ks, d)
+    assert fields["quant_group"] == d // groups and fields["scale_fp32"] == (scale_dtype == torch.float32)
+    assert fields["ks_token_stride"] == ks.stride(1)
 
 
 def test_explicit_request_on_cpu_raises():
@@ -78,12 +95,13 @@ def test_compile_command():
     assert str(CSRC / "decode_sm90.cu") in cmd and "-DATTN_DECODE_STAGES=3" in cmd and cmd[-2:] == ["-o", "/tmp/lib.so"]
 
 
-@pytest.mark.parametrize("keys,size,ctas,declined", [
-    (1024, 2, 64, False), (4096, 1, 128, False), (4096, 2, 64, True), (16384, 8, 64, False),
-    (16384, 16, 64, True), (16384, 1, 128, True), (65536, 8, 64, True),
+@pytest.mark.parametrize("keys,size,ctas,cache_dtype,declined", [
+    (1024, 2, 64, None, False), (4096, 1, 128, None, False), (4096, 2, 64, None, True), (16384, 8, 64, None, False),
+    (16384, 16, 64, None, True), (16384, 1, 128, None, True), (65536, 8, 64, None, True),
+    (1024, 8, 64, torch.int8, False), (4096, 1, 128, torch.uint8, False), (16384, 8, 64, torch.float8_e4m3fn, True),
 ])
-def test_automatic_choice_rule(monkeypatch, keys, size, ctas, declined):
-    q, k, v, _, sl = _problem()
+def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, declined):
+    q, k, v, _, sl = _problem(cache_dtype=cache_dtype)
     bt = torch.zeros(sl.shape[0], keys // 16, dtype=torch.int32)
     monkeypatch.setattr(cd, "_grid", lambda *a: (size, ctas, 132, 132))
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
@@ -125,6 +143,36 @@ def test_matrix(kernel_device, monkeypatch, d, dtype, hq, hkv, qps):
         tp.check(q, cache, bt, sl, out, lse)
 
 
+QUANT = [  # (cache dtype, extra make_problem arguments)
+    (torch.float8_e4m3fn, {}), (torch.float8_e4m3fn, {"fp8_per_head": True}), (torch.float8_e5m2, {}),
+    (torch.int8, {"group": 32, "scale_dtype": torch.float16}), (torch.int8, {"group": 64}),
+    (torch.uint8, {"group": 32, "scale_dtype": torch.float16}), (torch.uint8, {"group": 128}),
+]
+QUANT_MATRIX = [(d, dtype, heads, cache_dtype, extra) for d in cd.HEAD_DIMS for dtype in (torch.bfloat16, torch.float16)
+                for heads in ((32, 8, 1), (32, 32, 2), (16, 1, 1), (8, 2, 4)) for cache_dtype, extra in QUANT
+                if extra.get("group", 0) <= d]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,heads,cache_dtype,extra", QUANT_MATRIX)
+def test_quantized_caches(kernel_device, monkeypatch, d, dtype, heads, cache_dtype, extra):
+    """FP8 (per tensor, per head, e5m2), INT8 and INT4 with fp16/fp32 group scales: odd lengths,
+    random pages, every layout, automatic and forced cluster sizes."""
+    hq, hkv, qps = heads
+    rng = random.Random(f"{d}{dtype}{heads}{cache_dtype}{extra}")
+    real = cd.cluster_size
+    for forced in (None, 1, 4, 16):
+        monkeypatch.setattr(cd, "cluster_size", lambda *a, forced=forced: forced or real(*a))
+        lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
+        lens = [max(n, qps) if n else 0 for n in lens]
+        q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=rng.choice([16, 32, 256]),
+                                           qps=qps, dtype=dtype, cache_dtype=cache_dtype,
+                                           layout=rng.choice(["NHD", "HND", "vllm"]), share_prefix=rng.random() < 0.3,
+                                           **extra)
+        out, lse = _run_cuda(q, cache, bt, sl, **cache.scale_kwargs())
+        tp.check(q, cache, bt, sl, out, lse)
+
+
 @pytest.mark.gpu
 def test_scale_options(kernel_device):
     q, cache, bt, sl = tp.make_problem(kernel_device, lens=[700, 33], hq=32, hkv=8, d=128, bs=16,
@@ -154,5 +202,8 @@ def test_cuda_graph_replays_new_lengths(kernel_device):
 def test_automatic_choice_on_the_gpu(kernel_device):
     small = tp.make_problem(kernel_device, lens=[512] * 4, hq=32, hkv=8, d=128, bs=16)
     large = tp.make_problem(kernel_device, lens=[16] * 512, hq=32, hkv=8, d=128, bs=16)
-    for (q, cache, bt, sl), want in ((small, "cuda"), (large, "triton")):
-        assert torch_ops.backend_for("paged_decode", q, cache.k, cache.v, bt, sl) == want
+    small_int8 = tp.make_problem(kernel_device, lens=[512] * 4, hq=32, hkv=8, d=128, bs=16, cache_dtype=torch.int8,
+                                 group=32, scale_dtype=torch.float16)
+    long_fp8 = tp.make_problem(kernel_device, lens=[16384], hq=32, hkv=8, d=128, bs=16, cache_dtype=torch.float8_e4m3fn)
+    for (q, cache, bt, sl), want in ((small, "cuda"), (large, "triton"), (small_int8, "cuda"), (long_fp8, "triton")):
+        assert torch_ops.backend_for("paged_decode", q, cache.k, cache.v, bt, sl, **cache.scale_kwargs()) == want
