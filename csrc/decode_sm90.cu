@@ -49,6 +49,9 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
+#ifndef ATTN_DECODE_QUANT_CTAS
+#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (registers)
+#endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;       // query rows of a CTA: one m16 MMA tile
@@ -64,6 +67,8 @@ struct Storage {
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
 };
 
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
 template <int D, int F>
 struct Layout {
   static constexpr int kRowBytes = D * Storage<F>::kBits / 8 + 16;  // one padded key row in shared memory
@@ -72,8 +77,9 @@ struct Layout {
   static constexpr int kScaleBytes = Storage<F>::kGrouped ? kKeys * kScaleRow : 0;
   static constexpr int kStageBytes = 2 * kTileBytes + 2 * kScaleBytes;  // K, V, K scales, V scales
   static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : ATTN_DECODE_QUANT_STAGES;
-  static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kOStride = D + 8;                  // floats per row of an O buffer
+  // a warp's pipeline buffers, which hold its O (16 rows x kOStride floats) once the loop is done
+  static constexpr int kWarpBytes = cmax(kStages * kStageBytes, kRows * kOStride * 4);
   static constexpr int kCtaO = kWarps * kWarpBytes;       // byte offsets of the merge buffers
   static constexpr int kWarpM = kCtaO + kRows * kOStride * 4;
   static constexpr int kWarpL = kWarpM + kWarps * kRows * 4;
@@ -82,7 +88,6 @@ struct Layout {
   static constexpr int kFactor = kCtaL + kRows * 4;       // [kRows][kMaxCluster] cluster weights
   static constexpr int kRowL = kFactor + kRows * kMaxCluster * 4;
   static constexpr int kBytes = kRowL + kRows * 4;
-  static_assert(kRows * kOStride * 4 <= kWarpBytes, "a warp's O must fit its pipeline buffers");
 };
 
 template <typename T>
@@ -304,7 +309,7 @@ __device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const
 
 // kScaleF32: INT8/INT4 with fp32 scale caches
 template <typename T, int D, int F, bool kScaleF32>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const AttnDecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE_QUANT_CTAS) decode_kernel(const AttnDecodeArgs a) {
   using Lay = Layout<D, F>;
   using KV = Storage<F>;
   using Map = QuantMap<D, F>;

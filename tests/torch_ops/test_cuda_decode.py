@@ -109,6 +109,15 @@ def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, decli
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
 
 
+@pytest.mark.parametrize("batch,keys,declined", [(16, 4096, False), (64, 16384, False), (8, 4096, False), (4, 16384, True),
+                                                 (64, 1024, True)])
+def test_int8_caches_on_many_pairs(monkeypatch, batch, keys, declined):
+    q, k, v, _, _ = _problem(t=batch, cache_dtype=torch.int8)                # 8 KV heads: 8 x batch pairs
+    bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
+    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 8 * batch, 132, 132))
+    assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------
 
 
