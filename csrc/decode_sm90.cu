@@ -49,6 +49,9 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
+#ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
+#define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
+#endif
 #ifndef ATTN_DECODE_QUANT_CTAS
 #define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (registers)
 #endif
@@ -65,6 +68,10 @@ struct Storage {
   static constexpr bool kFp8 = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2;
   static constexpr bool kGrouped = F == ATTN_DECODE_KV_INT8 || F == ATTN_DECODE_KV_INT4;
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
+  // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
+  // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
+  static constexpr int kTilesPerStep = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2 || F == ATTN_DECODE_KV_INT4
+                                           ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -468,67 +475,72 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   const int k_group = KV::kGrouped ? t4 * (D / 4) / a.quant_group : 0;
   const int v_group = KV::kGrouped ? g * (D / 8) / a.quant_group : 0;
 
+  // kSteps tiles per softmax step (Storage::kTilesPerStep): their dequantization and MMAs are
+  // independent work for the warp, and they share one max / rescale. A last odd tile takes a
+  // step of its own.
+  constexpr int kSteps = KV::kTilesPerStep;
+  static_assert(Lay::kStages >= 2 * kSteps, "the tiles of a step and of the next one in flight");
 #pragma unroll
-  for (int i = 0; i < Lay::kStages - 1; ++i) {
+  for (int i = 0; i < Lay::kStages - kSteps; ++i) {
     if (i < n_tiles) issue(i);
     cp_async_commit();
   }
-  for (int it = 0; it < n_tiles; ++it) {
-    if (it + Lay::kStages - 1 < n_tiles) issue(it + Lay::kStages - 1);
-    cp_async_commit();
-    cp_async_wait<Lay::kStages - 1>();
-    __syncwarp();
-    const uint32_t sk = wsmem + (it % Lay::kStages) * Lay::kStageBytes;
-    const uint32_t sv = sk + Lay::kTileBytes;
-    const unsigned char* tile_k = wbuf + (it % Lay::kStages) * Lay::kStageBytes;
-    const unsigned char* tile_v = tile_k + Lay::kTileBytes;
-    const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
-    const unsigned char* scales_v = scales_k + Lay::kScaleBytes;
-
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    if constexpr (KV::kPlain) {
-      const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
+  auto step = [&](int it, auto tiles) {
+    constexpr int kN = decltype(tiles)::value;
+    float s[kN][2][4];
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t kb[4];
-        ldmatrix_x4(ka + kk * 32, kb);
-        Elem<M>::mma(s[0], qf[kk], kb[0], kb[1]);
-        Elem<M>::mma(s[1], qf[kk], kb[2], kb[3]);
-      }
-    } else {
+    for (int tt = 0; tt < kN; ++tt) {
+      const int stage = (it + tt) % Lay::kStages;
+      const uint32_t sk = wsmem + stage * Lay::kStageBytes;
+      const unsigned char* tile_k = wbuf + stage * Lay::kStageBytes;
+      const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {  // key rows g and g + 8
-        const int key = g + 8 * j;
-        PairScale<kScaleF32> sc{1.f, 1.f};
-        if constexpr (KV::kGrouped) sc.lo = sc.hi = load_scale(scales_k + key * Lay::kScaleRow, k_group, kScaleF32);
-        uint32_t kb[D / 16][2];
-        quant_k_operands<D, F, kScaleF32>(tile_k + key * Lay::kRowBytes, t4, sc, kb);
-        float odd[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulator chains: half the MMA latency
+      for (int j = 0; j < 2; ++j) s[tt][j][0] = s[tt][j][1] = s[tt][j][2] = s[tt][j][3] = 0.f;
+      if constexpr (KV::kPlain) {
+        const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk += 2) {
-          Elem<M>::mma(s[j], qf[kk], kb[kk][0], kb[kk][1]);
-          Elem<M>::mma(odd, qf[kk + 1], kb[kk + 1][0], kb[kk + 1][1]);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t kb[4];
+          ldmatrix_x4(ka + kk * 32, kb);
+          Elem<M>::mma(s[tt][0], qf[kk], kb[0], kb[1]);
+          Elem<M>::mma(s[tt][1], qf[kk], kb[2], kb[3]);
         }
+      } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s[j][i] += odd[i];
+        for (int j = 0; j < 2; ++j) {  // key rows g and g + 8
+          const int key = g + 8 * j;
+          PairScale<kScaleF32> sc{1.f, 1.f};
+          if constexpr (KV::kGrouped) sc.lo = sc.hi = load_scale(scales_k + key * Lay::kScaleRow, k_group, kScaleF32);
+          uint32_t kb[D / 16][2];
+          quant_k_operands<D, F, kScaleF32>(tile_k + key * Lay::kRowBytes, t4, sc, kb);
+          float odd[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulator chains: half the MMA latency
+#pragma unroll
+          for (int kk = 0; kk < D / 16; kk += 2) {
+            Elem<M>::mma(s[tt][j], qf[kk], kb[kk][0], kb[kk][1]);
+            Elem<M>::mma(odd, qf[kk + 1], kb[kk + 1][0], kb[kk + 1][1]);
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[tt][j][i] += odd[i];
+        }
       }
     }
 
-    // mask, scale, online softmax (row g: s[.][0..1], row g + 8: s[.][2..3])
-    const int t0 = start + it * kKeys;
+    // mask, scale, online softmax (row g: s[.][.][0..1], row g + 8: s[.][.][2..3])
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -CUDART_INF_F;
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int tt = 0; tt < kN; ++tt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = t0 + 8 * j + 2 * t4 + e;
-          float& x = s[j][2 * h + e];
-          x = key < limit[h] ? x * smult[h] : -CUDART_INF_F;
-          mx = fmaxf(mx, x);
-        }
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = start + (it + tt) * kKeys + 8 * j + 2 * t4 + e;
+            float& x = s[tt][j][2 * h + e];
+            x = key < limit[h] ? x * smult[h] : -CUDART_INF_F;
+            mx = fmaxf(mx, x);
+          }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run[h], mx);
@@ -537,13 +549,15 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
       m_run[h] = m_new;
       float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int tt = 0; tt < kN; ++tt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[j][2 * h + e];
-          x = exp2_approx(x - m_use);
-          sum += x;
-        }
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[tt][j][2 * h + e];
+            x = exp2_approx(x - m_use);
+            sum += x;
+          }
       l_run[h] = l_run[h] * alpha[h] + sum;
     }
     if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
@@ -556,39 +570,61 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
       }
     }
 
-    // O += P V: P (16 rows x 16 keys) straight from the score registers
-    const uint32_t pa[4] = {Elem<M>::pack(s[0][0], s[0][1]), Elem<M>::pack(s[0][2], s[0][3]),
-                            Elem<M>::pack(s[1][0], s[1][1]), Elem<M>::pack(s[1][2], s[1][3])};
-    if constexpr (KV::kPlain) {
-      const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
+    // O += P V: P (16 rows x 16 keys of each tile) straight from the score registers
 #pragma unroll
-      for (int jj = 0; jj < D / 16; ++jj) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(va + jj * 32, vb);
-        Elem<M>::mma(o[2 * jj], pa, vb[0], vb[1]);
-        Elem<M>::mma(o[2 * jj + 1], pa, vb[2], vb[3]);
+    for (int tt = 0; tt < kN; ++tt) {
+      const int stage = (it + tt) % Lay::kStages;
+      const uint32_t sv = wsmem + stage * Lay::kStageBytes + Lay::kTileBytes;
+      const unsigned char* tile_v = wbuf + stage * Lay::kStageBytes + Lay::kTileBytes;
+      const unsigned char* scales_v = tile_v + Lay::kTileBytes + Lay::kScaleBytes;
+      const uint32_t pa[4] = {Elem<M>::pack(s[tt][0][0], s[tt][0][1]), Elem<M>::pack(s[tt][0][2], s[tt][0][3]),
+                              Elem<M>::pack(s[tt][1][0], s[tt][1][1]), Elem<M>::pack(s[tt][1][2], s[tt][1][3])};
+      if constexpr (KV::kPlain) {
+        const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
+#pragma unroll
+        for (int jj = 0; jj < D / 16; ++jj) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(va + jj * 32, vb);
+          Elem<M>::mma(o[2 * jj], pa, vb[0], vb[1]);
+          Elem<M>::mma(o[2 * jj + 1], pa, vb[2], vb[3]);
+        }
+      } else {
+        // keys 2 t4, 2 t4 + 1 (B register 0) and 2 t4 + 8, 2 t4 + 9 (register 1)
+        uint32_t w[4][Map::kVWords];
+        PairScale<kScaleF32> sc[2] = {{1.f, 1.f}, {1.f, 1.f}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          load_words(tile_v + (2 * t4 + (i & 1) + 8 * (i >> 1)) * Lay::kRowBytes + g * Map::kVWords * 4, w[i]);
+        if constexpr (KV::kGrouped) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            sc[r] = {load_scale(scales_v + (2 * t4 + 8 * r) * Lay::kScaleRow, v_group, kScaleF32),
+                     load_scale(scales_v + (2 * t4 + 8 * r + 1) * Lay::kScaleRow, v_group, kScaleF32)};
+        }
+        constexpr int kPer = Map::kInt4 ? 8 : 4;  // n-tiles per word
+#pragma unroll
+        for (int u = 0; u < Map::kVWords; ++u) {
+          uint32_t b0[kPer], b1[kPer];
+          quant_v_operands<F, kScaleF32>(w[0][u], w[1][u], sc[0], b0);
+          quant_v_operands<F, kScaleF32>(w[2][u], w[3][u], sc[1], b1);
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) Elem<M>::mma(o[u * kPer + i], pa, b0[i], b1[i]);
+        }
       }
+    }
+  };
+  for (int it = 0; it < n_tiles; it += kSteps) {
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      if (it + Lay::kStages - kSteps + i < n_tiles) issue(it + Lay::kStages - kSteps + i);
+      cp_async_commit();
+    }
+    cp_async_wait<Lay::kStages - kSteps>();
+    __syncwarp();
+    if (kSteps == 1 || it + kSteps <= n_tiles) {
+      step(it, std::integral_constant<int, kSteps>());
     } else {
-      // keys 2 t4, 2 t4 + 1 (B register 0) and 2 t4 + 8, 2 t4 + 9 (register 1)
-      uint32_t w[4][Map::kVWords];
-      PairScale<kScaleF32> sc[2] = {{1.f, 1.f}, {1.f, 1.f}};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) load_words(tile_v + (2 * t4 + (i & 1) + 8 * (i >> 1)) * Lay::kRowBytes + g * Map::kVWords * 4, w[i]);
-      if constexpr (KV::kGrouped) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          sc[r] = {load_scale(scales_v + (2 * t4 + 8 * r) * Lay::kScaleRow, v_group, kScaleF32),
-                   load_scale(scales_v + (2 * t4 + 8 * r + 1) * Lay::kScaleRow, v_group, kScaleF32)};
-      }
-      constexpr int kPer = Map::kInt4 ? 8 : 4;  // n-tiles per word
-#pragma unroll
-      for (int u = 0; u < Map::kVWords; ++u) {
-        uint32_t b0[kPer], b1[kPer];
-        quant_v_operands<F, kScaleF32>(w[0][u], w[1][u], sc[0], b0);
-        quant_v_operands<F, kScaleF32>(w[2][u], w[3][u], sc[1], b1);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) Elem<M>::mma(o[u * kPer + i], pa, b0[i], b1[i]);
-      }
+      step(it, std::integral_constant<int, 1>());
     }
     __syncwarp();
   }

@@ -13,7 +13,7 @@ dims 64 and 128, block sizes that are multiples of 16, up to 16 query rows per K
 takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
-just-in-time build on first use (one translation unit without CUTLASS headers, ~5 s), cached
+just-in-time build on first use (one translation unit without CUTLASS headers, ~13 s), cached
 under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
 `ATTN_DECODE_LIBRARY` points at a library built elsewhere.
 """
