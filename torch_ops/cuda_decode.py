@@ -51,7 +51,7 @@ MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key
 SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)
-INT8_GRID = 0.45         # INT8 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
+GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -325,16 +325,18 @@ class CudaDecodeBackend:
         So: one wave of CTAs at most; then tables of <= 1k keys (1.02-1.4x the Triton kernel),
         <= 4k keys if the grid covers 3/4 of the SMs (1.02-1.11x), and up to 32k keys in clusters
         of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 lost 3-22% from 2k keys).
-        FP8/INT8/INT4 caches (results/trial_cuda_decode_quant_H200_20261123a.log): the same
+        FP8/INT8/INT4 caches (results/trial_cuda_decode_quant*_H200_20261123a.log): the same
         without the long tables in clusters, where each warp's dequantizing chain sets the pace
-        (0.55-0.9x); INT8 also from 4k keys on grids of >= 0.45 x SMs (sequence, KV head) pairs, one
-        wave or more (1.05-1.35x; the Triton INT8 programs are the slowest of its formats).
-        D = 64 takes the same rule (unmeasured)."""
+        (0.55-0.9x); and from 4k keys on grids of >= 0.45 x SMs (sequence, KV head) pairs, for
+        INT8 with any number of waves (1.05-1.35x: the Triton INT8 programs are the slowest of its
+        formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves). D = 64 takes the same rule
+        (unmeasured)."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
-        if k_cache.dtype == torch.int8 and keys >= MID_KEYS and units >= INT8_GRID * sms:
+        if (k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms
+                and (k_cache.dtype == torch.int8 or units <= single)):
             return []
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]

@@ -109,10 +109,14 @@ def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, decli
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
 
 
-@pytest.mark.parametrize("batch,keys,declined", [(16, 4096, False), (64, 16384, False), (8, 4096, False), (4, 16384, True),
-                                                 (64, 1024, True)])
-def test_int8_caches_on_many_pairs(monkeypatch, batch, keys, declined):
-    q, k, v, _, _ = _problem(t=batch, cache_dtype=torch.int8)                # 8 KV heads: 8 x batch pairs
+@pytest.mark.parametrize("cache_dtype,batch,keys,declined", [
+    (torch.int8, 16, 4096, False), (torch.int8, 64, 16384, False), (torch.int8, 8, 4096, False),
+    (torch.int8, 4, 16384, True), (torch.int8, 64, 1024, True),
+    (torch.uint8, 16, 16384, False), (torch.uint8, 64, 4096, True),         # INT4: one wave only
+    (torch.float8_e4m3fn, 16, 16384, True),
+])
+def test_grouped_caches_on_many_pairs(monkeypatch, cache_dtype, batch, keys, declined):
+    q, k, v, _, _ = _problem(t=batch, cache_dtype=cache_dtype)               # 8 KV heads: 8 x batch pairs
     bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
     monkeypatch.setattr(cd, "_grid", lambda *a: (1, 8 * batch, 132, 132))
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
