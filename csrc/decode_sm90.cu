@@ -40,6 +40,8 @@ namespace cg = cooperative_groups;
 
 namespace {
 
+// Tuning knobs for A/B builds (torch_ops/cuda_decode.build(defines=...)); the defaults are the
+// measured choices (docs/performance_notes.md, sessions 18 and 19).
 #ifndef ATTN_DECODE_WARPS
 #define ATTN_DECODE_WARPS 8
 #endif
@@ -53,7 +55,7 @@ namespace {
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
 #ifndef ATTN_DECODE_QUANT_CTAS
-#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (registers)
+#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (2: slower)
 #endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;

@@ -328,9 +328,9 @@ class CudaDecodeBackend:
         FP8/INT8/INT4 caches (results/trial_cuda_decode_quant*_H200_20261123a.log): the same
         without the long tables in clusters, where each warp's dequantizing chain sets the pace
         (0.55-0.9x); and from 4k keys on grids of >= 0.45 x SMs (sequence, KV head) pairs, for
-        INT8 with any number of waves (1.05-1.35x: the Triton INT8 programs are the slowest of its
-        formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves). D = 64 takes the same rule
-        (unmeasured)."""
+        INT8 with any number of waves (1.05-1.35x: the Triton INT8 programs are the slowest of
+        its formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves).
+        D = 64 takes the same rule (unmeasured)."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
