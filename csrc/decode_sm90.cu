@@ -23,7 +23,9 @@
 //   The dot product does not care in which order the head dims are summed, so each thread's
 //   bytes feed the k-slots of its Q K^T fragment in storage order and the query is loaded in the
 //   same order; for P V each thread owns D/8 consecutive dims, one per n-tile, and the output
-//   is written back by that map. The query is multiplied by the softmax scale and rounded to fp16.
+//   is written back by that map. The query is rounded to fp16 after an exact power-of-two scaling
+//   that keeps each row's max |q| <= 2^15; the softmax scale (and FP8's k_scale) stay on the
+//   logits in fp32, FP8's v_scale on the output.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -72,8 +74,7 @@ struct Storage {
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
   // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
   // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
-  static constexpr int kTilesPerStep = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2 || F == ATTN_DECODE_KV_INT4
-                                           ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
+  static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
