@@ -50,7 +50,8 @@ MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key
 # FULL_GRID of the SMs, or up to LONG_KEYS keys in clusters of LONG_CLUSTERS CTAs (see auto_declines)
 SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
-LONG_CLUSTERS = (4, 8)
+LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
+QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
@@ -330,18 +331,22 @@ class CudaDecodeBackend:
         (0.55-0.9x); and from 4k keys on grids of >= 0.45 x SMs (sequence, KV head) pairs, for
         INT8 with any number of waves (1.05-1.35x: the Triton INT8 programs are the slowest of
         its formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves).
-        D = 64 takes the same rule (unmeasured)."""
+        D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
+        (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
+        clauses are off there. The rest held (0.97-1.6x)."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
+        quantized = k_cache.dtype in KV_FORMATS
         if (k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms
                 and (k_cache.dtype == torch.int8 or units <= single)):
             return []
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]
-        long_tables = size in LONG_CLUSTERS and k_cache.dtype not in KV_FORMATS
-        if keys <= SHORT_KEYS or (keys <= MID_KEYS and ctas >= FULL_GRID * sms) or (keys <= LONG_KEYS and long_tables):
+        mid_tables = ctas >= FULL_GRID * sms and (not quantized or size <= QUANT_MID_CLUSTERS)
+        long_tables = size in LONG_CLUSTERS and not quantized and query.shape[-1] == 128
+        if keys <= SHORT_KEYS or (keys <= MID_KEYS and mid_tables) or (keys <= LONG_KEYS and long_tables):
             return []
         return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size} ({k_cache.dtype} cache): "
                 "the Triton kernel is faster (measured)"]

@@ -99,6 +99,7 @@ def test_compile_command():
     (1024, 2, 64, None, False), (4096, 1, 128, None, False), (4096, 2, 64, None, True), (16384, 8, 64, None, False),
     (16384, 16, 64, None, True), (16384, 1, 128, None, True), (65536, 8, 64, None, True),
     (1024, 8, 64, torch.int8, False), (4096, 1, 128, torch.uint8, False), (16384, 8, 64, torch.float8_e4m3fn, True),
+    (4096, 2, 128, torch.float8_e4m3fn, False), (4096, 16, 128, torch.float8_e4m3fn, True),
 ])
 def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, declined):
     q, k, v, _, sl = _problem(cache_dtype=cache_dtype)
@@ -107,6 +108,14 @@ def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, decli
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
     monkeypatch.setattr(cd, "_grid", lambda *a: (1, 32, 16, 132))   # more pairs (4 x 8) than resident CTAs
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
+
+
+def test_long_tables_in_clusters_only_at_d128(monkeypatch):
+    monkeypatch.setattr(cd, "_grid", lambda *a: (8, 64, 132, 132))
+    for d, declined in ((128, False), (64, True)):
+        q, k, v, _, sl = _problem(d=d)
+        bt = torch.zeros(sl.shape[0], 16384 // 16, dtype=torch.int32)
+        assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
 
 
 @pytest.mark.parametrize("cache_dtype,batch,keys,declined", [
