@@ -22,20 +22,11 @@ import common
 
 def compare(case: bd.Case) -> dict:
     """Both backends' median µs on `case`, and the CUDA kernel's error against float64."""
-    from torch_ops import reference
-    from torch_ops.testing import max_error
-
     row = {"auto": case.backend()}
     row["triton_us"] = common.time_us([case.ours(i, "triton") for i in range(len(case.sets))])[0]
-    q, k, v, ks, vs = case.sets[0]
     try:
-        case.ours(0, "cuda")()
-        torch.cuda.synchronize()
-        n = min(8, case.batch)
-        args = (k, v, case.block_tables[:n], case.seq_lens[:n])
-        truth, _ = reference.paged_decode(q[:n].float(), *args, compute_dtype=torch.float64, k_scale=ks, v_scale=vs)
-        base, _ = reference.paged_decode(q[:n], *args, compute_dtype=q.dtype, k_scale=ks, v_scale=vs)
-        row["err"], row["base_err"] = max_error(case.out[0][:n], truth), max_error(base, truth)
+        check = bd.check_ours(case, backend="cuda")
+        row["err"], row["base_err"] = check["max_err"], check["baseline_err"]
         row["cuda_us"] = common.time_us([case.ours(i, "cuda") for i in range(len(case.sets))])[0]
     except (RuntimeError, ValueError) as e:  # the CUDA kernel does not serve this case
         row["cuda_error"] = f"{type(e).__name__}: {str(e)[:200]}"

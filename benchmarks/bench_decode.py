@@ -281,14 +281,14 @@ def warm_peers():
 # ------------------------------------------------------------------------------------------------
 
 
-def check_ours(case: Case, n_check: int = 8) -> dict:
-    """Max error of our output on the first sequences against the float64 reference, next to
-    the error of the same reference computed in bf16."""
+def check_ours(case: Case, n_check: int = 8, backend: str | None = None) -> dict:
+    """Max error of our output (on `backend`, None: the automatic choice) on the first sequences
+    against the float64 reference, next to the error of the same reference computed in bf16."""
     from torch_ops import reference
     from torch_ops.testing import max_error
 
     q, k, v, ks, vs = case.sets[0]
-    case.ours(0)()
+    case.ours(0, backend)()
     torch.cuda.synchronize()
     n = min(n_check, case.batch)
     args = (k, v, case.block_tables[:n], case.seq_lens[:n])
