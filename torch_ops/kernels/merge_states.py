@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .interpreter import exact_cast
 
 
 @triton.jit
@@ -20,6 +21,7 @@ def _merge_states_kernel(
     stride_at, stride_ah, stride_ad, stride_bt, stride_bh, stride_bd, stride_ot, stride_oh, stride_od,
     stride_lat, stride_lah, stride_lbt, stride_lbh, stride_lt, stride_lh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -38,7 +40,8 @@ def _merge_states_kernel(
     a = tl.load(OutA + t * stride_at + h[:, None] * stride_ah + d[None, :] * stride_ad, mask=mask, other=0.0)
     b = tl.load(OutB + t * stride_bt + h[:, None] * stride_bh + d[None, :] * stride_bd, mask=mask, other=0.0)
     o = (a.to(tl.float32) * (wa * inv)[:, None] + b.to(tl.float32) * (wb * inv)[:, None])
-    tl.store(Out + t * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od, o.to(Out.dtype.element_ty), mask=mask)
+    o = exact_cast(o, Out.dtype.element_ty, INTERPRETED)
+    tl.store(Out + t * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od, o, mask=mask)
     lse = tl.where(empty, float("-inf"), mx + tl.log(tl.where(empty, 1.0, den)))
     tl.store(Lse + t * stride_lt + h * stride_lh, lse, mask=h_ok)
 
@@ -55,11 +58,13 @@ def run(out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
         return
     block_d = max(16, triton.next_power_of_2(d))
     block_h = max(1, min(triton.next_power_of_2(h), 2048 // block_d))
-    if interpreting():
+    interpreted = interpreting()
+    if interpreted:
         block_h = min(block_h, 4)
     _merge_states_kernel[(t, triton.cdiv(h, block_h))](
         out_a, lse_a, out_b, lse_b, out, lse,
         *out_a.stride(), *out_b.stride(), *out.stride(),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        INTERPRETED=interpreted, num_warps=4,
     )

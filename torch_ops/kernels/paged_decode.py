@@ -89,6 +89,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .interpreter import exact_cast
 
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
@@ -427,7 +428,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         Vt, v_rows, VSt, vs_rows, n_ok = v_tiles[j]
         if FMT == 0:
             v = _load_plain(Vt, v_rows, n_ok, HEAD_DIM, BLOCK_D)
-            p_op = p.to(v.dtype)
+            p_op = exact_cast(p, v.dtype, DOT_F32)
             if DOT_F32:
                 p_op = p_op.to(tl.float32)
                 v = v.to(tl.float32)
@@ -445,17 +446,6 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             acc2 = tl.dot(p_op, v2, acc2)
             acc3 = tl.dot(p_op, v3, acc3)
     return acc0, acc1, acc2, acc3, m_i, l_i
-
-
-@triton.jit
-def _to_e4m3_grid(x):
-    """Round fp32 `x` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
-    Only for the interpreter, whose fp32 -> fp8 cast does not carry a rounded-up mantissa into
-    the exponent (7.9 -> 4.0); on the GPU the hardware convert rounds correctly."""
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = (x / ulp + 12582912.0) - 12582912.0
-    return r * ulp
 
 
 @triton.jit
@@ -636,9 +626,8 @@ def _paged_decode_kernel(
         o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
         if OUT_FP8:
             o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-            if not DYNAMIC_LOOP:
-                o = _to_e4m3_grid(o)
-        tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+        o = exact_cast(o, Out.dtype.element_ty, not DYNAMIC_LOOP)
+        tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
 
@@ -683,10 +672,8 @@ def _merge_kernel(
         lse = lse_f
     if OUT_FP8:
         o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-        if INTERPRETED:
-            o = _to_e4m3_grid(o)
     o_rows = t.to(tl.int64) * stride_ot + h * stride_oh
-    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, exact_cast(o, Out.dtype.element_ty, INTERPRETED),
              mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
     tl.store(Lse + t.to(tl.int64) * stride_lt + h * stride_lh, lse, mask=h_ok)
 

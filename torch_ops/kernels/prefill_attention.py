@@ -66,7 +66,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
-from .interpreter import round_to_bf16, round_to_fp8
+from .interpreter import exact_cast, round_to_bf16
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
@@ -391,13 +391,9 @@ def _prefill_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     if OUT_FP8:
         o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-        if INTERPRET:
-            o = round_to_fp8(o, 3, -6)
-    elif INTERPRET and Out.dtype.element_ty == tl.bfloat16:
-        o = round_to_bf16(o)
     tok_rows = (q_start + tok).to(tl.int64)
     o_rows = tok_rows * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o.to(Out.dtype.element_ty),
+    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, exact_cast(o, Out.dtype.element_ty, INTERPRET),
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(Lse + tok_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
 
