@@ -325,6 +325,11 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   using Map = QuantMap<D, F>;
   using M = std::conditional_t<KV::kPlain, T, __half>;  // the MMA operand type
   extern __shared__ __align__(128) unsigned char smem[];
+  // Programmatic dependent launch (AttnDecodeArgs::pdl; both are no-ops without it): wait until the
+  // previous kernel on the stream has completed and its writes are visible, before any global
+  // access; then let the next such kernel be scheduled (it waits for this grid in turn).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int rank = blockIdx.x;  // grid.x is the cluster size: the CTA's rank in its cluster
@@ -749,7 +754,7 @@ cudaError_t configure() {
 // the launch configuration of a call: grid (cluster, hkv, batch), clusters along x
 struct LaunchConfig {
   cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   LaunchConfig(const AttnDecodeArgs& a, int smem_bytes, cudaStream_t stream) {
     cfg.gridDim = dim3(a.cluster_size, a.hkv, a.batch);
     cfg.blockDim = dim3(kThreads);
@@ -759,8 +764,10 @@ struct LaunchConfig {
     attr[0].val.clusterDim.x = a.cluster_size;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = a.pdl ? 2 : 1;
   }
 };
 

@@ -48,6 +48,9 @@ typedef struct {
   int64_t ks_block_stride, ks_token_stride, ks_head_stride;
   int64_t vs_block_stride, vs_token_stride, vs_head_stride;
   int32_t scale_per_head, scale_fp32, quant_group;
+  // 1: launch with programmatic dependent launch, so that the grid is scheduled while the previous
+  // kernel on the stream finishes (the kernel waits for that kernel before its first global access)
+  int32_t pdl;
 } AttnDecodeArgs;
 
 // int attn_decode_sm90(const AttnDecodeArgs*, void* stream, char* err, int err_len): 0 on success,

@@ -56,6 +56,9 @@ GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.4
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
+# programmatic dependent launch: each call's grid is scheduled while the previous kernel on the
+# stream finishes, and waits for it before touching memory (ATTN_DECODE_PDL=0 turns it off)
+PDL = os.environ.get("ATTN_DECODE_PDL", "1") != "0"
 PLAIN_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "out_scale": (None, "FP8 output"),
@@ -134,7 +137,7 @@ class DecodeArgs(ctypes.Structure):
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         *((name, ctypes.c_int64) for name in (
             "ks_block_stride", "ks_token_stride", "ks_head_stride", "vs_block_stride", "vs_token_stride", "vs_head_stride")),
-        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group")),
+        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group", "pdl")),
     ]
 
 
@@ -299,6 +302,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
         kv_format_code(k_cache.dtype),
         **_scale_fields(k_cache, k_scale, v_scale, d),
+        pdl=int(PDL),
     )
     err = ctypes.create_string_buffer(512)
     with torch.cuda.device(query.device):

@@ -18,7 +18,7 @@ import torch
 import torch_ops
 from torch_ops import cuda_decode as cd
 from torch_ops.nvcc import CSRC
-from torch_ops.testing import assert_replays_match_eager, poison_
+from torch_ops.testing import assert_replays_match_eager, capture_cuda_graph, poison_
 from tests.torch_ops.kernels import test_paged_decode as tp
 
 CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int*": ctypes.c_void_p,
@@ -218,6 +218,40 @@ def test_cuda_graph_replays_new_lengths(kernel_device):
         with torch_ops.use_backend("cuda"):
             torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse)
     assert_replays_match_eager(call, fill, [out, lse], lambda o, l: tp.check(q, cache, bt, sl, o, l))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_chained_calls_read_the_previous_output(kernel_device, monkeypatch, pdl):
+    """Programmatic dependent launch: each call's query is the previous call's output, poisoned
+    (NaN) before the chain, eagerly and in CUDA-graph replays; a call that read its query before
+    the previous one finished would see NaN or stale values."""
+    monkeypatch.setattr(cd, "PDL", pdl)
+    q, cache, bt, sl = tp.make_problem(kernel_device, lens=[1000, 77, 512, 3000], hq=32, hkv=8, d=128, bs=16)
+    chain = [q] + [torch.empty_like(q) for _ in range(4)]
+    lses = [torch.empty(q.shape[:2], dtype=torch.float32, device=kernel_device) for _ in range(4)]
+
+    def run_chain():
+        with torch_ops.use_backend("cuda"):
+            for i in range(4):
+                torch.ops.attn.paged_decode.out(chain[i], cache.k, cache.v, bt, sl, out=chain[i + 1], lse=lses[i])
+
+    def check_chain():
+        torch.cuda.synchronize()
+        for i in range(4):
+            tp.check(chain[i], cache, bt, sl, chain[i + 1], lses[i])
+
+    for t in chain[1:] + lses:
+        poison_(t)
+    run_chain()
+    check_chain()
+    graph, _ = capture_cuda_graph(run_chain)
+    for _ in range(3):
+        q.normal_()
+        for t in chain[1:] + lses:
+            poison_(t)
+        graph.replay()
+        check_chain()
 
 
 @pytest.mark.gpu
