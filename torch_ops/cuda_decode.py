@@ -15,7 +15,8 @@ takes it where it measured faster than the Triton kernel (`auto_declines`).
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
 just-in-time build on first use (one translation unit without CUTLASS headers, ~13 s), cached
 under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
-`ATTN_DECODE_LIBRARY` points at a library built elsewhere.
+`ATTN_DECODE_LIBRARY` points at a library built elsewhere. `ATTN_DECODE_PDL=1` launches it with
+programmatic dependent launch (`PDL`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.4
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
-# programmatic dependent launch: each call's grid is scheduled while the previous kernel on the
-# stream finishes, and waits for it before touching memory (ATTN_DECODE_PDL=0 turns it off)
-PDL = os.environ.get("ATTN_DECODE_PDL", "1") != "0"
+# programmatic dependent launch (ATTN_DECODE_PDL=1): each call's grid is scheduled while the previous
+# kernel on the stream finishes, and waits for it before touching memory. Off by default: it gained
+# 0.1-0.8 us only after kernels that use it too, and lost 0.1-0.3 us after others
+# (results/trial_cuda_decode_pdl_H200_20261123c.log)
+PDL = os.environ.get("ATTN_DECODE_PDL", "0") == "1"
 PLAIN_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "out_scale": (None, "FP8 output"),
