@@ -709,7 +709,9 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   }
   if (single) return;
 
-  // combine the cluster's CTAs: every CTA finishes a slice of the rows x dims
+  // combine the cluster's CTAs: every CTA finishes a slice of the rows x dims. The loops over the
+  // ranks are unrolled to the largest cluster so that a thread's remote loads are all in flight
+  // at once (one distributed-shared-memory latency, not one per rank).
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   float* factor = reinterpret_cast<float*>(smem + Lay::kFactor);
@@ -717,13 +719,21 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   const int n = a.cluster_size;
   if (threadIdx.x < rows) {
     const int m = threadIdx.x;
+    float rank_m[kMaxCluster], rank_l[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      rank_m[r] = r < n ? cluster.map_shared_rank(cta_m, r)[m] : -CUDART_INF_F;
+      rank_l[r] = r < n ? cluster.map_shared_rank(cta_l, r)[m] : 0.f;
+    }
     float m_all = -CUDART_INF_F;
-    for (int r = 0; r < n; ++r) m_all = fmaxf(m_all, cluster.map_shared_rank(cta_m, r)[m]);
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) m_all = fmaxf(m_all, rank_m[r]);
     float l_all = 0.f;
-    for (int r = 0; r < n; ++r) {
-      const float f = weight(cluster.map_shared_rank(cta_m, r)[m], m_all);
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      const float f = weight(rank_m[r], m_all);
       factor[m * kMaxCluster + r] = f;
-      l_all += f * cluster.map_shared_rank(cta_l, r)[m];
+      l_all += f * rank_l[r];
     }
     row_l[m] = l_all;
     if (rank == 0) lse_of(m, m_all, l_all);
@@ -731,9 +741,12 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   __syncthreads();
   for (int e = rank * kThreads + threadIdx.x; e < rows * D; e += n * kThreads) {
     const int m = e / D, col = e % D;
+    float part[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) part[r] = r < n ? cluster.map_shared_rank(cta_o, r)[m * Lay::kOStride + col] : 0.f;
     float acc = 0.f;
-    for (int r = 0; r < n; ++r)
-      acc += factor[m * kMaxCluster + r] * cluster.map_shared_rank(cta_o, r)[m * Lay::kOStride + col];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) acc += factor[m * kMaxCluster + r] * part[r];
     const float l_all = row_l[m];
     out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all * out_mult : 0.f);
   }
