@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torch_ops
-from torch_ops import kv_cache, reference
+from torch_ops import kv_cache, quant, reference
 from torch_ops.kernels import paged_decode as pd
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, max_error, poison_
 
@@ -78,6 +78,19 @@ def check(q, cache, block_tables, seq_lens, out, lse, **options):
     args = (cache.k, cache.v, block_tables, seq_lens)
     truth_o, truth_l = reference.paged_decode(q, *args, compute_dtype=torch.float64, **kw)  # unrounded fp64
     base_o, base_l = reference.paged_decode(q, *args, compute_dtype=q.dtype, **kw)
+    if cache.format != quant.KVFormat.PLAIN and cache.k.numel() <= 2**28:
+        # The kernels round the dequantized cache to the query dtype, as the baseline does. At
+        # fp16 queries that rounding alone can exceed the baseline's total error, whose other
+        # roundings partly cancel it (lse 1.66e-3 against 7.9e-4, H200, 1 seed in 150): bound by
+        # the larger of the two errors. (Not for the >2^31-element cache: a dequantized copy.)
+        plain = [x.to(q.dtype) for x in cache.dequantized()]
+        plain_kw = {k: v for k, v in kw.items() if k not in ("k_scale", "v_scale")}
+        round_o, round_l = reference.paged_decode(q, *plain, block_tables, seq_lens, compute_dtype=torch.float64,
+                                                  **plain_kw)
+        if max_error(round_o, truth_o) > max_error(base_o, truth_o):
+            base_o = round_o
+        if max_error(round_l, truth_l) > max_error(base_l, truth_l):
+            base_l = round_l
     assert not torch.isnan(out.float()).any(), "out has NaN (unwritten or bad masking)"
     assert not torch.isnan(lse).any(), "lse has NaN"
     if out_scale is not None:
