@@ -54,6 +54,7 @@ FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
+INT4_WAVES = {64: 4, 128: 1}   # ... INT4 up to this many waves of CTAs, by head dim
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -340,14 +341,15 @@ class CudaDecodeBackend:
         its formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves).
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
-        clauses are off there. The rest held (0.97-1.6x)."""
+        clauses are off there. The rest held (0.97-1.6x), and INT4 from 4k keys won on 3.9 waves
+        (1.27-1.41x) but not on 15.5 (0.76x): up to 4 waves there."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
         quantized = k_cache.dtype in KV_FORMATS
         if (k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms
-                and (k_cache.dtype == torch.int8 or units <= single)):
+                and (k_cache.dtype == torch.int8 or units <= INT4_WAVES[query.shape[-1]] * single)):
             return []
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]

@@ -131,6 +131,15 @@ def test_grouped_caches_on_many_pairs(monkeypatch, cache_dtype, batch, keys, dec
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
 
 
+@pytest.mark.parametrize("batch,keys,declined", [(64, 4096, False), (64, 16384, False), (64, 1024, True),
+                                                 (256, 4096, True)])
+def test_int4_on_several_waves_at_d64(monkeypatch, batch, keys, declined):
+    q, k, v, _, _ = _problem(t=batch, d=64, cache_dtype=torch.uint8)          # 8 x 64 pairs: 3.9 waves of 132
+    bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
+    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 8 * batch, 132, 132))
+    assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------
 
 
