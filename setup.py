@@ -3,7 +3,7 @@
 With `ATTN_BUILD_CUDA=1`, the CUTLASS kernels are compiled at install into
 `torch_ops/_fmha_sm90.so` and the CUDA decode kernel into `torch_ops/_decode_sm90.so` (needs
 nvcc, torch and nvidia-cutlass in the build environment:
-`ATTN_BUILD_CUDA=1 pip install --no-build-isolation -e ".[cutlass]"`). Without it nothing is
+`ATTN_BUILD_CUDA=1 python -m pip install --no-build-isolation -e ".[cutlass]"`). Without it nothing is
 compiled, and the kernels are built on first use instead (torch_ops/cutlass.py,
 torch_ops/cuda_decode.py).
 """
