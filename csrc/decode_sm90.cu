@@ -722,23 +722,18 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
     float rank_m[kMaxCluster], rank_l[kMaxCluster];
 #pragma unroll
     for (int r = 0; r < kMaxCluster; ++r) {
-      if (r < n) {
-        rank_m[r] = cluster.map_shared_rank(cta_m, r)[m];
-        rank_l[r] = cluster.map_shared_rank(cta_l, r)[m];
-      }
+      rank_m[r] = r < n ? cluster.map_shared_rank(cta_m, r)[m] : -CUDART_INF_F;
+      rank_l[r] = r < n ? cluster.map_shared_rank(cta_l, r)[m] : 0.f;
     }
     float m_all = -CUDART_INF_F;
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r)
-      if (r < n) m_all = fmaxf(m_all, rank_m[r]);
+    for (int r = 0; r < kMaxCluster; ++r) m_all = fmaxf(m_all, rank_m[r]);
     float l_all = 0.f;
 #pragma unroll
     for (int r = 0; r < kMaxCluster; ++r) {
-      if (r < n) {
-        const float f = weight(rank_m[r], m_all);
-        factor[m * kMaxCluster + r] = f;
-        l_all += f * rank_l[r];
-      }
+      const float f = weight(rank_m[r], m_all);
+      factor[m * kMaxCluster + r] = f;
+      l_all += f * rank_l[r];
     }
     row_l[m] = l_all;
     if (rank == 0) lse_of(m, m_all, l_all);
@@ -748,12 +743,10 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
     const int m = e / D, col = e % D;
     float part[kMaxCluster];
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r)
-      if (r < n) part[r] = cluster.map_shared_rank(cta_o, r)[m * Lay::kOStride + col];
+    for (int r = 0; r < kMaxCluster; ++r) part[r] = r < n ? cluster.map_shared_rank(cta_o, r)[m * Lay::kOStride + col] : 0.f;
     float acc = 0.f;
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r)
-      if (r < n) acc += factor[m * kMaxCluster + r] * part[r];
+    for (int r = 0; r < kMaxCluster; ++r) acc += factor[m * kMaxCluster + r] * part[r];
     const float l_all = row_l[m];
     out[out_index(m) + col] = Elem<T>::from(l_all > 0.f ? acc / l_all * out_mult : 0.f);
   }
