@@ -28,13 +28,12 @@ import logging
 import math
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .nvcc import ARCH, CSRC, cache_dir, file_lock, find_nvcc, nvcc_version, run_tool
+from .nvcc import ARCH, CSRC, cached_build, find_nvcc, nvcc_version, run_tool
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +112,9 @@ def library_path() -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("no prebuilt CUDA decode library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
-    target = cache_dir() / f"decode_sm90-{build_key(nvcc)}" / LIBRARY_NAME
-    with file_lock(target.parent.with_suffix(".lock")):
-        if not target.exists():
-            log.warning("attn-ops: compiling the CUDA decode kernel (csrc/decode_sm90.cu, sm_%s) with %s into %s",
-                        ARCH, nvcc, target.parent)
-            start = time.perf_counter()
-            build(target, nvcc=nvcc)
-            log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
-                        target.stat().st_size / 1e6)
-    return target
+    return cached_build(f"decode_sm90-{build_key(nvcc)}", LIBRARY_NAME,
+                        f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH}) with {nvcc}",
+                        lambda target: build(target, nvcc=nvcc), log)
 
 
 class DecodeArgs(ctypes.Structure):

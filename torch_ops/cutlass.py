@@ -33,14 +33,12 @@ import logging
 import math
 import os
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, cache_dir, find_nvcc
-from .nvcc import file_lock as _file_lock
+from .nvcc import ARCH, CSRC, cached_build, find_nvcc
 from .nvcc import nvcc_version as _nvcc_version
 from .nvcc import run_tool as _run_tool
 
@@ -200,16 +198,10 @@ def library_path() -> Path:
     if nvcc is None:
         raise RuntimeError("no prebuilt CUTLASS library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
     variants = built_variants()
-    target = cache_dir() / f"fmha_sm90-{build_key(nvcc, variants=variants)}" / LIBRARY_NAME
-    with _file_lock(target.parent.with_suffix(".lock")):
-        if not target.exists():
-            log.warning("attn-ops: compiling the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, %d instantiations, "
-                        "sm_%s) with %s into %s", len(build_units(variants)), ARCH, nvcc, target.parent)
-            start = time.perf_counter()
-            build(target, nvcc=nvcc, variants=variants)
-            log.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
-                        target.stat().st_size / 1e6)
-    return target
+    what = (f"the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, {len(build_units(variants))} instantiations, "
+            f"sm_{ARCH}) with {nvcc}")
+    return cached_build(f"fmha_sm90-{build_key(nvcc, variants=variants)}", LIBRARY_NAME, what,
+                        lambda target: build(target, nvcc=nvcc, variants=variants), log)
 
 
 class FmhaArgs(ctypes.Structure):

@@ -4,10 +4,13 @@ cache of just-in-time builds (`torch_ops.cutlass`, `torch_ops.cuda_decode`). No 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ARCH = "90a"
@@ -50,3 +53,19 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_build(folder: str, library_name: str, what: str, build: Callable[[Path], object],
+                 logger: logging.Logger) -> Path:
+    """`cache_dir() / folder / library_name`, built by `build(target)` on a miss under a file lock
+    (concurrent processes build once), logging one line when it starts (`what` is compiling) and
+    one with the time and size when done."""
+    target = cache_dir() / folder / library_name
+    with file_lock(target.parent.with_suffix(".lock")):
+        if not target.exists():
+            logger.warning("attn-ops: compiling %s into %s", what, target.parent)
+            start = time.perf_counter()
+            build(target)
+            logger.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
+                           target.stat().st_size / 1e6)
+    return target
