@@ -13,7 +13,7 @@ dims 64 and 128, block sizes that are multiples of 16, up to 16 query rows per K
 takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
-just-in-time build on first use (one translation unit without CUTLASS headers, ~13 s), cached
+just-in-time build on first use (one translation unit without CUTLASS headers, 13-19 s), cached
 under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
 `ATTN_DECODE_LIBRARY` points at a library built elsewhere. `ATTN_DECODE_PDL=1` launches it with
 programmatic dependent launch (`PDL`).
@@ -53,7 +53,7 @@ FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
-INT4_WAVES = {64: 4, 128: 1}   # ... INT4 up to this many waves of CTAs, by head dim
+INT4_WAVES = {64: 4, 128: 1}   # INT4 caches in that clause: at most this many waves of CTAs, by head dim
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
