@@ -56,9 +56,6 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
-#ifndef ATTN_DECODE_L2_PREFETCH
-#define ATTN_DECODE_L2_PREFETCH 2   // tiles after a warp's first pipeline stages prefetched into L2
-#endif
 #ifndef ATTN_DECODE_QUANT_CTAS
 #define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (2: slower)
 #endif
@@ -153,10 +150,6 @@ __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, in
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
   }
-}
-// `bytes` (a multiple of 16) global -> L2, no completion to wait for
-__device__ __forceinline__ void prefetch_l2(const void* src, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -499,19 +492,6 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   for (int i = 0; i < Lay::kStages - kSteps; ++i) {
     if (i < n_tiles) issue(i);
     cp_async_commit();
-  }
-  // The next ATTN_DECODE_L2_PREFETCH tiles into L2 (lane l: key row l % 16 of K, l < 16, or of V):
-  // their copies, issued as the first tiles are consumed, then wait on L2 instead of DRAM.
-#pragma unroll
-  for (int t = Lay::kStages; t < Lay::kStages + ATTN_DECODE_L2_PREFETCH; ++t) {
-    const int row = lane & 15;
-    if (t < n_tiles) {
-      const int page = __shfl_sync(0xffffffffu, lane_page, t), off = __shfl_sync(0xffffffffu, lane_off, t);
-      const int64_t blk = lane < 16 ? a.k_block_stride : a.v_block_stride;
-      const int64_t tok = lane < 16 ? a.k_token_stride : a.v_token_stride;
-      if (start + t * kKeys + row < end)
-        prefetch_l2((lane < 16 ? kbase : vbase) + (page * blk + (off + row) * tok) * kElemBytes, Lay::kRowBytes - 16);
-    }
   }
   auto step = [&](int it, auto tiles) {
     constexpr int kN = decltype(tiles)::value;
