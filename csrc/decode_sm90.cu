@@ -7,12 +7,16 @@
 // distributed shared memory. No workspace, no second kernel, and the grid comes from shapes only
 // (CUDA-graph safe).
 //
-// - A CTA: 8 warps, the 16 query rows of one KV head (row m = token m / G of the sequence, query
-//   head m % G of the group; rows past q_per_seq x G are padding), each warp streaming its own
-//   16-key tiles of K and V through a private 2-stage cp.async pipeline (no CTA barrier in the
-//   loop). About 150 KB of shared memory at D = 128: one CTA per SM, two warps per scheduler.
-// - Per tile and warp: S = Q K^T with mma.m16n8k16 (K by ldmatrix), online softmax in fp32 with
-//   exp2, P kept in registers as the A operand of P V (V by ldmatrix.trans).
+// - A CTA: 8 warps, the query rows of one KV head (row m = token m / G of the sequence, query
+//   head m % G of the group; up to 16, padded to 8 or 16), each warp streaming its own 16-key
+//   tiles of K and V through a private cp.async pipeline (no CTA barrier in the loop). About
+//   150 KB of shared memory at D = 128: one CTA per SM, two warps per scheduler.
+// - Per tile and warp, the products run with the keys and head dims as the MMA's 16-row side and
+//   the queries as its 8-column side (mma.m16n8k16; NQ = 1 or 2 column tiles), so that a GQA
+//   group of up to 8 rows wastes no half tile: S^T = K Q^T (K by ldmatrix as the A operand, Q^T
+//   in registers), online softmax in fp32 with exp2 (a query's keys lie across the 8 lane
+//   groups: three shuffles per max), P^T turned into the B operand of O^T = V^T P^T by one
+//   movmatrix per 8 x 8 block, V^T by ldmatrix.trans.
 // - Shared-memory rows are padded by 16 bytes, so ldmatrix and the cp.async stores are free of
 //   bank conflicts.
 // - Merge: each warp's (m, l, O) to shared memory, combined per CTA; with a cluster, every CTA
@@ -21,11 +25,11 @@
 //   reads its own bytes of a key row with one or two 16-byte loads and turns them into fp16 MMA
 //   operands in registers (FP8: cvt; INT8/INT4: the 0x6400 exponent trick, then the group scale).
 //   The dot product does not care in which order the head dims are summed, so each thread's
-//   bytes feed the k-slots of its Q K^T fragment in storage order and the query is loaded in the
-//   same order; for P V each thread owns D/8 consecutive dims, one per n-tile, and the output
-//   is written back by that map. The query is rounded to fp16 after an exact power-of-two scaling
-//   that keeps each row's max |q| <= 2^15; the softmax scale (and FP8's k_scale) stay on the
-//   logits in fp32, FP8's v_scale on the output.
+//   bytes feed the k-slots of its K fragment in storage order and the query is loaded in the
+//   same order; for P V each thread owns D/8 consecutive dims, two per 16-row tile of V^T, and
+//   the output is written back by that map. The query is rounded to fp16 after an exact
+//   power-of-two scaling that keeps each row's max |q| <= 2^15; the softmax scale (and FP8's
+//   k_scale) stay on the logits in fp32, FP8's v_scale on the output.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -57,11 +61,11 @@ namespace {
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
 #ifndef ATTN_DECODE_QUANT_CTAS
-#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels are compiled for (2: slower)
+#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels of <= 8 rows are compiled for
 #endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16;       // query rows of a CTA: one m16 MMA tile
+constexpr int kRows = 16;       // query rows of a CTA at most: two n8 MMA tiles
 constexpr int kKeys = 16;       // keys per tile
 constexpr int kMaxCluster = 16;
 
@@ -168,6 +172,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4
                : "r"(addr));
 }
 
+// an 8 x 8 matrix of 16-bit values in the MMA fragment layout (lane 4 r + c holds row r, columns
+// 2 c and 2 c + 1), transposed in place
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -270,11 +282,12 @@ struct QuantMap {
   static __device__ __forceinline__ int k_dim(int t4, int kk, int r, int e) {
     return t4 * (D / 4) + (kInt4 ? 8 * (kk / 2) + 2 * (kk % 2) + r + 4 * e : 4 * kk + 2 * r + e);
   }
-  // head dim of column c of P V n-tile nt
-  static __device__ __forceinline__ int v_dim(int c, int nt) { return c * (D / 8) + nt; }
+  // head dim of row r (0-15) of the O^T = V^T P^T m-tile mt: rows g and g + 8 are the dims 2 mt
+  // and 2 mt + 1 of lane group g's slice
+  static __device__ __forceinline__ int v_dim(int r, int mt) { return (r & 7) * (D / 8) + 2 * mt + (r >> 3); }
 };
 
-// Q K^T operands of key row `row` of a quantized K tile: kb[kk] = B registers of k-step kk
+// K operands of key row `row` of a quantized K tile: kb[kk] = the row's two registers of k-step kk
 template <int D, int F, bool S>
 __device__ __forceinline__ void quant_k_operands(const unsigned char* row, int t4, const PairScale<S>& s, uint32_t (&kb)[D / 16][2]) {
   using Map = QuantMap<D, F>;
@@ -296,8 +309,8 @@ __device__ __forceinline__ void quant_k_operands(const unsigned char* row, int t
   }
 }
 
-// P V operands of word u of the V row slices of keys (k0, k1): vb[i] = the B register (k0, k1)
-// of n-tile u * (4 or 8) + i
+// V^T operands of word u of the V row slices of keys (k0, k1): vb[i] = the pair (k0, k1) of dim
+// u * (4 or 8) + i of the thread's slice
 template <int F, bool S>
 __device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const PairScale<S>& s,
                                                  uint32_t (&vb)[F == ATTN_DECODE_KV_INT4 ? 8 : 4]) {
@@ -317,9 +330,9 @@ __device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const
   }
 }
 
-// kScaleF32: INT8/INT4 with fp32 scale caches
-template <typename T, int D, int F, bool kScaleF32>
-__global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE_QUANT_CTAS) decode_kernel(const AttnDecodeArgs a) {
+// kScaleF32: INT8/INT4 with fp32 scale caches; NQ: 8-row tiles of query rows (rows <= 8 NQ)
+template <typename T, int D, int F, bool kScaleF32, int NQ>
+__global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : ATTN_DECODE_QUANT_CTAS) decode_kernel(const AttnDecodeArgs a) {
   using Lay = Layout<D, F>;
   using KV = Storage<F>;
   using Map = QuantMap<D, F>;
@@ -355,27 +368,24 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   const int end = min(start + per, L);
   const int n_tiles = end > start ? (end - start + kKeys - 1) / kKeys : 0;
 
-  // Q fragments (A operand, rows g and g + 8), and each row's key limit (causal among new tokens)
+  // Q^T fragments (B operand of S^T = K Q^T): qb[n][kk] = query row g + 8 n, k-step kk
   const T* q = static_cast<const T*>(a.q);
-  uint32_t qf[D / 16][4];
-  int limit[2];
-  float smult[2];
+  uint32_t qb[NQ][D / 16][2];
+  float row_mult[NQ];   // the logit multiplier of row g + 8 n
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = g + 8 * h;
+  for (int n = 0; n < NQ; ++n) {
+    const int m = g + 8 * n;
     const bool real = m < rows;
     const int mm = real ? m : 0;
-    const int token = mm / group;
-    limit[h] = min(end, L - a.q_per_seq + token + 1);
-    const T* row = q + (int64_t)(b * a.q_per_seq + token) * a.q_token_stride +
+    const T* row = q + (int64_t)(b * a.q_per_seq + mm / group) * a.q_token_stride +
                    (int64_t)(kvh * group + mm % group) * a.q_head_stride;
     if constexpr (KV::kPlain) {
-      smult[h] = scale_log2;
+      row_mult[n] = scale_log2;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          qf[kk][2 * r + h] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 * r + 2 * t4) : 0u;
+          qb[n][kk][r] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 * r + 2 * t4) : 0u;
     } else {
       // the thread's D/4 dims from t4 * D/4 in 16-byte loads, scaled by a power of two so that the
       // row's max |q| <= 2^15 (exact), then rounded to fp16 in the K slices' order (QuantMap)
@@ -399,14 +409,26 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
       frexpf(amax, &e);
       const int shift = max(0, e - 15);
       const float down = ldexpf(1.f, -shift);
-      smult[h] = scale_log2 * kv_mult * ldexpf(1.f, shift);
+      row_mult[n] = scale_log2 * kv_mult * ldexpf(1.f, shift);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          qf[kk][2 * r + h] = Elem<__half>::pack(x[Map::k_dim(0, kk, r, 0)] * down, x[Map::k_dim(0, kk, r, 1)] * down);
+          qb[n][kk][r] = Elem<__half>::pack(x[Map::k_dim(0, kk, r, 0)] * down, x[Map::k_dim(0, kk, r, 1)] * down);
     }
   }
+  // The softmax of this thread's columns: query rows 2 t4 + e + 8 n. Their multipliers (from the
+  // lanes that loaded them) and key limits (causal among the new tokens).
+  float smult[NQ][2];
+  int limit[NQ][2];
+#pragma unroll
+  for (int n = 0; n < NQ; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * t4 + e + 8 * n;
+      smult[n][e] = __shfl_sync(0xffffffffu, row_mult[n], 4 * (2 * t4 + e));
+      limit[n][e] = min(end, L - a.q_per_seq + (m < rows ? m : 0) / group + 1);
+    }
 
   // the K/V pipeline of this warp
   unsigned char* wbuf = smem + warp * Lay::kWarpBytes;
@@ -470,15 +492,21 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
     }
   };
 
-  float o[D / 8][4];
+  // O^T accumulators: o[n][mt] = dims (rows) g, g + 8 of m-tile mt x query columns 2 t4, 2 t4 + 1
+  // of n-tile n (plain caches: dims 16 mt + g (+ 8); quantized: QuantMap::v_dim)
+  float o[NQ][D / 16][4];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
+  for (int n = 0; n < NQ; ++n)
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) o[n][mt][0] = o[n][mt][1] = o[n][mt][2] = o[n][mt][3] = 0.f;
+  float m_run[NQ][2], l_run[NQ][2];  // l_run: this thread's keys only, summed over the lanes at the end
+#pragma unroll
+  for (int n = 0; n < NQ; ++n) m_run[n][0] = m_run[n][1] = -CUDART_INF_F, l_run[n][0] = l_run[n][1] = 0.f;
 
   // ldmatrix lane addresses (plain caches): K (x4: keys 0-7 / 8-15 x the two 8-dim halves of a
-  // k-step), V (x4.trans: keys 0-7 / 8-15 x two 8-dim blocks)
-  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
-  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+  // k-step, the A operand), V (x4.trans: the two 8-dim blocks x keys 0-7 / 8-15, the A operand of V^T)
+  const int k_row = (lane & 7) + (((lane >> 3) & 1) << 3), k_chunk = lane >> 4;
+  const int v_row = (lane & 7) + ((lane >> 4) << 3), v_chunk = (lane >> 3) & 1;
   // the group of the thread's K and V slices (one each: quant_group >= D / 4)
   const int k_group = KV::kGrouped ? t4 * (D / 4) / a.quant_group : 0;
   const int v_group = KV::kGrouped ? g * (D / 8) / a.quant_group : 0;
@@ -495,109 +523,129 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   }
   auto step = [&](int it, auto tiles) {
     constexpr int kN = decltype(tiles)::value;
-    float s[kN][2][4];
+    // S^T of each tile: s[tt][n] = keys g (0, 1), g + 8 (2, 3) x query columns 2 t4, 2 t4 + 1 of n-tile n
+    float s[kN][NQ][4];
 #pragma unroll
     for (int tt = 0; tt < kN; ++tt) {
       const int stage = (it + tt) % Lay::kStages;
       const uint32_t sk = wsmem + stage * Lay::kStageBytes;
       const unsigned char* tile_k = wbuf + stage * Lay::kStageBytes;
       const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
+      float odd[NQ][4];  // two accumulator chains (even and odd k-steps): half the MMA latency
 #pragma unroll
-      for (int j = 0; j < 2; ++j) s[tt][j][0] = s[tt][j][1] = s[tt][j][2] = s[tt][j][3] = 0.f;
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[tt][n][i] = odd[n][i] = 0.f;
+      auto product = [&](int kk, const uint32_t (&kf)[4]) {
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) Elem<M>::mma(kk % 2 ? odd[n] : s[tt][n], kf, qb[n][kk][0], qb[n][kk][1]);
+      };
       if constexpr (KV::kPlain) {
         const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t kb[4];
-          ldmatrix_x4(ka + kk * 32, kb);
-          Elem<M>::mma(s[tt][0], qf[kk], kb[0], kb[1]);
-          Elem<M>::mma(s[tt][1], qf[kk], kb[2], kb[3]);
+          uint32_t kf[4];
+          ldmatrix_x4(ka + kk * 32, kf);
+          product(kk, kf);
         }
       } else {
+        uint32_t kb[2][D / 16][2];   // key rows g and g + 8
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {  // key rows g and g + 8
+        for (int j = 0; j < 2; ++j) {
           const int key = g + 8 * j;
           PairScale<kScaleF32> sc{1.f, 1.f};
           if constexpr (KV::kGrouped) sc.lo = sc.hi = load_scale(scales_k + key * Lay::kScaleRow, k_group, kScaleF32);
-          uint32_t kb[D / 16][2];
-          quant_k_operands<D, F, kScaleF32>(tile_k + key * Lay::kRowBytes, t4, sc, kb);
-          float odd[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulator chains: half the MMA latency
+          quant_k_operands<D, F, kScaleF32>(tile_k + key * Lay::kRowBytes, t4, sc, kb[j]);
+        }
 #pragma unroll
-          for (int kk = 0; kk < D / 16; kk += 2) {
-            Elem<M>::mma(s[tt][j], qf[kk], kb[kk][0], kb[kk][1]);
-            Elem<M>::mma(odd, qf[kk + 1], kb[kk + 1][0], kb[kk + 1][1]);
-          }
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s[tt][j][i] += odd[i];
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t kf[4] = {kb[0][kk][0], kb[1][kk][0], kb[0][kk][1], kb[1][kk][1]};
+          product(kk, kf);
         }
       }
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[tt][n][i] += odd[n][i];
     }
 
-    // mask, scale, online softmax (row g: s[.][.][0..1], row g + 8: s[.][.][2..3])
-    float alpha[2];
+    // mask, scale, online softmax of each query column (its keys lie across the lane groups g)
+    float alpha[NQ][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -CUDART_INF_F;
+    for (int n = 0; n < NQ; ++n)
 #pragma unroll
-      for (int tt = 0; tt < kN; ++tt)
+      for (int e = 0; e < 2; ++e) {
+        float mx = -CUDART_INF_F;
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int tt = 0; tt < kN; ++tt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = start + (it + tt) * kKeys + 8 * j + 2 * t4 + e;
-            float& x = s[tt][j][2 * h + e];
-            x = key < limit[h] ? x * smult[h] : -CUDART_INF_F;
+          for (int j = 0; j < 2; ++j) {
+            const int key = start + (it + tt) * kKeys + g + 8 * j;
+            float& x = s[tt][n][2 * j + e];
+            x = key < limit[n][e] ? x * smult[n][e] : -CUDART_INF_F;
             mx = fmaxf(mx, x);
           }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx);
-      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-      alpha[h] = exp2_approx(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m_run[n][e], mx);
+        const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
+        alpha[n][e] = exp2_approx(m_run[n][e] - m_use);
+        m_run[n][e] = m_new;
+        float sum = 0.f;
 #pragma unroll
-      for (int tt = 0; tt < kN; ++tt)
+        for (int tt = 0; tt < kN; ++tt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[tt][j][2 * h + e];
+          for (int j = 0; j < 2; ++j) {
+            float& x = s[tt][n][2 * j + e];
             x = exp2_approx(x - m_use);
             sum += x;
           }
-      l_run[h] = l_run[h] * alpha[h] + sum;
-    }
-    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
+        l_run[n][e] = l_run[n][e] * alpha[n][e] + sum;
       }
+    bool rescale = false;
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) rescale |= alpha[n][0] != 1.f || alpha[n][1] != 1.f;
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+          o[n][mt][0] *= alpha[n][0];
+          o[n][mt][1] *= alpha[n][1];
+          o[n][mt][2] *= alpha[n][0];
+          o[n][mt][3] *= alpha[n][1];
+        }
     }
 
-    // O += P V: P (16 rows x 16 keys of each tile) straight from the score registers
+    // O^T += V^T P^T: P^T (16 keys x the query columns) is the B operand, each 8 x 8 block of the
+    // score registers transposed by movmatrix
 #pragma unroll
     for (int tt = 0; tt < kN; ++tt) {
       const int stage = (it + tt) % Lay::kStages;
       const uint32_t sv = wsmem + stage * Lay::kStageBytes + Lay::kTileBytes;
       const unsigned char* tile_v = wbuf + stage * Lay::kStageBytes + Lay::kTileBytes;
       const unsigned char* scales_v = tile_v + Lay::kTileBytes + Lay::kScaleBytes;
-      const uint32_t pa[4] = {Elem<M>::pack(s[tt][0][0], s[tt][0][1]), Elem<M>::pack(s[tt][0][2], s[tt][0][3]),
-                              Elem<M>::pack(s[tt][1][0], s[tt][1][1]), Elem<M>::pack(s[tt][1][2], s[tt][1][3])};
+      uint32_t pb[NQ][2];
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) {
+        pb[n][0] = transpose8x8(Elem<M>::pack(s[tt][n][0], s[tt][n][1]));   // keys 0-7
+        pb[n][1] = transpose8x8(Elem<M>::pack(s[tt][n][2], s[tt][n][3]));   // keys 8-15
+      }
+      auto product = [&](int mt, const uint32_t (&vf)[4]) {
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) Elem<M>::mma(o[n][mt], vf, pb[n][0], pb[n][1]);
+      };
       if constexpr (KV::kPlain) {
         const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
 #pragma unroll
-        for (int jj = 0; jj < D / 16; ++jj) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(va + jj * 32, vb);
-          Elem<M>::mma(o[2 * jj], pa, vb[0], vb[1]);
-          Elem<M>::mma(o[2 * jj + 1], pa, vb[2], vb[3]);
+        for (int mt = 0; mt < D / 16; ++mt) {
+          uint32_t vf[4];
+          ldmatrix_x4_trans(va + mt * 32, vf);
+          product(mt, vf);
         }
       } else {
-        // keys 2 t4, 2 t4 + 1 (B register 0) and 2 t4 + 8, 2 t4 + 9 (register 1)
+        // keys 2 t4, 2 t4 + 1 (A registers 0, 1) and 2 t4 + 8, 2 t4 + 9 (registers 2, 3)
         uint32_t w[4][Map::kVWords];
         PairScale<kScaleF32> sc[2] = {{1.f, 1.f}, {1.f, 1.f}};
 #pragma unroll
@@ -609,14 +657,17 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
             sc[r] = {load_scale(scales_v + (2 * t4 + 8 * r) * Lay::kScaleRow, v_group, kScaleF32),
                      load_scale(scales_v + (2 * t4 + 8 * r + 1) * Lay::kScaleRow, v_group, kScaleF32)};
         }
-        constexpr int kPer = Map::kInt4 ? 8 : 4;  // n-tiles per word
+        constexpr int kPer = Map::kInt4 ? 8 : 4;  // dims per word
 #pragma unroll
         for (int u = 0; u < Map::kVWords; ++u) {
           uint32_t b0[kPer], b1[kPer];
           quant_v_operands<F, kScaleF32>(w[0][u], w[1][u], sc[0], b0);
           quant_v_operands<F, kScaleF32>(w[2][u], w[3][u], sc[1], b1);
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) Elem<M>::mma(o[u * kPer + i], pa, b0[i], b1[i]);
+          for (int i = 0; i < kPer / 2; ++i) {
+            const uint32_t vf[4] = {b0[2 * i], b0[2 * i + 1], b1[2 * i], b1[2 * i + 1]};
+            product(u * kPer / 2 + i, vf);
+          }
         }
       }
     }
@@ -641,32 +692,32 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
 
   // each warp's partial state to shared memory (O over its own pipeline buffers)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-  }
+  for (int n = 0; n < NQ; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) l_run[n][e] += __shfl_xor_sync(0xffffffffu, l_run[n][e], x);
   float* wo = reinterpret_cast<float*>(wbuf);
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    if constexpr (KV::kPlain) {
-      *reinterpret_cast<float2*>(wo + g * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][0], o[j][1]);
-      *reinterpret_cast<float2*>(wo + (g + 8) * Lay::kOStride + 8 * j + 2 * t4) = make_float2(o[j][2], o[j][3]);
-    } else {
+  for (int n = 0; n < NQ; ++n)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = Map::v_dim(2 * t4 + e, j);
-        wo[g * Lay::kOStride + col] = o[j][e];
-        wo[(g + 8) * Lay::kOStride + col] = o[j][2 + e];
+    for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // dim rows g, g + 8
+        const int col = KV::kPlain ? 16 * mt + g + 8 * h : Map::v_dim(g + 8 * h, mt);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) wo[(2 * t4 + e + 8 * n) * Lay::kOStride + col] = o[n][mt][2 * h + e];
       }
-    }
-  }
   float* warp_m = reinterpret_cast<float*>(smem + Lay::kWarpM);
   float* warp_l = reinterpret_cast<float*>(smem + Lay::kWarpL);
-  if (t4 == 0) {
-    warp_m[warp * kRows + g] = m_run[0];
-    warp_m[warp * kRows + g + 8] = m_run[1];
-    warp_l[warp * kRows + g] = l_run[0];
-    warp_l[warp * kRows + g + 8] = l_run[1];
+  if (g == 0) {
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        warp_m[warp * kRows + 2 * t4 + e + 8 * n] = m_run[n][e];
+        warp_l[warp * kRows + 2 * t4 + e + 8 * n] = l_run[n][e];
+      }
   }
   __syncthreads();
 
@@ -753,10 +804,10 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain ? 1 : ATTN_DECODE
   cluster.sync();  // no CTA leaves while the others read its shared memory
 }
 
-template <typename T, int D, int F, bool S>
+template <typename T, int D, int F, bool S, int NQ>
 cudaError_t configure() {
   static const cudaError_t configured = [] {
-    auto kernel = decode_kernel<T, D, F, S>;
+    auto kernel = decode_kernel<T, D, F, S, NQ>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<D, F>::kBytes);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     return e;
@@ -784,15 +835,15 @@ struct LaunchConfig {
   }
 };
 
-template <typename T, int D, int F, bool S>
+template <typename T, int D, int F, bool S, int NQ>
 int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len) {
-  cudaError_t e = configure<T, D, F, S>();
+  cudaError_t e = configure<T, D, F, S, NQ>();
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     return 1;
   }
   LaunchConfig lc(a, Layout<D, F>::kBytes, stream);
-  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D, F, S>, a);
+  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D, F, S, NQ>, a);
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: launch (cluster %d, grid %d x %d x %d): %s", a.cluster_size,
              a.cluster_size, a.hkv, a.batch, cudaGetErrorString(e));
@@ -801,14 +852,14 @@ int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len)
   return 0;
 }
 
-template <typename T, int D, int F, bool S>
+template <typename T, int D, int F, bool S, int NQ>
 int max_clusters(const AttnDecodeArgs& a) {
-  if (configure<T, D, F, S>() != cudaSuccess) return -1;
+  if (configure<T, D, F, S, NQ>() != cudaSuccess) return -1;
   AttnDecodeArgs one = a;
   one.hkv = one.batch = 1;
   LaunchConfig lc(one, Layout<D, F>::kBytes, nullptr);
   int n = 0;
-  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D, F, S>, &lc.cfg) == cudaSuccess ? n : -1;
+  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D, F, S, NQ>, &lc.cfg) == cudaSuccess ? n : -1;
 }
 
 struct Launcher {
@@ -816,39 +867,43 @@ struct Launcher {
   cudaStream_t stream;
   char* err;
   int err_len;
-  template <typename T, int D, int F, bool S>
-  int operator()() const { return launch<T, D, F, S>(a, stream, err, err_len); }
+  template <typename T, int D, int F, bool S, int NQ>
+  int operator()() const { return launch<T, D, F, S, NQ>(a, stream, err, err_len); }
 };
 struct ClusterCounter {
   const AttnDecodeArgs& a;
-  template <typename T, int D, int F, bool S>
-  int operator()() const { return max_clusters<T, D, F, S>(a); }
+  template <typename T, int D, int F, bool S, int NQ>
+  int operator()() const { return max_clusters<T, D, F, S, NQ>(a); }
 };
 
-// run `f.template operator()<T, D, F, S>()` for the call's query dtype, head dim, cache format and
-// (INT8/INT4) scale dtype
+// run `f.template operator()<T, D, F, S, NQ>()` for the call's query dtype, head dim, cache format,
+// (INT8/INT4) scale dtype and number of 8-row query tiles
 template <typename Fn>
 int dispatch(const AttnDecodeArgs& a, const Fn& f) {
-  auto by_format = [&](auto t, auto d) -> int {
+  auto by_format = [&](auto t, auto d, auto nq) -> int {
     using T = decltype(t);
-    constexpr int D = decltype(d)::value;
+    constexpr int D = decltype(d)::value, NQ = decltype(nq)::value;
     switch (a.kv_format) {
-      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false>();
-      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false>();
-      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false>();
+      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false, NQ>();
+      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false, NQ>();
+      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false, NQ>();
       case ATTN_DECODE_KV_INT8:
-        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT8, true>()
-                            : f.template operator()<T, D, ATTN_DECODE_KV_INT8, false>();
+        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT8, true, NQ>()
+                            : f.template operator()<T, D, ATTN_DECODE_KV_INT8, false, NQ>();
       case ATTN_DECODE_KV_INT4:
-        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT4, true>()
-                            : f.template operator()<T, D, ATTN_DECODE_KV_INT4, false>();
+        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT4, true, NQ>()
+                            : f.template operator()<T, D, ATTN_DECODE_KV_INT4, false, NQ>();
       default: return -2;
     }
   };
+  auto by_rows = [&](auto t, auto d) -> int {
+    const int rows = a.hkv > 0 ? a.hq / a.hkv * a.q_per_seq : 0;
+    return rows <= 8 ? by_format(t, d, std::integral_constant<int, 1>()) : by_format(t, d, std::integral_constant<int, 2>());
+  };
   auto by_dim = [&](auto t) -> int {
     switch (a.head_dim) {
-      case 64: return by_format(t, std::integral_constant<int, 64>());
-      case 128: return by_format(t, std::integral_constant<int, 128>());
+      case 64: return by_rows(t, std::integral_constant<int, 64>());
+      case 128: return by_rows(t, std::integral_constant<int, 128>());
       default: return -3;
     }
   };
