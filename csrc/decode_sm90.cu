@@ -63,6 +63,9 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_CTAS
 #define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels of <= 8 rows are compiled for
 #endif
+#ifndef ATTN_DECODE_INT4_CTAS
+#define ATTN_DECODE_INT4_CTAS ATTN_DECODE_QUANT_CTAS
+#endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;       // query rows of a CTA at most: two n8 MMA tiles
@@ -79,6 +82,8 @@ struct Storage {
   // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
   // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
   static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
+  // CTAs per SM the kernels of <= 8 query rows are compiled for (register budget)
+  static constexpr int kCtas = kPlain ? 1 : F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_INT4_CTAS : ATTN_DECODE_QUANT_CTAS;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -332,7 +337,7 @@ __device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const
 
 // kScaleF32: INT8/INT4 with fp32 scale caches; NQ: 8-row tiles of query rows (rows <= 8 NQ)
 template <typename T, int D, int F, bool kScaleF32, int NQ>
-__global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : ATTN_DECODE_QUANT_CTAS) decode_kernel(const AttnDecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, NQ > 1 ? 1 : Storage<F>::kCtas) decode_kernel(const AttnDecodeArgs a) {
   using Lay = Layout<D, F>;
   using KV = Storage<F>;
   using Map = QuantMap<D, F>;
@@ -528,9 +533,6 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
 #pragma unroll
     for (int tt = 0; tt < kN; ++tt) {
       const int stage = (it + tt) % Lay::kStages;
-      const uint32_t sk = wsmem + stage * Lay::kStageBytes;
-      const unsigned char* tile_k = wbuf + stage * Lay::kStageBytes;
-      const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
       float odd[NQ][4];  // two accumulator chains (even and odd k-steps): half the MMA latency
 #pragma unroll
       for (int n = 0; n < NQ; ++n)
@@ -541,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
         for (int n = 0; n < NQ; ++n) Elem<M>::mma(kk % 2 ? odd[n] : s[tt][n], kf, qb[n][kk][0], qb[n][kk][1]);
       };
       if constexpr (KV::kPlain) {
-        const uint32_t ka = sk + k_row * Lay::kRowBytes + k_chunk * 16;
+        const uint32_t ka = wsmem + stage * Lay::kStageBytes + k_row * Lay::kRowBytes + k_chunk * 16;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           uint32_t kf[4];
@@ -549,6 +551,8 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
           product(kk, kf);
         }
       } else {
+        const unsigned char* tile_k = wbuf + stage * Lay::kStageBytes;
+        [[maybe_unused]] const unsigned char* scales_k = tile_k + 2 * Lay::kTileBytes;
         uint32_t kb[2][D / 16][2];   // key rows g and g + 8
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -623,9 +627,6 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
 #pragma unroll
     for (int tt = 0; tt < kN; ++tt) {
       const int stage = (it + tt) % Lay::kStages;
-      const uint32_t sv = wsmem + stage * Lay::kStageBytes + Lay::kTileBytes;
-      const unsigned char* tile_v = wbuf + stage * Lay::kStageBytes + Lay::kTileBytes;
-      const unsigned char* scales_v = tile_v + Lay::kTileBytes + Lay::kScaleBytes;
       uint32_t pb[NQ][2];
 #pragma unroll
       for (int n = 0; n < NQ; ++n) {
@@ -637,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
         for (int n = 0; n < NQ; ++n) Elem<M>::mma(o[n][mt], vf, pb[n][0], pb[n][1]);
       };
       if constexpr (KV::kPlain) {
-        const uint32_t va = sv + v_row * Lay::kRowBytes + v_chunk * 16;
+        const uint32_t va = wsmem + stage * Lay::kStageBytes + Lay::kTileBytes + v_row * Lay::kRowBytes + v_chunk * 16;
 #pragma unroll
         for (int mt = 0; mt < D / 16; ++mt) {
           uint32_t vf[4];
@@ -645,6 +646,8 @@ __global__ void __launch_bounds__(kThreads, Storage<F>::kPlain || NQ > 1 ? 1 : A
           product(mt, vf);
         }
       } else {
+        const unsigned char* tile_v = wbuf + stage * Lay::kStageBytes + Lay::kTileBytes;
+        [[maybe_unused]] const unsigned char* scales_v = tile_v + Lay::kTileBytes + Lay::kScaleBytes;
         // keys 2 t4, 2 t4 + 1 (A registers 0, 1) and 2 t4 + 8, 2 t4 + 9 (registers 2, 3)
         uint32_t w[4][Map::kVWords];
         PairScale<kScaleF32> sc[2] = {{1.f, 1.f}, {1.f, 1.f}};
