@@ -136,10 +136,11 @@ def run_cutlass():
 def run_cuda_decode():
     """The CUDA decode kernel (csrc/decode_sm90.cu): odd and empty lengths, 1..8 query tokens,
     D = 64 and 128, fp16 and bf16, each cluster size from 1 to 16 (its merge in distributed
-    shared memory); FP8, INT8 and INT4 caches (their scale tiles) at cluster sizes 1, 4, 16."""
+    shared memory); FP8, INT8 and INT4 caches (their scale tiles) at cluster sizes 1, 4, 16, INT8
+    and INT4 also on the build for two CTAs per SM."""
     from torch_ops import cuda_decode
 
-    real = cuda_decode.cluster_size
+    real, real_per_sm = cuda_decode.cluster_size, cuda_decode.ctas_per_sm
     with torch_ops.use_backend("cuda"):
         for size, d, (hq, hkv, qps), dtype in itertools.product(
                 (1, 2, 3, 4, 8, 16), (64, 128), ((8, 2, 1), (32, 32, 1), (8, 1, 2), (16, 2, 2)),
@@ -148,11 +149,14 @@ def run_cuda_decode():
             q, cache, tables, seq_lens = paged_case("bf16", 16, [1, 17, 0, 300, 1000], hq=hq, hkv=hkv, d=d,
                                                     q_per_seq=qps)
             torch.ops.attn.paged_decode(q.to(dtype), cache.k.to(dtype), cache.v.to(dtype), tables, seq_lens)
-        for size, d, fmt in itertools.product((1, 4, 16), (64, 128), ("e4m3", "int8", "int4")):
+        for size, d, fmt, per_sm in itertools.product((1, 4, 16), (64, 128), ("e4m3", "int8", "int4"), (1, 2)):
+            if per_sm == 2 and (d != 128 or fmt == "e4m3"):
+                continue
             cuda_decode.cluster_size = lambda *a, size=size: size
+            cuda_decode.ctas_per_sm = lambda *a, per_sm=per_sm: per_sm
             q, cache, tables, seq_lens = paged_case(fmt, 32, [1, 17, 0, 300, 1000], d=d, q_per_seq=2)
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
-    cuda_decode.cluster_size = real
+    cuda_decode.cluster_size, cuda_decode.ctas_per_sm = real, real_per_sm
     print("paged_decode (cuda): ok")
 
 

@@ -60,12 +60,6 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
-#ifndef ATTN_DECODE_QUANT_CTAS
-#define ATTN_DECODE_QUANT_CTAS 1   // CTAs per SM the FP8/INT8/INT4 kernels of <= 8 rows are compiled for
-#endif
-#ifndef ATTN_DECODE_INT4_CTAS
-#define ATTN_DECODE_INT4_CTAS ATTN_DECODE_QUANT_CTAS
-#endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;       // query rows of a CTA at most: two n8 MMA tiles
@@ -82,20 +76,22 @@ struct Storage {
   // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
   // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
   static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
-  // CTAs per SM the kernels of <= 8 query rows are compiled for (register budget)
-  static constexpr int kCtas = kPlain ? 1 : F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_INT4_CTAS : ATTN_DECODE_QUANT_CTAS;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <int D, int F>
+// C: CTAs per SM the kernel is built for. C = 2 (INT8/INT4 at <= 8 rows, AttnDecodeArgs::ctas_per_sm)
+// halves the registers (128) and the pipeline (2 stages of one tile per softmax step), so that
+// four warps share each scheduler on grids of more than one wave.
+template <int D, int F, int C = 1>
 struct Layout {
   static constexpr int kRowBytes = D * Storage<F>::kBits / 8 + 16;  // one padded key row in shared memory
   static constexpr int kTileBytes = kKeys * kRowBytes;    // a K or a V tile
   static constexpr int kScaleRow = 16;                    // bytes per key of a group-scale tile
   static constexpr int kScaleBytes = Storage<F>::kGrouped ? kKeys * kScaleRow : 0;
   static constexpr int kStageBytes = 2 * kTileBytes + 2 * kScaleBytes;  // K, V, K scales, V scales
-  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : ATTN_DECODE_QUANT_STAGES;
+  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : C == 2 ? 2 : ATTN_DECODE_QUANT_STAGES;
+  static constexpr int kTilesPerStep = C == 2 ? 1 : Storage<F>::kTilesPerStep;
   static constexpr int kOStride = D + 8;                  // floats per row of an O buffer
   // a warp's pipeline buffers, which hold its O (16 rows x kOStride floats) once the loop is done
   static constexpr int kWarpBytes = cmax(kStages * kStageBytes, kRows * kOStride * 4);
@@ -335,10 +331,10 @@ __device__ __forceinline__ void quant_v_operands(uint32_t w0, uint32_t w1, const
   }
 }
 
-// kScaleF32: INT8/INT4 with fp32 scale caches; NQ: 8-row tiles of query rows (rows <= 8 NQ)
-template <typename T, int D, int F, bool kScaleF32, int NQ>
-__global__ void __launch_bounds__(kThreads, NQ > 1 ? 1 : Storage<F>::kCtas) decode_kernel(const AttnDecodeArgs a) {
-  using Lay = Layout<D, F>;
+// kScaleF32: INT8/INT4 with fp32 scale caches; NQ: 8-row tiles of query rows (rows <= 8 NQ); C: Layout
+template <typename T, int D, int F, bool kScaleF32, int NQ, int C>
+__global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArgs a) {
+  using Lay = Layout<D, F, C>;
   using KV = Storage<F>;
   using Map = QuantMap<D, F>;
   using M = std::conditional_t<KV::kPlain, T, __half>;  // the MMA operand type
@@ -516,10 +512,10 @@ __global__ void __launch_bounds__(kThreads, NQ > 1 ? 1 : Storage<F>::kCtas) deco
   const int k_group = KV::kGrouped ? t4 * (D / 4) / a.quant_group : 0;
   const int v_group = KV::kGrouped ? g * (D / 8) / a.quant_group : 0;
 
-  // kSteps tiles per softmax step (Storage::kTilesPerStep): their dequantization and MMAs are
+  // kSteps tiles per softmax step (Layout::kTilesPerStep): their dequantization and MMAs are
   // independent work for the warp, and they share one max / rescale. A last odd tile takes a
   // step of its own.
-  constexpr int kSteps = KV::kTilesPerStep;
+  constexpr int kSteps = Lay::kTilesPerStep;
   static_assert(Lay::kStages >= 2 * kSteps, "the tiles of a step and of the next one in flight");
 #pragma unroll
   for (int i = 0; i < Lay::kStages - kSteps; ++i) {
@@ -807,11 +803,11 @@ __global__ void __launch_bounds__(kThreads, NQ > 1 ? 1 : Storage<F>::kCtas) deco
   cluster.sync();  // no CTA leaves while the others read its shared memory
 }
 
-template <typename T, int D, int F, bool S, int NQ>
+template <typename T, int D, int F, bool S, int NQ, int C>
 cudaError_t configure() {
   static const cudaError_t configured = [] {
-    auto kernel = decode_kernel<T, D, F, S, NQ>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<D, F>::kBytes);
+    auto kernel = decode_kernel<T, D, F, S, NQ, C>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<D, F, C>::kBytes);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     return e;
   }();
@@ -838,15 +834,15 @@ struct LaunchConfig {
   }
 };
 
-template <typename T, int D, int F, bool S, int NQ>
+template <typename T, int D, int F, bool S, int NQ, int C>
 int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len) {
-  cudaError_t e = configure<T, D, F, S, NQ>();
+  cudaError_t e = configure<T, D, F, S, NQ, C>();
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     return 1;
   }
-  LaunchConfig lc(a, Layout<D, F>::kBytes, stream);
-  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D, F, S, NQ>, a);
+  LaunchConfig lc(a, Layout<D, F, C>::kBytes, stream);
+  e = cudaLaunchKernelEx(&lc.cfg, decode_kernel<T, D, F, S, NQ, C>, a);
   if (e != cudaSuccess) {
     snprintf(err, err_len, "decode_sm90: launch (cluster %d, grid %d x %d x %d): %s", a.cluster_size,
              a.cluster_size, a.hkv, a.batch, cudaGetErrorString(e));
@@ -855,14 +851,14 @@ int launch(const AttnDecodeArgs& a, cudaStream_t stream, char* err, int err_len)
   return 0;
 }
 
-template <typename T, int D, int F, bool S, int NQ>
+template <typename T, int D, int F, bool S, int NQ, int C>
 int max_clusters(const AttnDecodeArgs& a) {
-  if (configure<T, D, F, S, NQ>() != cudaSuccess) return -1;
+  if (configure<T, D, F, S, NQ, C>() != cudaSuccess) return -1;
   AttnDecodeArgs one = a;
   one.hkv = one.batch = 1;
-  LaunchConfig lc(one, Layout<D, F>::kBytes, nullptr);
+  LaunchConfig lc(one, Layout<D, F, C>::kBytes, nullptr);
   int n = 0;
-  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D, F, S, NQ>, &lc.cfg) == cudaSuccess ? n : -1;
+  return cudaOccupancyMaxActiveClusters(&n, decode_kernel<T, D, F, S, NQ, C>, &lc.cfg) == cudaSuccess ? n : -1;
 }
 
 struct Launcher {
@@ -870,32 +866,42 @@ struct Launcher {
   cudaStream_t stream;
   char* err;
   int err_len;
-  template <typename T, int D, int F, bool S, int NQ>
-  int operator()() const { return launch<T, D, F, S, NQ>(a, stream, err, err_len); }
+  template <typename T, int D, int F, bool S, int NQ, int C>
+  int operator()() const { return launch<T, D, F, S, NQ, C>(a, stream, err, err_len); }
 };
 struct ClusterCounter {
   const AttnDecodeArgs& a;
-  template <typename T, int D, int F, bool S, int NQ>
-  int operator()() const { return max_clusters<T, D, F, S, NQ>(a); }
+  template <typename T, int D, int F, bool S, int NQ, int C>
+  int operator()() const { return max_clusters<T, D, F, S, NQ, C>(a); }
 };
 
-// run `f.template operator()<T, D, F, S, NQ>()` for the call's query dtype, head dim, cache format,
-// (INT8/INT4) scale dtype and number of 8-row query tiles
+// run `f.template operator()<T, D, F, S, NQ, C>()` for the call's query dtype, head dim, cache
+// format, (INT8/INT4) scale dtype, number of 8-row query tiles and CTAs per SM
 template <typename Fn>
 int dispatch(const AttnDecodeArgs& a, const Fn& f) {
   auto by_format = [&](auto t, auto d, auto nq) -> int {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, NQ = decltype(nq)::value;
+    // INT8/INT4: the two-CTA build at D = 128 and <= 8 rows (where it was measured to pay)
+    auto grouped = [&](auto format, auto scale_fp32) -> int {
+      constexpr int F = decltype(format)::value;
+      constexpr bool S = decltype(scale_fp32)::value;
+      if constexpr (D == 128 && NQ == 1) {
+        if (a.ctas_per_sm == 2) return f.template operator()<T, D, F, S, NQ, 2>();
+      }
+      return a.ctas_per_sm == 1 ? f.template operator()<T, D, F, S, NQ, 1>() : -4;
+    };
+    using Int8 = std::integral_constant<int, ATTN_DECODE_KV_INT8>;
+    using Int4 = std::integral_constant<int, ATTN_DECODE_KV_INT4>;
+    if (a.kv_format != ATTN_DECODE_KV_INT8 && a.kv_format != ATTN_DECODE_KV_INT4 && a.ctas_per_sm != 1) return -4;
     switch (a.kv_format) {
-      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false, NQ>();
-      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false, NQ>();
-      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false, NQ>();
+      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false, NQ, 1>();
+      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false, NQ, 1>();
+      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false, NQ, 1>();
       case ATTN_DECODE_KV_INT8:
-        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT8, true, NQ>()
-                            : f.template operator()<T, D, ATTN_DECODE_KV_INT8, false, NQ>();
+        return a.scale_fp32 ? grouped(Int8(), std::true_type()) : grouped(Int8(), std::false_type());
       case ATTN_DECODE_KV_INT4:
-        return a.scale_fp32 ? f.template operator()<T, D, ATTN_DECODE_KV_INT4, true, NQ>()
-                            : f.template operator()<T, D, ATTN_DECODE_KV_INT4, false, NQ>();
+        return a.scale_fp32 ? grouped(Int4(), std::true_type()) : grouped(Int4(), std::false_type());
       default: return -2;
     }
   };
@@ -920,9 +926,10 @@ extern "C" __attribute__((visibility("default"))) int attn_decode_sm90(const Att
   const AttnDecodeArgs& a = *args;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int rows = a.hkv > 0 ? a.hq / a.hkv * a.q_per_seq : 0;
-  if (rows < 1 || rows > kRows || a.cluster_size < 1 || a.cluster_size > kMaxCluster || a.block_size % kKeys) {
-    snprintf(err, err_len, "decode_sm90: unsupported problem (rows %d, cluster %d, block_size %d)", rows,
-             a.cluster_size, a.block_size);
+  if (rows < 1 || rows > kRows || a.cluster_size < 1 || a.cluster_size > kMaxCluster || a.block_size % kKeys ||
+      (a.ctas_per_sm != 1 && a.ctas_per_sm != 2)) {
+    snprintf(err, err_len, "decode_sm90: unsupported problem (rows %d, cluster %d, block_size %d, ctas_per_sm %d)", rows,
+             a.cluster_size, a.block_size, a.ctas_per_sm);
     return 1;
   }
   if (a.kv_format == ATTN_DECODE_KV_INT8 || a.kv_format == ATTN_DECODE_KV_INT4) {
@@ -936,7 +943,9 @@ extern "C" __attribute__((visibility("default"))) int attn_decode_sm90(const Att
   }
   if (a.batch == 0) return 0;
   const int r = dispatch(a, Launcher{a, s, err, err_len});
-  if (r < 0) snprintf(err, err_len, "decode_sm90: head_dim %d / kv_format %d is not built", a.head_dim, a.kv_format);
+  if (r < 0)
+    snprintf(err, err_len, "decode_sm90: head_dim %d / kv_format %d / %d CTAs per SM (rows %d) is not built", a.head_dim,
+             a.kv_format, a.ctas_per_sm, rows);
   return r == 0 ? 0 : 1;
 }
 

@@ -51,6 +51,9 @@ typedef struct {
   // 1: launch with programmatic dependent launch, so that the grid is scheduled while the previous
   // kernel on the stream finishes (the kernel waits for that kernel before its first global access)
   int32_t pdl;
+  // CTAs per SM of the kernel build: 1, or 2 for INT8/INT4 caches at head_dim 128 and at most 8 rows
+  // (128 registers, 2-stage pipelines: faster on grids of more than one wave)
+  int32_t ctas_per_sm;
 } AttnDecodeArgs;
 
 // int attn_decode_sm90(const AttnDecodeArgs*, void* stream, char* err, int err_len): 0 on success,

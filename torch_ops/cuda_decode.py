@@ -53,7 +53,7 @@ FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
-INT4_WAVES = {64: 4, 128: 1}   # INT4 caches in that clause: at most this many waves of CTAs, by head dim
+TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= 8 rows: the build for two CTAs per SM on multi-wave grids
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -75,6 +75,7 @@ def compile_command(nvcc: str, output: Path, defines: tuple[str, ...] = ()) -> l
     return [
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "-shared", "-cudart=static", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
+        "-split-compile=0",   # the 64 kernels optimized in parallel on all cores
         *(f"-D{d}" for d in defines), f"-I{CSRC}", str(CSRC / "decode_sm90.cu"), "-o", str(output),
     ]
 
@@ -133,7 +134,7 @@ class DecodeArgs(ctypes.Structure):
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         *((name, ctypes.c_int64) for name in (
             "ks_block_stride", "ks_token_stride", "ks_head_stride", "vs_block_stride", "vs_token_stride", "vs_head_stride")),
-        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group", "pdl")),
+        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group", "pdl", "ctas_per_sm")),
     ]
 
 
@@ -153,10 +154,11 @@ def kv_format_code(cache_dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def resident_clusters(path: Path, device_index: int, dtype: torch.dtype, head_dim: int, size: int,
-                      cache_dtype: torch.dtype | None = None) -> int:
-    """Clusters of `size` CTAs that fit on the device at once (the hardware's answer)."""
+                      cache_dtype: torch.dtype | None = None, per_sm: int = 1) -> int:
+    """Clusters of `size` CTAs of the build for `per_sm` CTAs per SM that fit on the device at once
+    (the hardware's answer)."""
     args = DecodeArgs(head_dim=head_dim, dtype=DTYPES[dtype], cluster_size=size, hq=1, hkv=1, q_per_seq=1, batch=1,
-                      kv_format=kv_format_code(cache_dtype or dtype))
+                      kv_format=kv_format_code(cache_dtype or dtype), ctas_per_sm=per_sm)
     with torch.cuda.device(device_index):
         n = _library(path).attn_decode_sm90_max_clusters(ctypes.byref(args))
     if n < 0:
@@ -182,18 +184,31 @@ def cluster_size(batch: int, num_kv_heads: int, capacity: int, resident: Callabl
     return size
 
 
-def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
-    """(cluster size, CTAs, resident single CTAs, SMs) of a call."""
-    d, batch, hkv = query.shape[-1], seq_lens.shape[0], k_cache.shape[2]
+def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, single: int) -> int:
+    """Which build runs a call: 1, or 2 CTAs per SM (INT8/INT4 caches, `TWO_CTA_HEAD_DIMS`, <= 8 query
+    rows) when the grid's `units` (sequence, KV head) pairs outnumber the `single` CTAs of the
+    one-CTA build that fit at once. H200, 32/8 heads (results/trial_cuda_decode_quant_ctas_H200_20261123d.log):
+    1.03-1.11x on 3.9-15.5 waves at D = 128; 0.79-0.98x on one wave, 0.94-0.95x at D = 64."""
+    two = cache_dtype in (torch.int8, torch.uint8) and head_dim in TWO_CTA_HEAD_DIMS and rows <= 8
+    return 2 if two and units > single else 1
+
+
+def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
+    """(cluster size, CTAs per SM of the build, CTAs, resident single CTAs of the one-CTA build, SMs)
+    of a call."""
+    t, hq, d = query.shape
+    batch, hkv = seq_lens.shape[0], k_cache.shape[2]
     path = library_path()
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
 
-    def resident(n: int) -> int:
-        return resident_clusters(path, index, query.dtype, d, n, k_cache.dtype)
+    def resident(n: int, per_sm: int = 1) -> int:
+        return resident_clusters(path, index, query.dtype, d, n, k_cache.dtype, per_sm)
 
+    single = resident(1)
+    per_sm = ctas_per_sm(k_cache.dtype, d, (t // batch) * (hq // hkv), batch * hkv, single)
     capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
-    size = cluster_size(batch, hkv, capacity, resident)
-    return size, size * batch * hkv, resident(1), torch.cuda.get_device_properties(index).multi_processor_count
+    size = cluster_size(batch, hkv, capacity, lambda n: resident(n, per_sm))
+    return size, per_sm, size * batch * hkv, single, torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -287,7 +302,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     if not tables.numel():
         tables = torch.zeros(batch, 1, dtype=torch.int32, device=query.device)
-    size = _grid(query, k_cache, tables, seq_lens)[0]
+    size, per_sm = _grid(query, k_cache, tables, seq_lens)[:2]
     args = DecodeArgs(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), lse.data_ptr(),
@@ -298,7 +313,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
         kv_format_code(k_cache.dtype),
         **_scale_fields(k_cache, k_scale, v_scale, d),
-        pdl=int(PDL),
+        pdl=int(PDL), ctas_per_sm=per_sm,
     )
     err = ctypes.create_string_buffer(512)
     with torch.cuda.device(query.device):
@@ -328,20 +343,19 @@ class CudaDecodeBackend:
         of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 lost 3-22% from 2k keys).
         FP8/INT8/INT4 caches (results/trial_cuda_decode_quant*_H200_20261123a.log): the same
         without the long tables in clusters, where each warp's dequantizing chain sets the pace
-        (0.55-0.9x); and from 4k keys on grids of >= 0.45 x SMs (sequence, KV head) pairs, for
-        INT8 with any number of waves (1.05-1.35x: the Triton INT8 programs are the slowest of
-        its formats), for INT4 in one wave (1.06-1.10x at 16k keys; 0.93x on four waves).
+        (0.55-0.9x); and INT8/INT4 from 4k keys on grids of >= 0.45 x SMs (sequence, KV head)
+        pairs, with any number of waves (the kernel with keys as the MMA's rows and, on multi-wave
+        grids, two CTAs per SM; results/trial_cuda_decode_quant_ctas_H200_20261123d.log, 32/8:
+        INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64).
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
-        clauses are off there. The rest held (0.97-1.6x), and INT4 from 4k keys won on 3.9 waves
-        (1.27-1.41x) but not on 15.5 (0.76x): up to 4 waves there."""
+        clauses are off there. The rest held (0.97-1.6x)."""
         query, k_cache, _, block_tables, seq_lens = args[:5]
-        size, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
+        size, _, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
         quantized = k_cache.dtype in KV_FORMATS
-        if (k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms
-                and (k_cache.dtype == torch.int8 or units <= INT4_WAVES[query.shape[-1]] * single)):
+        if k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms:
             return []
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]

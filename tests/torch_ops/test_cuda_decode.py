@@ -104,40 +104,41 @@ def test_compile_command():
 def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, declined):
     q, k, v, _, sl = _problem(cache_dtype=cache_dtype)
     bt = torch.zeros(sl.shape[0], keys // 16, dtype=torch.int32)
-    monkeypatch.setattr(cd, "_grid", lambda *a: (size, ctas, 132, 132))
+    monkeypatch.setattr(cd, "_grid", lambda *a: (size, 1, ctas, 132, 132))
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
-    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 32, 16, 132))   # more pairs (4 x 8) than resident CTAs
+    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 1, 32, 16, 132))   # more pairs (4 x 8) than resident CTAs
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
 
 
 def test_long_tables_in_clusters_only_at_d128(monkeypatch):
-    monkeypatch.setattr(cd, "_grid", lambda *a: (8, 64, 132, 132))
+    monkeypatch.setattr(cd, "_grid", lambda *a: (8, 1, 64, 132, 132))
     for d, declined in ((128, False), (64, True)):
         q, k, v, _, sl = _problem(d=d)
         bt = torch.zeros(sl.shape[0], 16384 // 16, dtype=torch.int32)
         assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
 
 
-@pytest.mark.parametrize("cache_dtype,batch,keys,declined", [
-    (torch.int8, 16, 4096, False), (torch.int8, 64, 16384, False), (torch.int8, 8, 4096, False),
-    (torch.int8, 4, 16384, True), (torch.int8, 64, 1024, True),
-    (torch.uint8, 16, 16384, False), (torch.uint8, 64, 4096, True),         # INT4: one wave only
-    (torch.float8_e4m3fn, 16, 16384, True),
+@pytest.mark.parametrize("cache_dtype,d,batch,keys,declined", [
+    (torch.int8, 128, 16, 4096, False), (torch.int8, 128, 64, 16384, False), (torch.int8, 128, 8, 4096, False),
+    (torch.int8, 128, 4, 16384, True), (torch.int8, 128, 64, 1024, True),
+    (torch.uint8, 128, 16, 16384, False), (torch.uint8, 128, 256, 4096, False), (torch.uint8, 64, 256, 4096, False),
+    (torch.uint8, 64, 64, 1024, True), (torch.float8_e4m3fn, 128, 16, 16384, True),
 ])
-def test_grouped_caches_on_many_pairs(monkeypatch, cache_dtype, batch, keys, declined):
-    q, k, v, _, _ = _problem(t=batch, cache_dtype=cache_dtype)               # 8 KV heads: 8 x batch pairs
+def test_grouped_caches_on_many_pairs(monkeypatch, cache_dtype, d, batch, keys, declined):
+    q, k, v, _, _ = _problem(t=batch, d=d, cache_dtype=cache_dtype)          # 8 KV heads: 8 x batch pairs
     bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
-    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 8 * batch, 132, 132))
+    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 1, 8 * batch, 132, 132))
     assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
 
 
-@pytest.mark.parametrize("batch,keys,declined", [(64, 4096, False), (64, 16384, False), (64, 1024, True),
-                                                 (256, 4096, True)])
-def test_int4_on_several_waves_at_d64(monkeypatch, batch, keys, declined):
-    q, k, v, _, _ = _problem(t=batch, d=64, cache_dtype=torch.uint8)          # 8 x 64 pairs: 3.9 waves of 132
-    bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
-    monkeypatch.setattr(cd, "_grid", lambda *a: (1, 8 * batch, 132, 132))
-    assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
+def test_two_ctas_per_sm_on_multi_wave_grouped_grids():
+    assert cd.ctas_per_sm(torch.int8, 128, 4, 512, 132) == 2
+    assert cd.ctas_per_sm(torch.uint8, 128, 8, 133, 132) == 2
+    assert cd.ctas_per_sm(torch.uint8, 128, 8, 132, 132) == 1      # one wave
+    assert cd.ctas_per_sm(torch.uint8, 128, 16, 512, 132) == 1     # two query tiles
+    assert cd.ctas_per_sm(torch.uint8, 64, 4, 512, 132) == 1       # not built at D = 64 (slower there)
+    assert cd.ctas_per_sm(torch.float8_e4m3fn, 128, 4, 512, 132) == 1
+    assert cd.ctas_per_sm(torch.bfloat16, 128, 4, 512, 132) == 1
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -197,6 +198,30 @@ def test_quantized_caches(kernel_device, monkeypatch, d, dtype, heads, cache_dty
         lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
         lens = [max(n, qps) if n else 0 for n in lens]
         q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=rng.choice([16, 32, 256]),
+                                           qps=qps, dtype=dtype, cache_dtype=cache_dtype,
+                                           layout=rng.choice(["NHD", "HND", "vllm"]), share_prefix=rng.random() < 0.3,
+                                           **extra)
+        out, lse = _run_cuda(q, cache, bt, sl, **cache.scale_kwargs())
+        tp.check(q, cache, bt, sl, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,heads,cache_dtype,extra", [
+    (dtype, heads, cache_dtype, extra) for dtype in (torch.bfloat16, torch.float16)
+    for heads in ((32, 8, 1), (32, 32, 2), (16, 2, 1), (8, 2, 2)) for cache_dtype, extra in QUANT
+    if cache_dtype in (torch.int8, torch.uint8) and extra.get("group", 0) <= 128])
+def test_two_ctas_per_sm(kernel_device, monkeypatch, dtype, heads, cache_dtype, extra):
+    """The INT8/INT4 build for two CTAs per SM (multi-wave grids, D = 128, <= 8 rows), forced on
+    small problems: odd lengths, random pages, every layout, forced cluster sizes."""
+    hq, hkv, qps = heads
+    rng = random.Random(f"two{dtype}{heads}{cache_dtype}{extra}")
+    monkeypatch.setattr(cd, "ctas_per_sm", lambda *a: 2)
+    real = cd.cluster_size
+    for forced in (None, 1, 4, 16):
+        monkeypatch.setattr(cd, "cluster_size", lambda *a, forced=forced: forced or real(*a))
+        lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
+        lens = [max(n, qps) if n else 0 for n in lens]
+        q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=128, bs=rng.choice([16, 32, 256]),
                                            qps=qps, dtype=dtype, cache_dtype=cache_dtype,
                                            layout=rng.choice(["NHD", "HND", "vllm"]), share_prefix=rng.random() < 0.3,
                                            **extra)
