@@ -173,6 +173,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4
                : "r"(addr));
 }
 
+// A value the compiler must hold in a register: without this, ptxas recomputes loop-invariant
+// addresses from the kernel parameters in every iteration (~40 instructions per tile).
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+template <typename P>
+__device__ __forceinline__ const P* opaque(const P* p) {
+  return reinterpret_cast<const P*>(opaque(reinterpret_cast<int64_t>(p)));
+}
+
 // an 8 x 8 matrix of 16-bit values in the MMA fragment layout (lane 4 r + c holds row r, columns
 // 2 c and 2 c + 1), transposed in place
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
@@ -435,61 +446,68 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
   unsigned char* wbuf = smem + warp * Lay::kWarpBytes;
   const uint32_t wsmem = smem_addr(wbuf);
   constexpr int kElemBytes = KV::kPlain ? 2 : 1;  // of the cache tensors' elements (INT4: a byte of two)
-  const unsigned char* kbase = static_cast<const unsigned char*>(a.k_cache) + kvh * a.k_head_stride * kElemBytes;
-  const unsigned char* vbase = static_cast<const unsigned char*>(a.v_cache) + kvh * a.v_head_stride * kElemBytes;
-  const int* table = a.block_tables + b * a.block_table_stride;
   constexpr int kChunks = (Lay::kRowBytes - 16) / 16;   // 16-byte chunks per row
   constexpr int kPerLane = kKeys * kChunks / 32;
   constexpr int kRowStep = 32 / kChunks;         // rows per pass of the warp
   static_assert(32 % kChunks == 0 && kPerLane >= 1, "a row is 1, 2, 4, 8, 16 or 32 chunks");
+  // the lane copies 16-byte chunk c of rows r0, r0 + kRowStep, ... of each K and V tile: the
+  // tile-independent part of its addresses
+  const int r0 = lane / kChunks, c = lane % kChunks;
+  const unsigned char* kbase = opaque(static_cast<const unsigned char*>(a.k_cache) +
+                                      (kvh * a.k_head_stride + r0 * a.k_token_stride) * kElemBytes + c * 16);
+  const unsigned char* vbase = opaque(static_cast<const unsigned char*>(a.v_cache) +
+                                      (kvh * a.v_head_stride + r0 * a.v_token_stride) * kElemBytes + c * 16);
+  const int64_t k_step = opaque(kRowStep * a.k_token_stride * kElemBytes);
+  const int64_t v_step = opaque(kRowStep * a.v_token_stride * kElemBytes);
+  const uint32_t so = r0 * Lay::kRowBytes + c * 16;
+  const int* table = a.block_tables + b * a.block_table_stride;
   // group scales: lane l < 16 copies the K scales of key l, lane 16 + l the V scales
   const int scale_bytes = KV::kGrouped ? (a.head_dim / a.quant_group) * (kScaleF32 ? 4 : 2) : 0;
   constexpr int scale_elem = kScaleF32 ? 4 : 2;
-  const unsigned char* sbase = nullptr;
-  int64_t s_block = 0, s_token = 0;
+  const unsigned char* sbase = nullptr;   // this lane's key row of the tile's first key
   if constexpr (KV::kGrouped) {
     const bool v = lane >= 16;
-    sbase = static_cast<const unsigned char*>(v ? a.v_scale : a.k_scale) +
-            kvh * (v ? a.vs_head_stride : a.ks_head_stride) * scale_elem;
-    s_block = (v ? a.vs_block_stride : a.ks_block_stride) * scale_elem;
-    s_token = (v ? a.vs_token_stride : a.ks_token_stride) * scale_elem;
+    sbase = opaque(static_cast<const unsigned char*>(v ? a.v_scale : a.k_scale) +
+                   (kvh * (v ? a.vs_head_stride : a.ks_head_stride) +
+                    (lane & 15) * (v ? a.vs_token_stride : a.ks_token_stride)) * scale_elem);
   }
-  // tiles lie in one page (block_size % 16 == 0): lane j holds the page and offset of tile 32 i + j
-  int lane_page = 0, lane_off = 0;
+  // Tiles lie in one page (block_size % 16 == 0). Lane j holds, for tile 32 i + j, the byte offsets
+  // of its first key in K and V (and in the K and V scale caches), computed once per 32 tiles:
+  // a tile's copies then take a few shuffles and no address arithmetic.
+  int64_t lane_k = 0, lane_v = 0, lane_ks = 0, lane_vs = 0;
   auto fetch_pages = [&](int first) {
     const int tile = first + lane;
     if (tile < n_tiles) {
       const int tok = start + tile * kKeys;
-      lane_page = table[tok / bs];
-      lane_off = tok % bs;
+      const int page = table[tok / bs], off = tok % bs;
+      lane_k = (page * a.k_block_stride + off * a.k_token_stride) * kElemBytes;
+      lane_v = (page * a.v_block_stride + off * a.v_token_stride) * kElemBytes;
+      if constexpr (KV::kGrouped) {
+        lane_ks = (page * a.ks_block_stride + off * a.ks_token_stride) * scale_elem;
+        lane_vs = (page * a.vs_block_stride + off * a.vs_token_stride) * scale_elem;
+      }
     }
   };
   auto issue = [&](int tile) {
     if ((tile & 31) == 0) fetch_pages(tile);
-    const int page = __shfl_sync(0xffffffffu, lane_page, tile & 31);
-    const int off = __shfl_sync(0xffffffffu, lane_off, tile & 31);
+    const int src = tile & 31;
+    const unsigned char* kp = kbase + __shfl_sync(0xffffffffu, lane_k, src);
+    const unsigned char* vp = vbase + __shfl_sync(0xffffffffu, lane_v, src);
     const int t0 = start + tile * kKeys;
-    const uint32_t sk = wsmem + (tile % Lay::kStages) * Lay::kStageBytes;
+    const uint32_t sk = wsmem + (tile % Lay::kStages) * Lay::kStageBytes + so;
     const uint32_t sv = sk + Lay::kTileBytes;
-    const unsigned char* kp = kbase + (page * a.k_block_stride + off * a.k_token_stride) * kElemBytes;
-    const unsigned char* vp = vbase + (page * a.v_block_stride + off * a.v_token_stride) * kElemBytes;
-    // lane copies 16-byte chunk c of rows r0, r0 + kRowStep, ...
-    const int r0 = lane / kChunks, c = lane % kChunks;
-    kp += (r0 * a.k_token_stride) * kElemBytes + c * 16;
-    vp += (r0 * a.v_token_stride) * kElemBytes + c * 16;
-    const uint32_t so = r0 * Lay::kRowBytes + c * 16;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const bool ok = t0 + r0 + i * kRowStep < end;
-      cp_async16(sk + so + i * kRowStep * Lay::kRowBytes, kp, ok);
-      cp_async16(sv + so + i * kRowStep * Lay::kRowBytes, vp, ok);
-      kp += kRowStep * a.k_token_stride * kElemBytes;
-      vp += kRowStep * a.v_token_stride * kElemBytes;
+      cp_async16(sk + i * kRowStep * Lay::kRowBytes, kp + i * k_step, ok);
+      cp_async16(sv + i * kRowStep * Lay::kRowBytes, vp + i * v_step, ok);
     }
     if constexpr (KV::kGrouped) {
+      const int64_t ks = __shfl_sync(0xffffffffu, lane_ks, src), vs = __shfl_sync(0xffffffffu, lane_vs, src);
       const int key = lane & 15;
-      const uint32_t dst = sk + 2 * Lay::kTileBytes + (lane >> 4) * Lay::kScaleBytes + key * Lay::kScaleRow;
-      cp_async_small(dst, sbase + page * s_block + (off + key) * s_token, scale_bytes, t0 + key < end);
+      const uint32_t dst = wsmem + (tile % Lay::kStages) * Lay::kStageBytes + 2 * Lay::kTileBytes +
+                           (lane >> 4) * Lay::kScaleBytes + key * Lay::kScaleRow;
+      cp_async_small(dst, sbase + (lane < 16 ? ks : vs), scale_bytes, t0 + key < end);
     }
   };
 
