@@ -57,6 +57,9 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
+#ifndef ATTN_DECODE_INT4_C2_STAGES
+#define ATTN_DECODE_INT4_C2_STAGES 2   // INT4 pipeline stages of the two-CTA build
+#endif
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
@@ -90,7 +93,9 @@ struct Layout {
   static constexpr int kScaleRow = 16;                    // bytes per key of a group-scale tile
   static constexpr int kScaleBytes = Storage<F>::kGrouped ? kKeys * kScaleRow : 0;
   static constexpr int kStageBytes = 2 * kTileBytes + 2 * kScaleBytes;  // K, V, K scales, V scales
-  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : C == 2 ? 2 : ATTN_DECODE_QUANT_STAGES;
+  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES
+                                 : C == 2 ? (F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_INT4_C2_STAGES : 2)
+                                          : ATTN_DECODE_QUANT_STAGES;
   static constexpr int kTilesPerStep = C == 2 ? 1 : Storage<F>::kTilesPerStep;
   static constexpr int kOStride = D + 8;                  // floats per row of an O buffer
   // a warp's pipeline buffers, which hold its O (16 rows x kOStride floats) once the loop is done
