@@ -57,9 +57,6 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
-#ifndef ATTN_DECODE_INT4_C2_STAGES
-#define ATTN_DECODE_INT4_C2_STAGES 2   // INT4 pipeline stages of the two-CTA build
-#endif
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
@@ -85,7 +82,8 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // C: CTAs per SM the kernel is built for. C = 2 (INT8/INT4 at <= 8 rows, AttnDecodeArgs::ctas_per_sm)
 // halves the registers (128) and the pipeline (2 stages of one tile per softmax step), so that
-// four warps share each scheduler on grids of more than one wave.
+// four warps share each scheduler on grids of more than one wave. (INT4 with 3 or 4 stages, which
+// fit, ran at 0.86-1.01x: results/trial_cuda_decode_int4_c2_stages_H200_20261123d.log.)
 template <int D, int F, int C = 1>
 struct Layout {
   static constexpr int kRowBytes = D * Storage<F>::kBits / 8 + 16;  // one padded key row in shared memory
@@ -93,9 +91,7 @@ struct Layout {
   static constexpr int kScaleRow = 16;                    // bytes per key of a group-scale tile
   static constexpr int kScaleBytes = Storage<F>::kGrouped ? kKeys * kScaleRow : 0;
   static constexpr int kStageBytes = 2 * kTileBytes + 2 * kScaleBytes;  // K, V, K scales, V scales
-  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES
-                                 : C == 2 ? (F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_INT4_C2_STAGES : 2)
-                                          : ATTN_DECODE_QUANT_STAGES;
+  static constexpr int kStages = Storage<F>::kPlain ? ATTN_DECODE_STAGES : C == 2 ? 2 : ATTN_DECODE_QUANT_STAGES;
   static constexpr int kTilesPerStep = C == 2 ? 1 : Storage<F>::kTilesPerStep;
   static constexpr int kOStride = D + 8;                  // floats per row of an O buffer
   // a warp's pipeline buffers, which hold its O (16 rows x kOStride floats) once the loop is done
@@ -905,8 +901,8 @@ int dispatch(const AttnDecodeArgs& a, const Fn& f) {
   auto by_format = [&](auto t, auto d, auto nq) -> int {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, NQ = decltype(nq)::value;
-    // INT8/INT4: the two-CTA build at D = 128 and <= 8 rows (where it was measured to pay)
-    auto grouped = [&](auto format, auto scale_fp32) -> int {
+    // quantized caches: the two-CTA build at D = 128 and <= 8 rows (where it was measured to pay)
+    auto quant = [&](auto format, auto scale_fp32) -> int {
       constexpr int F = decltype(format)::value;
       constexpr bool S = decltype(scale_fp32)::value;
       if constexpr (D == 128 && NQ == 1) {
@@ -914,17 +910,17 @@ int dispatch(const AttnDecodeArgs& a, const Fn& f) {
       }
       return a.ctas_per_sm == 1 ? f.template operator()<T, D, F, S, NQ, 1>() : -4;
     };
-    using Int8 = std::integral_constant<int, ATTN_DECODE_KV_INT8>;
-    using Int4 = std::integral_constant<int, ATTN_DECODE_KV_INT4>;
-    if (a.kv_format != ATTN_DECODE_KV_INT8 && a.kv_format != ATTN_DECODE_KV_INT4 && a.ctas_per_sm != 1) return -4;
     switch (a.kv_format) {
-      case ATTN_DECODE_KV_PLAIN: return f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false, NQ, 1>();
-      case ATTN_DECODE_KV_E4M3: return f.template operator()<T, D, ATTN_DECODE_KV_E4M3, false, NQ, 1>();
-      case ATTN_DECODE_KV_E5M2: return f.template operator()<T, D, ATTN_DECODE_KV_E5M2, false, NQ, 1>();
+      case ATTN_DECODE_KV_PLAIN:
+        return a.ctas_per_sm == 1 ? f.template operator()<T, D, ATTN_DECODE_KV_PLAIN, false, NQ, 1>() : -4;
+      case ATTN_DECODE_KV_E4M3: return quant(std::integral_constant<int, ATTN_DECODE_KV_E4M3>(), std::false_type());
+      case ATTN_DECODE_KV_E5M2: return quant(std::integral_constant<int, ATTN_DECODE_KV_E5M2>(), std::false_type());
       case ATTN_DECODE_KV_INT8:
-        return a.scale_fp32 ? grouped(Int8(), std::true_type()) : grouped(Int8(), std::false_type());
+        return a.scale_fp32 ? quant(std::integral_constant<int, ATTN_DECODE_KV_INT8>(), std::true_type())
+                            : quant(std::integral_constant<int, ATTN_DECODE_KV_INT8>(), std::false_type());
       case ATTN_DECODE_KV_INT4:
-        return a.scale_fp32 ? grouped(Int4(), std::true_type()) : grouped(Int4(), std::false_type());
+        return a.scale_fp32 ? quant(std::integral_constant<int, ATTN_DECODE_KV_INT4>(), std::true_type())
+                            : quant(std::integral_constant<int, ATTN_DECODE_KV_INT4>(), std::false_type());
       default: return -2;
     }
   };
