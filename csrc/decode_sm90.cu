@@ -901,11 +901,13 @@ int dispatch(const AttnDecodeArgs& a, const Fn& f) {
   auto by_format = [&](auto t, auto d, auto nq) -> int {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, NQ = decltype(nq)::value;
-    // quantized caches: the two-CTA build at D = 128 and <= 8 rows (where it was measured to pay)
+    // quantized caches; the two-CTA build for INT8/INT4 at D = 128 and <= 8 rows, where it was
+    // measured to pay (FP8: 1.00-1.05x the one-CTA build, 0.91-1.03x the Triton kernel on
+    // multi-wave grids, results/trial_cuda_decode_fp8_c2_H200_20261123d.log)
     auto quant = [&](auto format, auto scale_fp32) -> int {
       constexpr int F = decltype(format)::value;
       constexpr bool S = decltype(scale_fp32)::value;
-      if constexpr (D == 128 && NQ == 1) {
+      if constexpr (D == 128 && NQ == 1 && Storage<F>::kGrouped) {
         if (a.ctas_per_sm == 2) return f.template operator()<T, D, F, S, NQ, 2>();
       }
       return a.ctas_per_sm == 1 ? f.template operator()<T, D, F, S, NQ, 1>() : -4;

@@ -53,8 +53,7 @@ FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
-TWO_CTA_HEAD_DIMS = (128,)   # quantized caches at <= 8 rows: the build for two CTAs per SM on multi-wave grids
-TWO_CTA_FORMATS = (torch.int8, torch.uint8)   # the caches that take it (FP8 also has one, for A/B)
+TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= 8 rows: the build for two CTAs per SM on multi-wave grids
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -190,7 +189,7 @@ def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, 
     rows) when the grid's `units` (sequence, KV head) pairs outnumber the `single` CTAs of the
     one-CTA build that fit at once. H200, 32/8 heads (results/trial_cuda_decode_quant_ctas_H200_20261123d.log):
     1.03-1.11x on 3.9-15.5 waves at D = 128; 0.79-0.98x on one wave, 0.94-0.95x at D = 64."""
-    two = cache_dtype in TWO_CTA_FORMATS and head_dim in TWO_CTA_HEAD_DIMS and rows <= 8
+    two = cache_dtype in (torch.int8, torch.uint8) and head_dim in TWO_CTA_HEAD_DIMS and rows <= 8
     return 2 if two and units > single else 1
 
 
