@@ -9,11 +9,12 @@ chain, are most of the Triton kernel's time.
 Serves bf16/fp16 caches of the query's dtype, FP8 (e4m3/e5m2, per-tensor or per-head scales) and
 group-quantized INT8/INT4 caches with 1 to 4 scale groups per head (`quant_group >= D / 4`), head
 dims 64 and 128, block sizes that are multiples of 16, up to 16 query rows per KV head
-(`q_per_seq x Hq / Hkv`), and the plain options (`scale`, `q_scaling`). The automatic choice
+(`q_per_seq x Hq / Hkv`), and the plain options (`scale`, `q_scaling`). INT8/INT4 caches on
+grids of more than one wave run a build for two CTAs per SM (`ctas_per_sm`). The automatic choice
 takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
-just-in-time build on first use (one translation unit without CUTLASS headers, 13-19 s), cached
+just-in-time build on first use (one translation unit without CUTLASS headers, 19-21 s), cached
 under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
 `ATTN_DECODE_LIBRARY` points at a library built elsewhere. `ATTN_DECODE_PDL=1` launches it with
 programmatic dependent launch (`PDL`).
