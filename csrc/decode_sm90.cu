@@ -10,7 +10,8 @@
 // - A CTA: 8 warps, the query rows of one KV head (row m = token m / G of the sequence, query
 //   head m % G of the group; up to 16, padded to 8 or 16), each warp streaming its own 16-key
 //   tiles of K and V through a private cp.async pipeline (no CTA barrier in the loop). About
-//   150 KB of shared memory at D = 128: one CTA per SM, two warps per scheduler.
+//   150 KB of shared memory at D = 128: one CTA per SM, two warps per scheduler (INT8/INT4 on
+//   multi-wave grids: a build for two CTAs per SM, Layout's C).
 // - Per tile and warp, the products run with the keys and head dims as the MMA's 16-row side and
 //   the queries as its 8-column side (mma.m16n8k16; NQ = 1 or 2 column tiles), so that a GQA
 //   group of up to 8 rows wastes no half tile: S^T = K Q^T (K by ldmatrix as the A operand, Q^T

@@ -206,7 +206,8 @@ def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, i
         return resident_clusters(path, index, query.dtype, d, n, k_cache.dtype, per_sm)
 
     single = resident(1)
-    per_sm = ctas_per_sm(k_cache.dtype, d, (t // batch) * (hq // hkv), batch * hkv, single)
+    rows = (t // batch) * (hq // hkv) if batch else 0
+    per_sm = ctas_per_sm(k_cache.dtype, d, rows, batch * hkv, single)
     capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
     size = cluster_size(batch, hkv, capacity, lambda n: resident(n, per_sm))
     return size, per_sm, size * batch * hkv, single, torch.cuda.get_device_properties(index).multi_processor_count
@@ -347,7 +348,8 @@ class CudaDecodeBackend:
         (0.55-0.9x); and INT8/INT4 from 4k keys on grids of >= 0.45 x SMs (sequence, KV head)
         pairs, with any number of waves (the kernel with keys as the MMA's rows and, on multi-wave
         grids, two CTAs per SM; results/trial_cuda_decode_quant_ctas_H200_20261123d.log, 32/8:
-        INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64).
+        INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64; in a later run INT4 at
+        B = 256 ctx 4k 0.96x, where the Triton kernel ran 492-590 µs across runs).
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
         clauses are off there. The rest held (0.97-1.6x)."""

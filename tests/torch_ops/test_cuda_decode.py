@@ -190,19 +190,8 @@ QUANT_MATRIX = [(d, dtype, heads, cache_dtype, extra) for d in cd.HEAD_DIMS for 
 def test_quantized_caches(kernel_device, monkeypatch, d, dtype, heads, cache_dtype, extra):
     """FP8 (per tensor, per head, e5m2), INT8 and INT4 with fp16/fp32 group scales: odd lengths,
     random pages, every layout, automatic and forced cluster sizes."""
-    hq, hkv, qps = heads
-    rng = random.Random(f"{d}{dtype}{heads}{cache_dtype}{extra}")
-    real = cd.cluster_size
-    for forced in (None, 1, 4, 16):
-        monkeypatch.setattr(cd, "cluster_size", lambda *a, forced=forced: forced or real(*a))
-        lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
-        lens = [max(n, qps) if n else 0 for n in lens]
-        q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=rng.choice([16, 32, 256]),
-                                           qps=qps, dtype=dtype, cache_dtype=cache_dtype,
-                                           layout=rng.choice(["NHD", "HND", "vllm"]), share_prefix=rng.random() < 0.3,
-                                           **extra)
-        out, lse = _run_cuda(q, cache, bt, sl, **cache.scale_kwargs())
-        tp.check(q, cache, bt, sl, out, lse)
+    _check_random_quantized(kernel_device, monkeypatch, random.Random(f"{d}{dtype}{heads}{cache_dtype}{extra}"),
+                            d, dtype, heads, cache_dtype, extra)
 
 
 @pytest.mark.gpu
@@ -212,16 +201,22 @@ def test_quantized_caches(kernel_device, monkeypatch, d, dtype, heads, cache_dty
     if cache_dtype in (torch.int8, torch.uint8) and extra.get("group", 0) <= 128])
 def test_two_ctas_per_sm(kernel_device, monkeypatch, dtype, heads, cache_dtype, extra):
     """The INT8/INT4 build for two CTAs per SM (multi-wave grids, D = 128, <= 8 rows), forced on
-    small problems: odd lengths, random pages, every layout, forced cluster sizes."""
-    hq, hkv, qps = heads
-    rng = random.Random(f"two{dtype}{heads}{cache_dtype}{extra}")
+    small problems: the cases of test_quantized_caches."""
     monkeypatch.setattr(cd, "ctas_per_sm", lambda *a: 2)
+    _check_random_quantized(kernel_device, monkeypatch, random.Random(f"two{dtype}{heads}{cache_dtype}{extra}"),
+                            128, dtype, heads, cache_dtype, extra)
+
+
+def _check_random_quantized(device, monkeypatch, rng, d, dtype, heads, cache_dtype, extra):
+    """Random lengths (0, 1, odd, around a tile), page sizes, layouts and shared prefixes, at the
+    automatic cluster size and at 1, 4 and 16, against the reference."""
+    hq, hkv, qps = heads
     real = cd.cluster_size
     for forced in (None, 1, 4, 16):
         monkeypatch.setattr(cd, "cluster_size", lambda *a, forced=forced: forced or real(*a))
         lens = [rng.choice([0, 1, qps, 15, 16, 17, 100, 255, 513, 1000, 3000]) for _ in range(rng.choice([1, 2, 3, 5]))]
         lens = [max(n, qps) if n else 0 for n in lens]
-        q, cache, bt, sl = tp.make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=128, bs=rng.choice([16, 32, 256]),
+        q, cache, bt, sl = tp.make_problem(device, lens=lens, hq=hq, hkv=hkv, d=d, bs=rng.choice([16, 32, 256]),
                                            qps=qps, dtype=dtype, cache_dtype=cache_dtype,
                                            layout=rng.choice(["NHD", "HND", "vllm"]), share_prefix=rng.random() < 0.3,
                                            **extra)
