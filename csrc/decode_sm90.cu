@@ -58,6 +58,9 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
+#ifndef ATTN_DECODE_INT8_TILES_PER_STEP
+#define ATTN_DECODE_INT8_TILES_PER_STEP 1
+#endif
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
 #endif
@@ -76,7 +79,8 @@ struct Storage {
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
   // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
   // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
-  static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP : 1;
+  static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP
+                                       : F == ATTN_DECODE_KV_INT8 ? ATTN_DECODE_INT8_TILES_PER_STEP : 1;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
