@@ -58,11 +58,8 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_STAGES
 #define ATTN_DECODE_QUANT_STAGES 4
 #endif
-#ifndef ATTN_DECODE_INT8_TILES_PER_STEP
-#define ATTN_DECODE_INT8_TILES_PER_STEP 1
-#endif
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
-#define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT4: 16-key tiles per softmax step (Storage)
+#define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT8/INT4: 16-key tiles per softmax step (Storage)
 #endif
 constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
 constexpr int kThreads = kWarps * 32;
@@ -77,10 +74,10 @@ struct Storage {
   static constexpr bool kFp8 = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2;
   static constexpr bool kGrouped = F == ATTN_DECODE_KV_INT8 || F == ATTN_DECODE_KV_INT4;
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
-  // 16-key tiles per softmax step (H200, results/trial_cuda_decode_quant_tiles_per_step_*: two
-  // gained 2-10% for FP8 and INT4 and lost up to 8% for INT8)
-  static constexpr int kTilesPerStep = kFp8 || F == ATTN_DECODE_KV_INT4 ? ATTN_DECODE_QUANT_TILES_PER_STEP
-                                       : F == ATTN_DECODE_KV_INT8 ? ATTN_DECODE_INT8_TILES_PER_STEP : 1;
+  // 16-key tiles per softmax step (H200: two gained 2-10% for FP8 and INT4,
+  // results/trial_cuda_decode_quant_tiles_per_step_*; for INT8 they lost up to 8% there, and
+  // gained 0-3% since the swapped products, trial_cuda_decode_int8_tiles_H200_20261123d.log)
+  static constexpr int kTilesPerStep = kPlain ? 1 : ATTN_DECODE_QUANT_TILES_PER_STEP;
 };
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
