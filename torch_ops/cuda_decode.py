@@ -52,6 +52,7 @@ MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key
 SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
+QUANT_LONG_CLUSTERS = (16,)   # FP8/INT8/INT4 at D = 128 and <= 8 query rows
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
 TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= 8 rows: the build for two CTAs per SM on multi-wave grids
@@ -185,6 +186,12 @@ def cluster_size(batch: int, num_kv_heads: int, capacity: int, resident: Callabl
     return size
 
 
+def query_rows(query, k_cache, seq_lens) -> int:
+    """Query rows per KV head of a call (`q_per_seq x Hq / Hkv`), the kernel's MMA columns."""
+    batch = seq_lens.shape[0]
+    return (query.shape[0] // batch) * (query.shape[1] // k_cache.shape[2]) if batch else 0
+
+
 def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, single: int) -> int:
     """Which build runs a call: 1, or 2 CTAs per SM (INT8/INT4 caches, `TWO_CTA_HEAD_DIMS`, <= 8 query
     rows) when the grid's `units` (sequence, KV head) pairs outnumber the `single` CTAs of the
@@ -197,8 +204,7 @@ def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, 
 def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
     """(cluster size, CTAs per SM of the build, CTAs, resident single CTAs of the one-CTA build, SMs)
     of a call."""
-    t, hq, d = query.shape
-    batch, hkv = seq_lens.shape[0], k_cache.shape[2]
+    d, batch, hkv = query.shape[-1], seq_lens.shape[0], k_cache.shape[2]
     path = library_path()
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
 
@@ -206,8 +212,7 @@ def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, i
         return resident_clusters(path, index, query.dtype, d, n, k_cache.dtype, per_sm)
 
     single = resident(1)
-    rows = (t // batch) * (hq // hkv) if batch else 0
-    per_sm = ctas_per_sm(k_cache.dtype, d, rows, batch * hkv, single)
+    per_sm = ctas_per_sm(k_cache.dtype, d, query_rows(query, k_cache, seq_lens), batch * hkv, single)
     capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
     size = cluster_size(batch, hkv, capacity, lambda n: resident(n, per_sm))
     return size, per_sm, size * batch * hkv, single, torch.cuda.get_device_properties(index).multi_processor_count
@@ -257,13 +262,13 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None
         why.append(_build_unavailable())
     if query.dtype not in DTYPES or not (k_cache.dtype == query.dtype or k_cache.dtype in KV_FORMATS):
         why.append(f"bf16/fp16 queries with caches of their dtype or FP8/INT8/INT4, got {query.dtype} and {k_cache.dtype}")
-    t, hq, d = query.shape
+    d = query.shape[-1]
     if d not in HEAD_DIMS:
         why.append(f"head dim {d} is not built (built: {HEAD_DIMS})")
     elif k_cache.dtype in KV_FORMATS:
         why += _scale_reasons(k_cache, k_scale, v_scale, d)
     batch, hkv = seq_lens.shape[0], k_cache.shape[2]
-    rows = (t // batch) * (hq // hkv) if batch else 0
+    rows = query_rows(query, k_cache, seq_lens)
     if rows > MAX_ROWS:
         why.append(f"{rows} query rows per KV head (q_per_seq x Hq / Hkv) > {MAX_ROWS}")
     if k_cache.shape[1] % BLOCK_MULTIPLE:
@@ -350,6 +355,10 @@ class CudaDecodeBackend:
         grids, two CTAs per SM; results/trial_cuda_decode_quant_ctas_H200_20261123d.log, 32/8:
         INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64; in a later run INT4 at
         B = 256 ctx 4k 0.96x, where the Triton kernel ran 492-590 µs across runs).
+        Quantized long tables in clusters of 16 (B x Hkv <= 7, e.g. one sequence over 2-4 KV
+        heads) at <= 8 rows, from 8k keys: 1.03-1.24x up to 32k (1.00-1.02x at 4k, left as it was)
+        (trial_cuda_decode_quant_clusters16_H200_20261123d.log, ..._quant_long_tables_...); in
+        clusters of 2-8, and with 16 rows, 0.74-1.07x, so those stay on Triton.
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
         clauses are off there. The rest held (0.97-1.6x)."""
@@ -363,7 +372,9 @@ class CudaDecodeBackend:
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]
         mid_tables = ctas >= FULL_GRID * sms and (not quantized or size <= QUANT_MID_CLUSTERS)
-        long_tables = size in LONG_CLUSTERS and not quantized and query.shape[-1] == 128
+        long_tables = query.shape[-1] == 128 and (
+            size in LONG_CLUSTERS if not quantized
+            else size in QUANT_LONG_CLUSTERS and query_rows(query, k_cache, seq_lens) <= 8 and keys > MID_KEYS)
         if keys <= SHORT_KEYS or (keys <= MID_KEYS and mid_tables) or (keys <= LONG_KEYS and long_tables):
             return []
         return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size} ({k_cache.dtype} cache): "
