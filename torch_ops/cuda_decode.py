@@ -14,7 +14,7 @@ grids of more than one wave run a build for two CTAs per SM (`ctas_per_sm`). The
 takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
-just-in-time build on first use (one translation unit without CUTLASS headers, 19-21 s), cached
+just-in-time build on first use (one translation unit without CUTLASS headers, 17-28 s), cached
 under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
 `ATTN_DECODE_LIBRARY` points at a library built elsewhere. `ATTN_DECODE_PDL=1` launches it with
 programmatic dependent launch (`PDL`).
