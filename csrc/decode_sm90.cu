@@ -383,6 +383,68 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
   const int end = min(start + per, L);
   const int n_tiles = end > start ? (end - start + kKeys - 1) / kKeys : 0;
 
+  // Q^T fragments (B operand of S^T = K Q^T): qb[n][kk] = query row g + 8 n, k-step kk
+  const T* q = static_cast<const T*>(a.q);
+  uint32_t qb[NQ][D / 16][2];
+  float row_mult[NQ];   // the logit multiplier of row g + 8 n
+#pragma unroll
+  for (int n = 0; n < NQ; ++n) {
+    const int m = g + 8 * n;
+    const bool real = m < rows;
+    const int mm = real ? m : 0;
+    const T* row = q + (int64_t)(b * a.q_per_seq + mm / group) * a.q_token_stride +
+                   (int64_t)(kvh * group + mm % group) * a.q_head_stride;
+    if constexpr (KV::kPlain) {
+      row_mult[n] = scale_log2;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          qb[n][kk][r] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 * r + 2 * t4) : 0u;
+    } else {
+      // the thread's D/4 dims from t4 * D/4 in 16-byte loads, scaled by a power of two so that the
+      // row's max |q| <= 2^15 (exact), then rounded to fp16 in the K slices' order (QuantMap)
+      float x[D / 4];
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const uint4 v = real ? reinterpret_cast<const uint4*>(row + t4 * (D / 4))[i] : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Elem<T>::unpack(w[j]);
+          x[8 * i + 2 * j] = f.x, x[8 * i + 2 * j + 1] = f.y;
+        }
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < D / 4; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      int e;
+      frexpf(amax, &e);
+      const int shift = max(0, e - 15);
+      const float down = ldexpf(1.f, -shift);
+      row_mult[n] = scale_log2 * kv_mult * ldexpf(1.f, shift);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          qb[n][kk][r] = Elem<__half>::pack(x[Map::k_dim(0, kk, r, 0)] * down, x[Map::k_dim(0, kk, r, 1)] * down);
+    }
+  }
+  // The softmax of this thread's columns: query rows 2 t4 + e + 8 n. Their multipliers (from the
+  // lanes that loaded them) and key limits (causal among the new tokens).
+  float smult[NQ][2];
+  int limit[NQ][2];
+#pragma unroll
+  for (int n = 0; n < NQ; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * t4 + e + 8 * n;
+      smult[n][e] = __shfl_sync(0xffffffffu, row_mult[n], 4 * (2 * t4 + e));
+      limit[n][e] = min(end, L - a.q_per_seq + (m < rows ? m : 0) / group + 1);
+    }
+
   // the K/V pipeline of this warp
   unsigned char* wbuf = smem + warp * Lay::kWarpBytes;
   const uint32_t wsmem = smem_addr(wbuf);
@@ -452,79 +514,6 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
     }
   };
 
-  // kSteps tiles per softmax step (Layout::kTilesPerStep): their dequantization and MMAs are
-  // independent work for the warp, and they share one max / rescale. A last odd tile takes a
-  // step of its own. The first tiles are requested before the query is read: the block-table
-  // and K/V latencies overlap the query's.
-  constexpr int kSteps = Lay::kTilesPerStep;
-  static_assert(Lay::kStages >= 2 * kSteps, "the tiles of a step and of the next one in flight");
-#pragma unroll
-  for (int i = 0; i < Lay::kStages - kSteps; ++i) {
-    if (i < n_tiles) issue(i);
-    cp_async_commit();
-  }
-  // Q^T fragments (B operand of S^T = K Q^T): qb[n][kk] = query row g + 8 n, k-step kk
-  const T* q = static_cast<const T*>(a.q);
-  uint32_t qb[NQ][D / 16][2];
-  float row_mult[NQ];   // the logit multiplier of row g + 8 n
-#pragma unroll
-  for (int n = 0; n < NQ; ++n) {
-    const int m = g + 8 * n;
-    const bool real = m < rows;
-    const int mm = real ? m : 0;
-    const T* row = q + (int64_t)(b * a.q_per_seq + mm / group) * a.q_token_stride +
-                   (int64_t)(kvh * group + mm % group) * a.q_head_stride;
-    if constexpr (KV::kPlain) {
-      row_mult[n] = scale_log2;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          qb[n][kk][r] = real ? *reinterpret_cast<const uint32_t*>(row + kk * 16 + 8 * r + 2 * t4) : 0u;
-    } else {
-      // the thread's D/4 dims from t4 * D/4 in 16-byte loads, scaled by a power of two so that the
-      // row's max |q| <= 2^15 (exact), then rounded to fp16 in the K slices' order (QuantMap)
-      float x[D / 4];
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) {
-        const uint4 v = real ? reinterpret_cast<const uint4*>(row + t4 * (D / 4))[i] : make_uint4(0, 0, 0, 0);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = Elem<T>::unpack(w[j]);
-          x[8 * i + 2 * j] = f.x, x[8 * i + 2 * j + 1] = f.y;
-        }
-      }
-      float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < D / 4; ++i) amax = fmaxf(amax, fabsf(x[i]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      int e;
-      frexpf(amax, &e);
-      const int shift = max(0, e - 15);
-      const float down = ldexpf(1.f, -shift);
-      row_mult[n] = scale_log2 * kv_mult * ldexpf(1.f, shift);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          qb[n][kk][r] = Elem<__half>::pack(x[Map::k_dim(0, kk, r, 0)] * down, x[Map::k_dim(0, kk, r, 1)] * down);
-    }
-  }
-  // The softmax of this thread's columns: query rows 2 t4 + e + 8 n. Their multipliers (from the
-  // lanes that loaded them) and key limits (causal among the new tokens).
-  float smult[NQ][2];
-  int limit[NQ][2];
-#pragma unroll
-  for (int n = 0; n < NQ; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = 2 * t4 + e + 8 * n;
-      smult[n][e] = __shfl_sync(0xffffffffu, row_mult[n], 4 * (2 * t4 + e));
-      limit[n][e] = min(end, L - a.q_per_seq + (m < rows ? m : 0) / group + 1);
-    }
-
   // O^T accumulators: o[n][mt] = dims (rows) g, g + 8 of m-tile mt x query columns 2 t4, 2 t4 + 1
   // of n-tile n (plain caches: dims 16 mt + g (+ 8); quantized: QuantMap::v_dim)
   float o[NQ][D / 16][4];
@@ -544,6 +533,16 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
   const int k_group = KV::kGrouped ? t4 * (D / 4) / a.quant_group : 0;
   const int v_group = KV::kGrouped ? g * (D / 8) / a.quant_group : 0;
 
+  // kSteps tiles per softmax step (Layout::kTilesPerStep): their dequantization and MMAs are
+  // independent work for the warp, and they share one max / rescale. A last odd tile takes a
+  // step of its own.
+  constexpr int kSteps = Lay::kTilesPerStep;
+  static_assert(Lay::kStages >= 2 * kSteps, "the tiles of a step and of the next one in flight");
+#pragma unroll
+  for (int i = 0; i < Lay::kStages - kSteps; ++i) {
+    if (i < n_tiles) issue(i);
+    cp_async_commit();
+  }
   auto step = [&](int it, auto tiles) {
     constexpr int kN = decltype(tiles)::value;
     // S^T of each tile: s[tt][n] = keys g (0, 1), g + 8 (2, 3) x query columns 2 t4, 2 t4 + 1 of n-tile n
