@@ -42,7 +42,8 @@ SOURCES = ("decode_sm90.cu", "decode_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_decode_sm90.so"
 LIBRARY_NAME = "libattn_decode_sm90.so"
 HEAD_DIMS = (64, 128)
-MAX_ROWS = 16            # query rows per KV head: one 16-row MMA tile
+MAX_ROWS = 16            # query rows per KV head: two 8-column MMA tiles
+TILE_ROWS = 8            # query rows of one MMA column tile (NQ = 1 in the kernel)
 BLOCK_MULTIPLE = 16      # block_size must be a multiple of the kernel's key tile
 WARPS = 8                # per CTA (ATTN_DECODE_WARPS in the kernel)
 MAX_CLUSTER = 16         # CTAs per cluster (16 is the non-portable maximum on Hopper)
@@ -52,10 +53,10 @@ MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key
 SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
-QUANT_LONG_CLUSTERS = (16,)   # FP8/INT8/INT4 at D = 128 and <= 8 query rows
+QUANT_LONG_CLUSTERS = (16,)   # FP8/INT8/INT4 at D = 128 and <= TILE_ROWS query rows
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
-TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= 8 rows: the build for two CTAs per SM on multi-wave grids
+TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= TILE_ROWS rows: the build for two CTAs per SM on multi-wave grids
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -197,7 +198,7 @@ def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, 
     rows) when the grid's `units` (sequence, KV head) pairs outnumber the `single` CTAs of the
     one-CTA build that fit at once. H200, 32/8 heads (results/trial_cuda_decode_quant_ctas_H200_20261123d.log):
     1.03-1.11x on 3.9-15.5 waves at D = 128; 0.79-0.98x on one wave, 0.94-0.95x at D = 64."""
-    two = cache_dtype in (torch.int8, torch.uint8) and head_dim in TWO_CTA_HEAD_DIMS and rows <= 8
+    two = cache_dtype in (torch.int8, torch.uint8) and head_dim in TWO_CTA_HEAD_DIMS and rows <= TILE_ROWS
     return 2 if two and units > single else 1
 
 
@@ -374,7 +375,7 @@ class CudaDecodeBackend:
         mid_tables = ctas >= FULL_GRID * sms and (not quantized or size <= QUANT_MID_CLUSTERS)
         long_tables = query.shape[-1] == 128 and (
             size in LONG_CLUSTERS if not quantized
-            else size in QUANT_LONG_CLUSTERS and query_rows(query, k_cache, seq_lens) <= 8 and keys > MID_KEYS)
+            else size in QUANT_LONG_CLUSTERS and query_rows(query, k_cache, seq_lens) <= TILE_ROWS and keys > MID_KEYS)
         if keys <= SHORT_KEYS or (keys <= MID_KEYS and mid_tables) or (keys <= LONG_KEYS and long_tables):
             return []
         return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size} ({k_cache.dtype} cache): "
