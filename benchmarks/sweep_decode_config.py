@@ -13,6 +13,7 @@
     python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
     python benchmarks/sweep_decode_config.py --set deep_small  # B x Hkv = 32-64: one split of large programs
     python benchmarks/sweep_decode_config.py --set deep64  # head dim 64 near the SM count: one split of 8 warps
+    python benchmarks/sweep_decode_config.py --set long   # B = 1-4, 16k-32k keys: split counts past MAX_SPLITS
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
@@ -115,6 +116,11 @@ SETS = {
         splits=(None, 1, 2), layouts=("p16", "one"),
         shapes=[(4, 32, 32, 512, 64), (16, 32, 8, 512, 64), (16, 64, 8, 512, 64), (16, 32, 8, 256, 64),
                 (16, 32, 8, 1024, 64), (4, 32, 32, 1024, 64)]),
+    "long": dict(   # few programs over long tables (B = 1 ctx 32k at 32/4: 2.6 TB/s): more, smaller splits?
+        configs={"n32": (32, 4, 5), "n64": (64, 4, 5), "n32w8": (32, 8, 5), "n64w8": (64, 8, 4), "n32s3": (32, 4, 3)},
+        splits=(None, 32, 96, 128, 192, 256), layouts=("p16",),
+        shapes=[(1, 32, 4, 32768, 128), (1, 32, 8, 32768, 128), (1, 64, 8, 32768, 128), (1, 32, 32, 32768, 128),
+                (1, 32, 4, 16384, 128), (2, 32, 4, 32768, 128), (4, 32, 4, 16384, 128), (1, 32, 8, 8192, 128)]),
 }
 BLOCK_SIZE = 16
 
