@@ -54,6 +54,10 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   past the span exit at once (they write nothing, and the merge kernel never reads them).
   With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
   partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
+  Few (sequence, KV head) pairs over long tables (B = 1 on a tensor-parallel shard of 1-2 KV
+  heads) split up to `MAX_SPLITS` = 256 ways, and the merge then takes the head dim in blocks
+  (`MERGE_TILE` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
+  1.2x, FP8 8/1 1.9x, INT4 2.3x the 64-split cap (results/trial_decode_many_splits_H200_20261123e.log).
   Tried and dropped (H200, 2026-11-22): merging in the split kernel (the last split of a tile,
   after an atomic counter) was 1-2 µs faster for MHA but up to 2.3x slower for GQA at B = 1,
   where one program merges 22-26 splits serially. The merge kernel is 3.0-4.1 µs of a 9-27 µs
@@ -94,7 +98,9 @@ from .interpreter import exact_cast
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
-MAX_SPLITS = 64
+MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (64 before: 1.2-2.3x slower
+                                      # at 16k-32k keys); 384 and 512 ran 2-4x slower than 256
+MERGE_TILE = 4096                     # partial values per merge program (more splits: fewer dims each)
 REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
                                       # this many keys per split (`config`)
 PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
@@ -642,8 +648,9 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr, NS_P: tl.constexpr, CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Combine the active splits' partial (out, lse) of BLOCK_H heads of one query token; add the
-    learned sinks; write out (query dtype or FP8) and lse."""
+    """Combine the active splits' partial (out, lse) of BLOCK_H heads and BLOCK_D head dims of one
+    query token; add the learned sinks; write out (query dtype or FP8) and lse (the first dim
+    block writes it)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
@@ -657,7 +664,7 @@ def _merge_kernel(
     mx_use = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp(lse_s - mx_use[None, :])
     den = tl.sum(w, 0)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     o_ptr = (POut + s[:, None, None].to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
              + h[None, :, None] * stride_ph + d[None, None, :])
     o_s = tl.load(o_ptr, mask=s_ok[:, None, None] & h_ok[None, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
@@ -675,7 +682,8 @@ def _merge_kernel(
     o_rows = t.to(tl.int64) * stride_ot + h * stride_oh
     tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, exact_cast(o, Out.dtype.element_ty, INTERPRETED),
              mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
-    tl.store(Lse + t.to(tl.int64) * stride_lt + h * stride_lh, lse, mask=h_ok)
+    if tl.program_id(2) == 0:
+        tl.store(Lse + t.to(tl.int64) * stride_lt + h * stride_lh, lse, mask=h_ok)
 
 
 # =================================================================================================
@@ -788,21 +796,27 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
     `2 * rows` key-equivalents of traffic), and picks the cheapest count."""
     if FORCE_NUM_SPLITS is not None:
         return max(1, int(FORCE_NUM_SPLITS))
-    cap = max_blocks * block_size
-    programs = batch * num_kv_heads * m_tiles
+    return _cheapest_split_count(batch * num_kv_heads * m_tiles, max_blocks * block_size, block_n, group_rows,
+                                 max(1, sms * programs_per_sm), MIN_SPLIT_TOKENS, MAX_SPLITS, SPLIT_FIXED_COST,
+                                 MERGE_COST)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_split_count(programs: int, cap: int, block_n: int, group_rows: int, slots: int, min_tokens: int,
+                          max_splits: int, fixed_cost: int, merge_cost: int) -> int:
+    """`split_count`'s search (cached: it runs on every call, ~100 µs of Python at 256 splits)."""
     if programs == 0 or cap == 0:
         return 1
-    min_split = max(block_n, -(-MIN_SPLIT_TOKENS // block_n) * block_n)
-    slots = max(1, sms * programs_per_sm)
+    min_split = max(block_n, -(-min_tokens // block_n) * block_n)
     best, best_cost = 1, None
-    for s in range(1, MAX_SPLITS + 1):
+    for s in range(1, max_splits + 1):
         per = max(min_split, _cdiv(_cdiv(cap, s), block_n) * block_n)
         if s > 1 and (s - 1) * per >= cap:
             continue                       # the last split would be empty: same as fewer splits
         waves = -(-programs * s // slots)
-        cost = waves * (per + SPLIT_FIXED_COST)
+        cost = waves * (per + fixed_cost)
         if s > 1:
-            cost += MERGE_COST + programs * s * 2 * group_rows / slots
+            cost += merge_cost + programs * s * 2 * group_rows / slots
         if best_cost is None or cost < best_cost * 0.97:
             best, best_cost = s, cost
     return best
@@ -996,15 +1010,18 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
-        block_h = min(_pow2(hq), max(1, 4096 // (_pow2(num_splits) * block_d)))
-        _merge_kernel[(t, -(-hq // block_h))](
+        # tiles of <= MERGE_TILE partials: heads while they fit, then head-dim blocks
+        ns_p = _pow2(num_splits)
+        block_h = min(_pow2(hq), max(1, MERGE_TILE // (ns_p * block_d)))
+        merge_d = min(block_d, max(16, MERGE_TILE // ns_p))
+        _merge_kernel[(t, -(-hq // block_h), block_d // merge_d)](
             pout, plse, out, lse, seq_lens, sinks if sinks is not None else dummy,
             out_scale if out_scale is not None else dummy,
             int(window_left), num_splits, min_split,
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=block_d,
-            NS_P=_pow2(num_splits), CHUNK=chunk, HAS_WINDOW=has_window,
+            NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=merge_d,
+            NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=has_window,
             HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
             num_warps=4,
         )

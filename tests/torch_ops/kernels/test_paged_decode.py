@@ -143,6 +143,12 @@ def poisoned_workspace(monkeypatch):
 # ---- CPU (interpreter) cases: few and tiny -----------------------------------------------------
 
 
+def test_merge_of_many_splits_in_head_dim_blocks(kernel_device, knobs):
+    # 40 splits x D = 128 exceed one merge tile (MERGE_TILE): the merge programs take 64 dims each
+    knobs(FORCE_NUM_SPLITS=40, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    run_and_check(make_problem(kernel_device, lens=[700, 0, 17, 333], hq=4, hkv=1, d=128, bs=16))
+
+
 @pytest.mark.parametrize("bs,block_n,qps,layout", [(16, 16, 1, "NHD"), (5, 16, 3, "HND"), (32, 16, 2, "vllm")])
 def test_plain_gqa_split(kernel_device, knobs, bs, block_n, qps, layout):
     # odd lengths around the block size, a length-0 padding sequence, split-K on 16-key splits
@@ -391,7 +397,7 @@ def test_features(kernel_device, knobs, feature, cache_dtype, group, forced_spli
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 1, 7, 64])
+@pytest.mark.parametrize("splits", [None, 1, 7, 64, 200])
 def test_split_k_long(kernel_device, knobs, splits):
     knobs(FORCE_NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64 if splits else pd.MIN_SPLIT_TOKENS)
     problem = make_problem(kernel_device, lens=[9001, 1, 0, 4096], hq=32, hkv=8, d=128, bs=16)
