@@ -53,7 +53,6 @@ MIN_WARP_KEYS = 16       # the cluster size leaves each warp at least one 16-key
 SHORT_KEYS, MID_KEYS, LONG_KEYS = 1024, 4096, 32768
 FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
-QUANT_LONG_CLUSTERS = (16,)   # FP8/INT8/INT4 at D = 128 and <= TILE_ROWS query rows
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
 TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= TILE_ROWS rows: the build for two CTAs per SM on multi-wave grids
@@ -356,10 +355,12 @@ class CudaDecodeBackend:
         grids, two CTAs per SM; results/trial_cuda_decode_quant_ctas_H200_20261123d.log, 32/8:
         INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64; in a later run INT4 at
         B = 256 ctx 4k 0.96x, where the Triton kernel ran 492-590 µs across runs).
-        Quantized long tables in clusters of 16 (B x Hkv <= 7, e.g. one sequence over 2-4 KV
-        heads) at <= 8 rows, from 8k keys: 1.03-1.24x up to 32k (1.00-1.02x at 4k, left as it was)
-        (trial_cuda_decode_quant_clusters16_H200_20261123d.log, ..._quant_long_tables_...); in
-        clusters of 2-8, and with 16 rows, 0.74-1.07x, so those stay on Triton.
+        Quantized long tables in clusters of 16 (B x Hkv <= 7) ran here in session 21 (1.03-1.24x
+        the Triton kernel when that split 64 ways at most); with up to 256 splits the Triton kernel
+        is 1.01-1.62x faster there (trial_decode_auto_long_H200_20261123e.log), so quantized long
+        tables stay on Triton in clusters of any size. Clusters of 16 fill only a few GPCs: at B = 1
+        32/4, 64 CTAs in clusters of 16 ran as slowly as 32 CTAs in clusters of 8
+        (trial_cuda_decode_cluster_spread_H200_20261123e.log).
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
         clauses are off there. The rest held (0.97-1.6x)."""
@@ -373,9 +374,7 @@ class CudaDecodeBackend:
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]
         mid_tables = ctas >= FULL_GRID * sms and (not quantized or size <= QUANT_MID_CLUSTERS)
-        long_tables = query.shape[-1] == 128 and (
-            size in LONG_CLUSTERS if not quantized
-            else size in QUANT_LONG_CLUSTERS and query_rows(query, k_cache, seq_lens) <= TILE_ROWS and keys > MID_KEYS)
+        long_tables = query.shape[-1] == 128 and not quantized and size in LONG_CLUSTERS
         if keys <= SHORT_KEYS or (keys <= MID_KEYS and mid_tables) or (keys <= LONG_KEYS and long_tables):
             return []
         return [f"{keys} keys per sequence over {ctas} CTAs in clusters of {size} ({k_cache.dtype} cache): "

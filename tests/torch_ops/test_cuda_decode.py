@@ -100,7 +100,7 @@ def test_compile_command():
     (16384, 16, 64, None, True), (16384, 1, 128, None, True), (65536, 8, 64, None, True),
     (1024, 8, 64, torch.int8, False), (4096, 1, 128, torch.uint8, False), (16384, 8, 64, torch.float8_e4m3fn, True),
     (4096, 2, 128, torch.float8_e4m3fn, False), (4096, 16, 128, torch.float8_e4m3fn, True),
-    (16384, 16, 64, torch.int8, False), (32768, 16, 64, torch.float8_e4m3fn, False), (16384, 8, 64, torch.uint8, True),
+    (16384, 16, 64, torch.int8, True), (32768, 16, 64, torch.float8_e4m3fn, True), (16384, 8, 64, torch.uint8, True),
     (65536, 16, 64, torch.uint8, True),
 ])
 def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, declined):
@@ -112,19 +112,11 @@ def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, decli
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
 
 
-def test_long_tables_in_clusters_only_at_d128(monkeypatch):
-    for size, cache_dtype in ((8, None), (16, torch.int8)):
+def test_long_tables_in_clusters_only_plain_at_d128(monkeypatch):
+    for size, cache_dtype, d, declined in ((8, None, 128, False), (8, None, 64, True), (16, torch.int8, 128, True),
+                                           (8, torch.float8_e4m3fn, 128, True)):
         monkeypatch.setattr(cd, "_grid", lambda *a, size=size: (size, 1, 64, 132, 132))
-        for d, declined in ((128, False), (64, True)):
-            q, k, v, _, sl = _problem(d=d, cache_dtype=cache_dtype)
-            bt = torch.zeros(sl.shape[0], 16384 // 16, dtype=torch.int32)
-            assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
-
-
-def test_quantized_long_tables_need_one_query_tile(monkeypatch):
-    monkeypatch.setattr(cd, "_grid", lambda *a: (16, 1, 64, 132, 132))
-    for hq, declined in ((32, False), (64, True)):                      # 4 or 8 rows; 16 rows
-        q, k, v, _, sl = _problem(hq=hq, hkv=8 if hq == 32 else 4, cache_dtype=torch.int8)
+        q, k, v, _, sl = _problem(d=d, cache_dtype=cache_dtype)
         bt = torch.zeros(sl.shape[0], 16384 // 16, dtype=torch.int32)
         assert bool(cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})) == declined
 
