@@ -99,7 +99,7 @@ from .interpreter import exact_cast
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
 MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (64 before: 1.2-2.3x slower
-                                      # at 16k-32k keys); 384 and 512 ran 2-4x slower than 256
+                                      # at 16k-32k keys); 384 and 512 ran 2-4x slower (one-tile merge)
 MERGE_TILE = 4096                     # partial values per merge program (more splits: fewer dims each)
 REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
                                       # this many keys per split (`config`)
