@@ -17,13 +17,15 @@
 //     (predicated rows; the persistent kernels in buffers of their own where they fit);
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
 //     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
-//     block table (see load_paged_tile).
+//     block table (see load_paged_tile); (-DATTN_PAGED=2, D = 128) boxes of 16 tokens x the whole
+//     head dim (see BlockBoxes).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not), chosen by
 // -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
-// -DATTN_PAGED=<0|1>; torch_ops/cutlass.py builds and links them.
+// -DATTN_PAGED=<0|1|2>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <type_traits>
 
@@ -65,11 +67,13 @@ using Element = cutlass::half_t;
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
-constexpr bool kPaged = ATTN_PAGED;
+constexpr bool kPaged = ATTN_PAGED != 0;
+constexpr bool kBlockBoxes = ATTN_PAGED == 2;  // see BlockBoxes
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
               "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
+static_assert(!kBlockBoxes || kHeadDim == 128, "whole-head-dim boxes: D = 128 (at D = 64 a box is one already)");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
@@ -206,6 +210,42 @@ using StagesKV = Option<Tag::kStagesKV, Int<kStagesKV>>;
 using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>, StagesKV>,
                                 MainloopWith<StagesKV>>;
 
+// -DATTN_PAGED=2: each 16 tokens of a cache block come in one TMA box over the whole head dim
+// (64 dims x 16 tokens x 2 halves, 4 KB), 8 boxes per 128-key tile, where ATTN_PAGED=1 takes a
+// box per 64-dim half (16 boxes of 2 KB): TMA's cost is per box (docs/cutlass.md "Paged KV"). A
+// stage then holds key a (of the tile), dim d at element
+//   2048 (a / 16) + 1024 (d / 64) + 64 (a % 16) + d % 64      (128-byte swizzled rows),
+// and the products read it through "logical" key orders whose 8-key groups lie at one stride, as
+// wgmma's descriptors want: QK^T as two N = 64 products over logical keys l = (i, g, n) (i, g < 8,
+// n < 2: key 16 g + 8 n + i; groups 4 KB apart). The PV product takes P's 16-key steps in the order
+// the accumulator gives them (step t = n + 2 c holds logical keys 64 n + 16 c + j, j < 16), so V's
+// logical key 16 t + j is key 32 c + 16 (j / 8) + 8 n + j % 8. Masks see the keys themselves
+// (KeyCoordinates). Offsets in elements of 16 bits.
+struct BlockBoxes {
+  template <class Shape_, class Stride_>
+  using Swizzled = ComposedLayout<Swizzle<3, 4, 3>, smem_ptr_flag_bits<sizeof_bits_v<Element>>, Layout<Shape_, Stride_>>;
+  using Stages = Int<kStagesKV>;
+  using StageStride = Int<128 * 128>;
+  using Dims = Shape<_64, _2>;
+  using DimStrides = Stride<_1, _1024>;
+  // (key of the tile, dim, stage): where the boxes land
+  using SmemLayoutKeys = Swizzled<Shape<Shape<_16, _8>, Dims, Stages>, Stride<Stride<_64, _2048>, DimStrides, StageStride>>;
+  // (logical key l, dim, stage) and (dim, logical key of V, stage)
+  using SmemLayoutK = Swizzled<Shape<Shape<_8, _8, _2>, Dims, Stages>, Stride<Stride<_64, _2048, _512>, DimStrides, StageStride>>;
+  using SmemLayoutV = Swizzled<Shape<Dims, Shape<_8, _2, _2, _4>, Stages>, Stride<DimStrides, Stride<_64, _2048, _512, _4096>, StageStride>>;
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, _128>>()));
+  // (row, logical key) -> (row, key): the masks' coordinates
+  using KeyCoordinates = Layout<Shape<_64, Shape<_8, _8, _2>>, Stride<E<0>, Stride<E<1>, ScaledBasis<_16, 1>, ScaledBasis<_8, 1>>>>;
+};
+
+// The stage layouts and QK^T product of the kernel: the example's, or BlockBoxes'.
+struct ExampleLayouts {
+  using SmemLayoutK = typename Base::SmemLayoutK;
+  using SmemLayoutV = typename Base::SmemLayoutV;
+  using TiledMmaQK = typename Base::TiledMmaQK;
+};
+using Layouts = std::conditional_t<kBlockBoxes, BlockBoxes, ExampleLayouts>;
+
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
   int q0, k0, lq, lk, off;
@@ -213,6 +253,9 @@ struct Sequence {
 
 // The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
 struct VarlenMainloop : Base {
+  using SmemLayoutK = Layouts::SmemLayoutK;
+  using SmemLayoutV = Layouts::SmemLayoutV;
+  using TiledMmaQK = Layouts::TiledMmaQK;
   struct Params : Base::Params {
     const int* cu_q;
     const int* cu_k;
@@ -289,6 +332,11 @@ struct VarlenMainloop : Base {
 
   template <class ProblemShape>
   CUTLASS_DEVICE static auto heads(ProblemShape const& problem) { return make_shape(1, get<1>(problem)); }
+
+  // kBlockBoxes: a K or V stage as (key of the tile, dim, stage), where the boxes land.
+  CUTLASS_DEVICE static auto stage_keys(SharedStorage& storage) {
+    return make_tensor(make_smem_ptr(storage.smem_k.data()), BlockBoxes::SmemLayoutKeys{});
+  }
 
   template <class Tma, class Smem, class Gmem>
   CUTLASS_DEVICE static auto tma_state(Tma const& tma, Smem smem, Gmem g) {
@@ -515,16 +563,21 @@ struct VarlenMainloop : Base {
     int hk = get<2, 1>(blk) / params.group;
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    Tensor keys = stage_keys(storage);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
       // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
       // table reads overlap each other and the wait for a free stage
       PagedBox box = paged_box(params, table, seq.lk, tile);
       load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) { return &sK(key, dim, stage); });
+                      [&](int key, int dim, int stage) {
+                        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sK(key, dim, stage);
+                      });
       q.rest(smem_pipe_write_q);
       load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) { return &sV(dim, key, stage); });
+                      [&](int key, int dim, int stage) {
+                        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sV(dim, key, stage);
+                      });
     }
   }
 
@@ -544,17 +597,18 @@ struct VarlenMainloop : Base {
   }
 
   // One K or V tile into the next pipeline stage: the tile's boxes (lane i's `box` is box i) x
-  // (D / 64) column blocks, one TMA copy per lane (at most 16 boxes x 2: the elected lane alone
-  // issued 16-token boxes 1.3x slower), completing on the stage's barrier once the elected lane has
-  // set the expected bytes. Each box lands on whole 128-byte-swizzled rows of the stage (the K and
-  // V layouts hold a 64-dim column block's keys 128 bytes apart). All lanes track the state.
+  // (D / 64) column blocks (kBlockBoxes: one box spans the head dim), one TMA copy per lane (at most
+  // 16 boxes x 2: the elected lane alone issued 16-token boxes 1.3x slower), completing on the
+  // stage's barrier once the elected lane has set the expected bytes. Each box lands on whole
+  // 128-byte-swizzled rows of the stage (the K and V layouts hold a 64-dim column block's keys 128
+  // bytes apart). All lanes track the state.
   template <class SmemAddress>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
                                              PipelineState& state, Params const& p, int hk, PagedBox box,
                                              int lane_predicate, SmemAddress const& smem) {
     constexpr int kBlockN = get<1>(TileShape{});
     constexpr int kBoxDims = 128 / sizeof(Element);
-    constexpr int kDimBoxes = kHeadDim / kBoxDims;
+    constexpr int kDimBoxes = kBlockBoxes ? 1 : kHeadDim / kBoxDims;
     static_assert(!kPaged || kBlockN / 8 * kDimBoxes <= 32, "one TMA box per lane");
     if (lane_predicate) pipeline.producer_acquire(state);
     __syncwarp();
@@ -562,9 +616,15 @@ struct VarlenMainloop : Base {
     int block = __shfl_sync(0xffffffff, box.block, i);
     int block_row = __shfl_sync(0xffffffff, box.block_row, i);
     if (i < kBlockN >> p.box_rows_log2) {
-      SM90_TMA_LOAD_4D::copy(pages, pipeline.producer_get_barrier(state),
-                             static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                             smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row, block);
+      auto* barrier = pipeline.producer_get_barrier(state);
+      auto hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+      if constexpr (kBlockBoxes) {  // the tensor (64 dims, block_size, D / 64, Hkv, num_blocks)
+        SM90_TMA_LOAD_5D::copy(pages, barrier, hint, smem(i << p.box_rows_log2, 0, state.index()), 0, block_row, 0, hk,
+                               block);
+      } else {
+        SM90_TMA_LOAD_4D::copy(pages, barrier, hint, smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row,
+                               block);
+      }
     }
     ++state;
   }
@@ -648,9 +708,14 @@ struct VarlenMainloop : Base {
     int end = min(kBlockN, (valid + box_rows - 1) & -box_rows);
     if (valid >= end) return;  // the same for every thread
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    Tensor keys = stage_keys(storage);
     for (int i = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup; i < (end - valid) * kChunks;
          i += cutlass::NumThreadsPerWarpGroup) {
-      *reinterpret_cast<uint4*>(&sV(i % kChunks * kChunk, valid + i / kChunks, stage)) = make_uint4(0, 0, 0, 0);
+      int key = valid + i / kChunks, dim = i % kChunks * kChunk;
+      auto* chunk = [&] {
+        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sV(dim, key, stage);
+      }();
+      *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();  // visible to the tensor cores' (async proxy) reads
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
@@ -683,8 +748,11 @@ struct VarlenMainloop : Base {
     Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{})));
     auto q_stage = tSrQ(_, _, _, smem_pipe_read_q.index());
 
-    // logical (row, key) of each accumulator element, for the masks
-    Tensor tPcP = thr_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
+    // (row, key) of each accumulator element, for the masks
+    Tensor tPcP = thr_qk.partition_C([] {
+      if constexpr (kBlockBoxes) return make_coord_tensor(BlockBoxes::KeyCoordinates{});
+      else return make_identity_tensor(take<0, 2>(TileShapeQK{}));
+    }());
     tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg)) * get<0>(TileShapeQK{});
 
     Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
@@ -1101,17 +1169,33 @@ auto value_stride(AttnFmhaArgs const& a) {
 // A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as the TMA tensor
 // (D, Hkv, block_size, num_blocks), read in boxes of (64 or 128 bytes of dims, 1 head, box_rows
 // tokens, 1 block) with the stage layouts' 128-byte swizzle; coordinates past it read zeros.
+// kBlockBoxes: as (64 dims, block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows, D / 64,
+// 1, 1), so that a box holds its tokens' first 64 dims, then their next 64 (BlockBoxes).
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
                   int64_t block_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
-  cuuint64_t dims[4] = {cuuint64_t(kHeadDim), cuuint64_t(a.hkv), cuuint64_t(a.block_size), cuuint64_t(a.num_blocks)};
-  cuuint64_t strides[3] = {cuuint64_t(head_stride * kBytes), cuuint64_t(row_stride * kBytes),
-                           cuuint64_t(block_stride * kBytes)};
-  cuuint32_t box[4] = {cuuint32_t(128 / kBytes), 1, cuuint32_t(a.box_rows), 1};
-  cuuint32_t unit[4] = {1, 1, 1, 1};
+  constexpr int kBoxDims = 128 / kBytes;
+  cuuint64_t dims[5], strides[4];
+  cuuint32_t box[5], unit[5] = {1, 1, 1, 1, 1};
+  int rank;
+  if constexpr (kBlockBoxes) {
+    rank = 5;
+    cuuint64_t d[5] = {cuuint64_t(kBoxDims), cuuint64_t(a.block_size), cuuint64_t(kHeadDim / kBoxDims), cuuint64_t(a.hkv),
+                       cuuint64_t(a.num_blocks)};
+    cuuint64_t st[4] = {cuuint64_t(row_stride * kBytes), 128, cuuint64_t(head_stride * kBytes),
+                        cuuint64_t(block_stride * kBytes)};
+    cuuint32_t b[5] = {cuuint32_t(kBoxDims), cuuint32_t(a.box_rows), cuuint32_t(kHeadDim / kBoxDims), 1, 1};
+    std::copy(d, d + 5, dims), std::copy(st, st + 4, strides), std::copy(b, b + 5, box);
+  } else {
+    rank = 4;
+    cuuint64_t d[4] = {cuuint64_t(kHeadDim), cuuint64_t(a.hkv), cuuint64_t(a.block_size), cuuint64_t(a.num_blocks)};
+    cuuint64_t st[3] = {cuuint64_t(head_stride * kBytes), cuuint64_t(row_stride * kBytes), cuuint64_t(block_stride * kBytes)};
+    cuuint32_t b[4] = {cuuint32_t(kBoxDims), 1, cuuint32_t(a.box_rows), 1};
+    std::copy(d, d + 4, dims), std::copy(st, st + 3, strides), std::copy(b, b + 4, box);
+  }
   auto type = std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, 4, const_cast<void*>(cache), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      map, type, rank, const_cast<void*>(cache), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -1161,6 +1245,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
         a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
       return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
     }
+    if (kBlockBoxes && a.box_rows != 16) return fail("paged16: this kernel reads boxes of 16 tokens (box_rows = 16)");
     if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
         !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
       return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
@@ -1206,6 +1291,8 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 
 #if ATTN_PERSISTENT
 #define ATTN_VARIANT _persistent
+#elif ATTN_PAGED == 2
+#define ATTN_VARIANT _paged16
 #elif ATTN_PAGED
 #define ATTN_VARIANT _paged
 #else

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import random
 import re
 import subprocess
@@ -44,14 +45,16 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
     paged = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
     assert {"-DATTN_PAGED=1", "-DATTN_PERSISTENT=0"} <= set(paged)
+    paged16 = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged16")
+    assert {"-DATTN_PAGED=2", "-DATTN_PERSISTENT=0"} <= set(paged16)
     link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain and paged kernels always; the persistent ones of PERSISTENT_SHORT, or all of them
-    when the persistent grid is forced on."""
+    """The plain and paged kernels (paged16: D = 128) always; the persistent ones of PERSISTENT_SHORT,
+    or all of them when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -68,10 +71,12 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
                                                    "-DATTN_PAGED")))
                for c in compiles}
     short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
-    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (1, 0): cutlass.KERNELS if persistent else short}
+    paged16 = {key: e for key, e in cutlass.PAGED_KERNELS.items() if key[1] == 128}
+    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (0, 2): paged16,
+             (1, 0): cutlass.KERNELS if persistent else short}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
                 for (p, g), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 17)
+    assert defines == expected and len(compiles) == len(expected) == (22 if persistent else 19)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -109,11 +114,13 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
     assert "attn_fmha_sm90_##a##_d##b##c" in source
-    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged"} <= set(source.splitlines())
-    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged"}
+    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged",
+            "#define ATTN_VARIANT _paged16"} <= set(source.splitlines())
+    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
-    assert set(re.findall(r"Shape<_(\d+), ", source)) == {str(cutlass.BLOCK_M)}
+    tile_shapes = source[source.index("using TileShape = "):source.index("#endif", source.index("using TileShape = "))]
+    assert set(re.findall(r"Shape<_(\d+), ", tile_shapes)) == {str(cutlass.BLOCK_M)}
 
 
 def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
@@ -276,13 +283,29 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     def section(**options):
         cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
                           lse=torch.empty(q.shape[:2]), **options)
-        assert seen["variant"] == "paged"
+        assert seen["variant"].startswith("paged")
         return seen["args"]["section_heads"]
 
     assert section() == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
+    assert seen["variant"] == "paged16" and seen["args"]["box_rows"] == 16
     assert section(causal=False) == 1
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
     assert section() == 1
+
+
+@pytest.mark.parametrize("block_size,d,flag,variant", [
+    (16, 128, True, "paged16"), (48, 128, True, "paged16"), (32, 128, True, "paged"), (64, 128, True, "paged"),
+    (16, 64, True, "paged"), (16, 128, False, "paged")])
+def test_paged_kernel_family_by_box_rows_and_head_dim(monkeypatch, block_size, d, flag, variant):
+    """16-token boxes at D = 128 go to the whole-head-dim boxes of paged16 (unless PAGED16 is off)."""
+    seen = {}
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(cutlass, "PAGED16", flag)
+    q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size)
+    cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
+    assert seen["variant"] == variant
+    assert seen["args"]["box_rows"] == math.gcd(block_size & -block_size, cutlass.PAGED_KEY_TILE)
 
 
 def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
