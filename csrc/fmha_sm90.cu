@@ -25,7 +25,7 @@
 // -DATTN_PAGED=<0|1|2>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
-#include <algorithm>
+#include <array>
 #include <cstdio>
 #include <type_traits>
 
@@ -1174,29 +1174,27 @@ auto value_stride(AttnFmhaArgs const& a) {
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
                   int64_t block_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
-  constexpr int kBoxDims = 128 / kBytes;
-  cuuint64_t dims[5], strides[4];
-  cuuint32_t box[5], unit[5] = {1, 1, 1, 1, 1};
-  int rank;
+  constexpr cuuint64_t kBoxDims = 128 / kBytes;
+  cuuint64_t rows = a.block_size, heads = a.hkv, blocks = a.num_blocks, halves = kHeadDim / kBoxDims;
+  cuuint64_t row = row_stride * kBytes, head = head_stride * kBytes, block = block_stride * kBytes;
+  cuuint32_t box_rows = a.box_rows;
+  std::array<cuuint64_t, 5> dims;  // rank 4: the last entries unused
+  std::array<cuuint64_t, 4> strides;
+  std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
   if constexpr (kBlockBoxes) {
-    rank = 5;
-    cuuint64_t d[5] = {cuuint64_t(kBoxDims), cuuint64_t(a.block_size), cuuint64_t(kHeadDim / kBoxDims), cuuint64_t(a.hkv),
-                       cuuint64_t(a.num_blocks)};
-    cuuint64_t st[4] = {cuuint64_t(row_stride * kBytes), 128, cuuint64_t(head_stride * kBytes),
-                        cuuint64_t(block_stride * kBytes)};
-    cuuint32_t b[5] = {cuuint32_t(kBoxDims), cuuint32_t(a.box_rows), cuuint32_t(kHeadDim / kBoxDims), 1, 1};
-    std::copy(d, d + 5, dims), std::copy(st, st + 4, strides), std::copy(b, b + 5, box);
+    dims = {kBoxDims, rows, halves, heads, blocks};
+    strides = {row, 128, head, block};
+    box = {cuuint32_t(kBoxDims), box_rows, cuuint32_t(halves), 1, 1};
   } else {
-    rank = 4;
-    cuuint64_t d[4] = {cuuint64_t(kHeadDim), cuuint64_t(a.hkv), cuuint64_t(a.block_size), cuuint64_t(a.num_blocks)};
-    cuuint64_t st[3] = {cuuint64_t(head_stride * kBytes), cuuint64_t(row_stride * kBytes), cuuint64_t(block_stride * kBytes)};
-    cuuint32_t b[4] = {cuuint32_t(kBoxDims), 1, cuuint32_t(a.box_rows), 1};
-    std::copy(d, d + 4, dims), std::copy(st, st + 3, strides), std::copy(b, b + 4, box);
+    dims = {cuuint64_t(kHeadDim), heads, rows, blocks, 0};
+    strides = {head, row, block, 0};
+    box = {cuuint32_t(kBoxDims), 1, box_rows, 1, 0};
   }
   auto type = std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, rank, const_cast<void*>(cache), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+      map, type, kBlockBoxes ? 5 : 4, const_cast<void*>(cache), dims.data(), strides.data(), box.data(), unit.data(),
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {

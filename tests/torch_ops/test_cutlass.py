@@ -308,6 +308,24 @@ def test_paged_kernel_family_by_box_rows_and_head_dim(monkeypatch, block_size, d
     assert seen["args"]["box_rows"] == math.gcd(block_size & -block_size, cutlass.PAGED_KEY_TILE)
 
 
+def test_paged16_key_orders_agree_on_every_key(tmp_path):
+    """The paged16 kernels read K and V in permuted key orders (BlockBoxes): a host program built
+    from the kernel source checks the stage layouts, the mask coordinates and the P/V pairing."""
+    pytest.importorskip("cutlass_library", reason="needs the nvidia-cutlass headers (pip install '.[cutlass]')")
+    nvcc = cutlass.find_nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path / "check"
+    cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass.ARCH},code=sm_{cutlass.ARCH}",
+           "--expt-relaxed-constexpr", "-DATTN_ELEMENT_BF16", "-DATTN_HEAD_DIM=128", "-DATTN_PERSISTENT=0",
+           "-DATTN_PAGED=2", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
+           str(Path(__file__).with_name("block_boxes_check.cu")), "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    result = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("OK"), result.stdout
+
+
 def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
     """Causal launches of few waves run in sections sized at the mean key length; the rest head by head."""
     seen = {}
