@@ -16,13 +16,12 @@
 //   * an epilogue that writes bf16/fp16/e4m3 rows through shared memory in 16-byte chunks
 //     (predicated rows; the persistent kernels in buffers of their own where they fit);
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
-//     in TMA boxes of `box_rows` tokens x 64 dims, addressed by (block, row in block) from the
-//     block table (see load_paged_tile); (-DATTN_PAGED=2, D = 128) boxes of 16 tokens x the whole
-//     head dim (see BlockBoxes).
+//     in TMA boxes of `box_rows` tokens x the whole head dim, addressed by (block, row in block)
+//     from the block table (see PagedLayouts, load_paged_tile and encode_pages).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not), chosen by
 // -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
-// -DATTN_PAGED=<0|1|2>; torch_ops/cutlass.py builds and links them.
+// -DATTN_PAGED=<0|1>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -67,13 +66,11 @@ using Element = cutlass::half_t;
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
-constexpr bool kPaged = ATTN_PAGED != 0;
-constexpr bool kBlockBoxes = ATTN_PAGED == 2;  // see BlockBoxes
+constexpr bool kPaged = ATTN_PAGED;
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
               "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
-static_assert(!kBlockBoxes || kHeadDim == 128, "whole-head-dim boxes: D = 128 (at D = 64 a box is one already)");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
@@ -210,41 +207,33 @@ using StagesKV = Option<Tag::kStagesKV, Int<kStagesKV>>;
 using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>, StagesKV>,
                                 MainloopWith<StagesKV>>;
 
-// -DATTN_PAGED=2: each 16 tokens of a cache block come in one TMA box over the whole head dim
-// (64 dims x 16 tokens x 2 halves, 4 KB), 8 boxes per 128-key tile, where ATTN_PAGED=1 takes a
-// box per 64-dim half (16 boxes of 2 KB): TMA's cost is per box (docs/cutlass.md "Paged KV"). A
-// stage then holds key a (of the tile), dim d at element
-//   2048 (a / 16) + 1024 (d / 64) + 64 (a % 16) + d % 64      (128-byte swizzled rows),
-// and the products read it through "logical" key orders whose 8-key groups lie at one stride, as
-// wgmma's descriptors want: QK^T as two N = 64 products over logical keys l = (i, g, n) (i, g < 8,
-// n < 2: key 16 g + 8 n + i; groups 4 KB apart). The PV product takes P's 16-key steps in the order
-// the accumulator gives them (step t = n + 2 c holds logical keys 64 n + 16 c + j, j < 16), so V's
-// logical key 16 t + j is key 32 c + 16 (j / 8) + 8 n + j % 8. Masks see the keys themselves
-// (KeyCoordinates). Offsets in elements of 16 bits.
-struct BlockBoxes {
+// The paged kernels' K/V stages: key a of the tile, dim d at element
+//   8 D (a / 8) + 64 (a % 8) + 512 (d / 64) + d % 64      (128-byte swizzled rows),
+// every 8 keys' whole head dim in D / 64 swizzle atoms of 8 rows, where the example's stages keep a
+// 64-dim column block's keys together (the same at D = 64). The cache, seen by TMA as (64 dims, 8
+// tokens, D / 64, ...) (encode_pages), then brings box_rows tokens x the whole head dim in one box of
+// whole atoms, and the products still read 8-key groups at one stride, as wgmma's descriptors want:
+// the example's products and masks run on them unchanged. Offsets in elements of 16 bits.
+struct PagedLayouts {
   template <class Shape_, class Stride_>
   using Swizzled = ComposedLayout<Swizzle<3, 4, 3>, smem_ptr_flag_bits<sizeof_bits_v<Element>>, Layout<Shape_, Stride_>>;
+  static constexpr int kBlockN = get<1>(TileShape{});
+  using Keys = Shape<_8, Int<kBlockN / 8>>;
+  using KeyStrides = Stride<_64, Int<8 * kHeadDim>>;
+  using Dims = Shape<_64, Int<kHeadDim / 64>>;
+  using DimStrides = Stride<_1, _512>;
   using Stages = Int<kStagesKV>;
-  using StageStride = Int<128 * 128>;
-  using Dims = Shape<_64, _2>;
-  using DimStrides = Stride<_1, _1024>;
-  // (key of the tile, dim, stage): where the boxes land
-  using SmemLayoutKeys = Swizzled<Shape<Shape<_16, _8>, Dims, Stages>, Stride<Stride<_64, _2048>, DimStrides, StageStride>>;
-  // (logical key l, dim, stage) and (dim, logical key of V, stage)
-  using SmemLayoutK = Swizzled<Shape<Shape<_8, _8, _2>, Dims, Stages>, Stride<Stride<_64, _2048, _512>, DimStrides, StageStride>>;
-  using SmemLayoutV = Swizzled<Shape<Dims, Shape<_8, _2, _2, _4>, Stages>, Stride<DimStrides, Stride<_64, _2048, _512, _4096>, StageStride>>;
-  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, _128>>()));
-  // (row, logical key) -> (row, key): the masks' coordinates
-  using KeyCoordinates = Layout<Shape<_64, Shape<_8, _8, _2>>, Stride<E<0>, Stride<E<1>, ScaledBasis<_16, 1>, ScaledBasis<_8, 1>>>>;
+  using StageStride = Int<kBlockN * kHeadDim>;
+  using SmemLayoutK = Swizzled<Shape<Keys, Dims, Stages>, Stride<KeyStrides, DimStrides, StageStride>>;  // (key, dim, stage)
+  using SmemLayoutV = Swizzled<Shape<Dims, Keys, Stages>, Stride<DimStrides, KeyStrides, StageStride>>;  // (dim, key, stage)
 };
 
-// The stage layouts and QK^T product of the kernel: the example's, or BlockBoxes'.
+// The stage layouts of the kernel: the example's, or PagedLayouts'.
 struct ExampleLayouts {
   using SmemLayoutK = typename Base::SmemLayoutK;
   using SmemLayoutV = typename Base::SmemLayoutV;
-  using TiledMmaQK = typename Base::TiledMmaQK;
 };
-using Layouts = std::conditional_t<kBlockBoxes, BlockBoxes, ExampleLayouts>;
+using Layouts = std::conditional_t<kPaged, PagedLayouts, ExampleLayouts>;
 
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
@@ -255,7 +244,6 @@ struct Sequence {
 struct VarlenMainloop : Base {
   using SmemLayoutK = Layouts::SmemLayoutK;
   using SmemLayoutV = Layouts::SmemLayoutV;
-  using TiledMmaQK = Layouts::TiledMmaQK;
   struct Params : Base::Params {
     const int* cu_q;
     const int* cu_k;
@@ -265,13 +253,13 @@ struct VarlenMainloop : Base {
     int group;  // Hq / Hkv
     int causal;
     float softmax_scale;
-    // paged kernels: the caches as TMA tensors (D, Hkv, block_size, num_blocks), boxes of
-    // (64, 1, box_rows, 1); block_tables [num_seqs, max_blocks] (row stride), seq_lens [num_seqs]
+    // paged kernels: the caches as TMA tensors (encode_pages; tokens_in_line: of the first kind);
+    // block_tables [num_seqs, max_blocks] (row stride), seq_lens [num_seqs]
     cute::TmaDescriptor k_pages, v_pages;
     const int* block_tables;
     const int* seq_lens;
     int64_t block_table_stride;
-    int max_blocks, block_size, num_blocks, box_rows_log2;
+    int max_blocks, block_size, num_blocks, box_rows_log2, tokens_in_line;
     // kTransposeV: V token-major, read as K is (the example's tma_load_v is then unused), and the
     // byte offset of the K/V pipeline's barriers from the mainloop's shared storage
     typename Base::TMA_K tma_load_v_tokens;
@@ -332,11 +320,6 @@ struct VarlenMainloop : Base {
 
   template <class ProblemShape>
   CUTLASS_DEVICE static auto heads(ProblemShape const& problem) { return make_shape(1, get<1>(problem)); }
-
-  // kBlockBoxes: a K or V stage as (key of the tile, dim, stage), where the boxes land.
-  CUTLASS_DEVICE static auto stage_keys(SharedStorage& storage) {
-    return make_tensor(make_smem_ptr(storage.smem_k.data()), BlockBoxes::SmemLayoutKeys{});
-  }
 
   template <class Tma, class Smem, class Gmem>
   CUTLASS_DEVICE static auto tma_state(Tma const& tma, Smem smem, Gmem g) {
@@ -561,70 +544,54 @@ struct VarlenMainloop : Base {
     q.next(smem_pipe_write_q);
     const int* table = params.block_tables + get<2, 0>(blk) * params.block_table_stride;
     int hk = get<2, 1>(blk) / params.group;
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (keys, D, stage)
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
-    Tensor keys = stage_keys(storage);
+    Tensor stages = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (key, dim, stage), K or V
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
       // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
       // table reads overlap each other and the wait for a free stage
-      PagedBox box = paged_box(params, table, seq.lk, tile);
-      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) {
-                        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sK(key, dim, stage);
-                      });
+      PagedBox box = paged_box(params, table, seq.lk, tile, hk);
+      load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, box, lane_predicate, stages);
       q.rest(smem_pipe_write_q);
-      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, hk, box, lane_predicate,
-                      [&](int key, int dim, int stage) {
-                        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sV(dim, key, stage);
-                      });
+      load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, box, lane_predicate, stages);
     }
   }
 
-  // Where box i of a key tile (its keys i * box_rows .. + box_rows - 1) comes from: box_rows
-  // consecutive tokens of one cache block (box_rows divides block_size). Boxes at or past the
-  // sequence's end read block `num_blocks`, out of the tensor's bounds, which TMA fills with
-  // zeros; the block table is read only below the end (and below max_blocks).
+  // Lane i's box of a key tile: its keys i * box_rows .. + box_rows - 1, consecutive tokens of one
+  // cache block (box_rows divides block_size), as coordinates 1, 3 and 4 of the cache's TMA tensor
+  // (encode_pages; coordinates 0 and 2, the dims, are 0). Boxes at or past the sequence's end read
+  // block `num_blocks`, out of the tensor's bounds, which TMA fills with zeros; the block table is
+  // read only below the end (and below max_blocks). Lanes past the tile's boxes go unused.
   struct PagedBox {
-    int block, block_row;
+    int row, c3, c4;
   };
 
-  // Lane i's box i of key tile `tile` (lanes past the tile's kBlockN / box_rows boxes go unused).
-  CUTLASS_DEVICE static PagedBox paged_box(Params const& p, const int* table, int lk, int tile) {
+  CUTLASS_DEVICE static PagedBox paged_box(Params const& p, const int* table, int lk, int tile, int hk) {
     int key = tile * get<1>(TileShape{}) + (cutlass::canonical_lane_idx() << p.box_rows_log2);
-    if (key >= lk) return {p.num_blocks, 0};
-    return {table[min(key / p.block_size, p.max_blocks - 1)], key % p.block_size};
+    int block = p.num_blocks, row = 0;
+    if (key < lk) {
+      block = table[min(key / p.block_size, p.max_blocks - 1)];
+      row = key % p.block_size;
+    }
+    if (p.tokens_in_line) return {0, int((int64_t(block) * p.block_size + row) >> 3), hk};  // (64, 8, D / 64, tokens / 8, Hkv)
+    return {row, hk, block};                                                                   // (64, block_size, D / 64, Hkv, blocks)
   }
 
-  // One K or V tile into the next pipeline stage: the tile's boxes (lane i's `box` is box i) x
-  // (D / 64) column blocks (kBlockBoxes: one box spans the head dim), one TMA copy per lane (at most
-  // 16 boxes x 2: the elected lane alone issued 16-token boxes 1.3x slower), completing on the
-  // stage's barrier once the elected lane has set the expected bytes. Each box lands on whole
-  // 128-byte-swizzled rows of the stage (the K and V layouts hold a 64-dim column block's keys 128
-  // bytes apart). All lanes track the state.
-  template <class SmemAddress>
+  // One K or V tile into the next pipeline stage, lane i's box onto the stage's keys i * box_rows ..
+  // (whole swizzle atoms, PagedLayouts): one TMA copy per lane (the elected lane alone issued
+  // 16-token boxes 1.3x slower), completing on the stage's barrier once the elected lane has set the
+  // expected bytes. All lanes track the state.
+  template <class Stages>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
-                                             PipelineState& state, Params const& p, int hk, PagedBox box,
-                                             int lane_predicate, SmemAddress const& smem) {
-    constexpr int kBlockN = get<1>(TileShape{});
-    constexpr int kBoxDims = 128 / sizeof(Element);
-    constexpr int kDimBoxes = kBlockBoxes ? 1 : kHeadDim / kBoxDims;
-    static_assert(!kPaged || kBlockN / 8 * kDimBoxes <= 32, "one TMA box per lane");
+                                             PipelineState& state, Params const& p, PagedBox box,
+                                             int lane_predicate, Stages& stages) {
+    static_assert(!kPaged || get<1>(TileShape{}) / 8 <= 32, "one TMA box per lane");
     if (lane_predicate) pipeline.producer_acquire(state);
     __syncwarp();
-    int lane = cutlass::canonical_lane_idx(), i = lane / kDimBoxes, dim = lane % kDimBoxes * kBoxDims;
-    int block = __shfl_sync(0xffffffff, box.block, i);
-    int block_row = __shfl_sync(0xffffffff, box.block_row, i);
-    if (i < kBlockN >> p.box_rows_log2) {
-      auto* barrier = pipeline.producer_get_barrier(state);
+    int lane = cutlass::canonical_lane_idx();
+    if (lane < get<1>(TileShape{}) >> p.box_rows_log2) {
       auto hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-      if constexpr (kBlockBoxes) {  // the tensor (64 dims, block_size, D / 64, Hkv, num_blocks)
-        SM90_TMA_LOAD_5D::copy(pages, barrier, hint, smem(i << p.box_rows_log2, 0, state.index()), 0, block_row, 0, hk,
-                               block);
-      } else {
-        SM90_TMA_LOAD_4D::copy(pages, barrier, hint, smem(i << p.box_rows_log2, dim, state.index()), dim, hk, block_row,
-                               block);
-      }
+      SM90_TMA_LOAD_5D::copy(pages, pipeline.producer_get_barrier(state), hint,
+                             &stages(lane << p.box_rows_log2, 0, state.index()), 0, box.row, 0, box.c3, box.c4);
     }
     ++state;
   }
@@ -708,14 +675,10 @@ struct VarlenMainloop : Base {
     int end = min(kBlockN, (valid + box_rows - 1) & -box_rows);
     if (valid >= end) return;  // the same for every thread
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
-    Tensor keys = stage_keys(storage);
     for (int i = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup; i < (end - valid) * kChunks;
          i += cutlass::NumThreadsPerWarpGroup) {
       int key = valid + i / kChunks, dim = i % kChunks * kChunk;
-      auto* chunk = [&] {
-        if constexpr (kBlockBoxes) return &keys(key, dim, stage); else return &sV(dim, key, stage);
-      }();
-      *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sV(dim, key, stage)) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();  // visible to the tensor cores' (async proxy) reads
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
@@ -749,10 +712,7 @@ struct VarlenMainloop : Base {
     auto q_stage = tSrQ(_, _, _, smem_pipe_read_q.index());
 
     // (row, key) of each accumulator element, for the masks
-    Tensor tPcP = thr_qk.partition_C([] {
-      if constexpr (kBlockBoxes) return make_coord_tensor(BlockBoxes::KeyCoordinates{});
-      else return make_identity_tensor(take<0, 2>(TileShapeQK{}));
-    }());
+    Tensor tPcP = thr_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
     tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg)) * get<0>(TileShapeQK{});
 
     Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
@@ -1166,33 +1126,35 @@ auto value_stride(AttnFmhaArgs const& a) {
   }
 }
 
-// A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as the TMA tensor
-// (D, Hkv, block_size, num_blocks), read in boxes of (64 or 128 bytes of dims, 1 head, box_rows
-// tokens, 1 block) with the stage layouts' 128-byte swizzle; coordinates past it read zeros.
-// kBlockBoxes: as (64 dims, block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows, D / 64,
-// 1, 1), so that a box holds its tokens' first 64 dims, then their next 64 (BlockBoxes).
+// A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as a 5-D TMA tensor whose
+// boxes land whole swizzle atoms of PagedLayouts' stages (each 8 tokens' 64-dim halves one after the
+// other, 128-byte swizzle); coordinates past it read zeros. Tokens in line (every cache's blocks back
+// to back: block stride = block_size x token stride): (64 dims, 8 tokens, D / 64, all tokens / 8,
+// Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1), box_rows up to the key tile. Otherwise: (64,
+// block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows, D / 64, 1, 1), where box_rows must
+// be 8 unless D = 64 (a box's tokens would hold the first halves of 16 rows before the second ones).
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
-                  int64_t block_stride, AttnFmhaArgs const& a) {
+                  int64_t block_stride, bool tokens_in_line, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
-  constexpr cuuint64_t kBoxDims = 128 / kBytes;
-  cuuint64_t rows = a.block_size, heads = a.hkv, blocks = a.num_blocks, halves = kHeadDim / kBoxDims;
+  constexpr cuuint32_t kBoxDims = 128 / kBytes, kHalves = kHeadDim / kBoxDims;
   cuuint64_t row = row_stride * kBytes, head = head_stride * kBytes, block = block_stride * kBytes;
+  cuuint64_t heads = a.hkv, blocks = a.num_blocks, rows = a.block_size;
   cuuint32_t box_rows = a.box_rows;
-  std::array<cuuint64_t, 5> dims;  // rank 4: the last entries unused
+  std::array<cuuint64_t, 5> dims;
   std::array<cuuint64_t, 4> strides;
   std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
-  if constexpr (kBlockBoxes) {
-    dims = {kBoxDims, rows, halves, heads, blocks};
-    strides = {row, 128, head, block};
-    box = {cuuint32_t(kBoxDims), box_rows, cuuint32_t(halves), 1, 1};
+  if (tokens_in_line) {
+    dims = {kBoxDims, 8, kHalves, blocks * rows / 8, heads};
+    strides = {row, 128, 8 * row, head};
+    box = {kBoxDims, 8, kHalves, box_rows / 8, 1};
   } else {
-    dims = {cuuint64_t(kHeadDim), heads, rows, blocks, 0};
-    strides = {head, row, block, 0};
-    box = {cuuint32_t(kBoxDims), 1, box_rows, 1, 0};
+    dims = {kBoxDims, rows, kHalves, heads, blocks};
+    strides = {row, 128, head, block};
+    box = {kBoxDims, box_rows, kHalves, 1, 1};
   }
   auto type = std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, kBlockBoxes ? 5 : 4, const_cast<void*>(cache), dims.data(), strides.data(), box.data(), unit.data(),
+      map, type, 5, const_cast<void*>(cache), dims.data(), strides.data(), box.data(), unit.data(),
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -1236,16 +1198,19 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, {}, 0};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, 0};
   if constexpr (kPaged) {
     int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
     if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
         a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
       return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
     }
-    if (kBlockBoxes && a.box_rows != 16) return fail("paged16: this kernel reads boxes of 16 tokens (box_rows = 16)");
-    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, a) ||
-        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, a)) {
+    bool in_line = a.k_block_stride == a.block_size * a.k_row_stride && a.v_block_stride == a.block_size * a.v_row_stride;
+    if (!in_line && kHeadDim > 64 && a.box_rows != 8) {
+      return fail("paged: caches whose blocks are not back to back (block stride != block_size x token stride) take boxes of 8 tokens (box_rows = 8)");
+    }
+    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, in_line, a) ||
+        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, in_line, a)) {
       return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
     }
     mainloop.block_tables = a.block_tables;
@@ -1255,6 +1220,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.block_size = a.block_size;
     mainloop.num_blocks = a.num_blocks;
     mainloop.box_rows_log2 = box_rows_log2;
+    mainloop.tokens_in_line = in_line;
   }
   if constexpr (kTransposeV) {
     Base::Arguments v_as_k{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.v),
@@ -1289,8 +1255,6 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 
 #if ATTN_PERSISTENT
 #define ATTN_VARIANT _persistent
-#elif ATTN_PAGED == 2
-#define ATTN_VARIANT _paged16
 #elif ATTN_PAGED
 #define ATTN_VARIANT _paged
 #else

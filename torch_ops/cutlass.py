@@ -47,10 +47,8 @@ log = logging.getLogger(__name__)
 SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
-# kernel family -> entry suffix; "paged16": the paged kernels reading 16 tokens x the whole head dim per
-# TMA box (D = 128), for caches whose blocks take 16-token boxes (docs/cutlass.md "Paged KV")
-VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
-PAGED_DEFINES = {"paged": 1, "paged16": 2}   # variant -> -DATTN_PAGED
+# kernel family -> entry suffix
+VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 # plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
@@ -84,8 +82,6 @@ PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in
 # tiles), and for caches whose blocks take boxes of fewer tokens
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_ROWS = 16
-PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim (at D = 64 a 64-dim box spans the head dim already)
-PAGED16: bool = True      # 16-token boxes through the paged16 kernels (False: two 64-dim boxes per 16 tokens)
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -113,7 +109,7 @@ def compile_command(nvcc: str, element: str, head_dim: int, output: Path, includ
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
         f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}",
-        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={PAGED_DEFINES.get(variant, 0)}",
+        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={int(variant == 'paged')}",
         *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
@@ -134,7 +130,7 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    return ("plain", "paged", "paged16", "persistent")
+    return ("plain", "paged", "persistent")
 
 
 def kernels_of(variant: str) -> dict:
@@ -143,8 +139,6 @@ def kernels_of(variant: str) -> dict:
     or all when the persistent grid is forced on."""
     if variant == "paged":
         return PAGED_KERNELS
-    if variant == "paged16":
-        return {key: e for key, e in PAGED_KERNELS.items() if key[1] == PAGED16_HEAD_DIM}
     if variant == "persistent" and persistent_mode() is not True:
         return {key: KERNELS[key] for key in PERSISTENT_SHORT}
     return KERNELS
@@ -475,19 +469,31 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
 
 
+def paged_box_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Tokens per TMA box of the paged kernels: the largest power of two up to the key tile that divides
+    block_size, when both caches' blocks lie back to back (block stride = block_size x token stride:
+    TMA then sees one line of tokens) or at D = 64; otherwise 8, where TMA sees the blocks apart and a
+    box of more tokens over two 64-dim halves would not land as the kernel's stages want
+    (csrc/fmha_sm90.cu, encode_pages)."""
+    block_size, d = k_cache.shape[1], k_cache.shape[-1]
+    largest = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
+    if d <= 64 or all(c.stride(0) == block_size * c.stride(1) for c in (k_cache, v_cache)):
+        return largest
+    return PAGED_MIN_BOX_ROWS
+
+
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
               q_scaling=1.0, out_scale=None, skip_q_len=0, **unused) -> None:
     """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache, except the rows of sequences of
     at most `skip_q_len` queries (left for another kernel; if `out` must go through a buffer, those
     rows get garbage and the other kernel must run after this one). The kernel reads the cache in
-    TMA boxes of `box_rows` tokens, the largest power of two up to the key tile dividing block_size,
-    by 64 dims (16-token boxes at D = 128: by the whole head dim, the paged16 kernels, unless `PAGED16`
-    is off); int64 block tables and lengths are first copied to int32 (a few KB)."""
+    TMA boxes of `box_rows` tokens x the whole head dim (`paged_box_rows`); int64 block tables and
+    lengths are first copied to int32 (a few KB)."""
     tq, hq, d = query.shape
     if tq == 0:
         return
     num_blocks, block_size, hkv, _ = k_cache.shape
-    box_rows = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
+    box_rows = paged_box_rows(k_cache, v_cache)
     tables = block_tables.to(torch.int32)
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -500,8 +506,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         skip_q_len=skip_q_len,   # sections at the table's capacity: the lengths are on the device
         section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size())
         if sectioned(causal, tq, hq, _num_sms(query.device.index)) else 1)
-    variant = "paged16" if PAGED16 and box_rows == 16 and d == PAGED16_HEAD_DIM else "paged"
-    _launch("paged_prefill", variant, _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
+    _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 
 

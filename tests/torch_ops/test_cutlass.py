@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import random
 import re
 import subprocess
@@ -45,15 +44,13 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
     paged = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
     assert {"-DATTN_PAGED=1", "-DATTN_PERSISTENT=0"} <= set(paged)
-    paged16 = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged16")
-    assert {"-DATTN_PAGED=2", "-DATTN_PERSISTENT=0"} <= set(paged16)
     link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain and paged kernels (paged16: D = 128) always; the persistent ones of PERSISTENT_SHORT,
+    """The plain and paged kernels always; the persistent ones of PERSISTENT_SHORT,
     or all of them when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
@@ -71,12 +68,11 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
                                                    "-DATTN_PAGED")))
                for c in compiles}
     short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
-    paged16 = {key: e for key, e in cutlass.PAGED_KERNELS.items() if key[1] == 128}
-    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (0, 2): paged16,
+    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS,
              (1, 0): cutlass.KERNELS if persistent else short}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
                 for (p, g), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (22 if persistent else 19)
+    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 17)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -114,9 +110,8 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
     assert "attn_fmha_sm90_##a##_d##b##c" in source
-    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged",
-            "#define ATTN_VARIANT _paged16"} <= set(source.splitlines())
-    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
+    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged"} <= set(source.splitlines())
+    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged"}
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
     tile_shapes = source[source.index("using TileShape = "):source.index("#endif", source.index("using TileShape = "))]
@@ -283,34 +278,36 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     def section(**options):
         cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
                           lse=torch.empty(q.shape[:2]), **options)
-        assert seen["variant"].startswith("paged")
+        assert seen["variant"] == "paged"
         return seen["args"]["section_heads"]
 
     assert section() == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
-    assert seen["variant"] == "paged16" and seen["args"]["box_rows"] == 16
     assert section(causal=False) == 1
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
     assert section() == 1
 
 
-@pytest.mark.parametrize("block_size,d,flag,variant", [
-    (16, 128, True, "paged16"), (48, 128, True, "paged16"), (32, 128, True, "paged"), (64, 128, True, "paged"),
-    (16, 64, True, "paged"), (16, 128, False, "paged")])
-def test_paged_kernel_family_by_box_rows_and_head_dim(monkeypatch, block_size, d, flag, variant):
-    """16-token boxes at D = 128 go to the whole-head-dim boxes of paged16 (unless PAGED16 is off)."""
+@pytest.mark.parametrize("block_size,d,box_rows", [(16, 128, 16), (48, 128, 16), (8, 128, 8), (256, 128, 128),
+                                                     (64, 64, 64)])
+@pytest.mark.parametrize("blocks_apart", [False, True])
+def test_paged_boxes_span_the_block_where_the_cache_blocks_lie_back_to_back(monkeypatch, block_size, d, box_rows,
+                                                                             blocks_apart):
+    """Boxes of up to the key tile's tokens x the whole head dim; 8 tokens where a cache's blocks lie
+    apart (K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor), unless D = 64."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(cutlass, "PAGED16", flag)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size)
+    if blocks_apart:
+        k_cache, v_cache = torch.stack((k_cache, v_cache), dim=1).unbind(1)
     cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
-    assert seen["variant"] == variant
-    assert seen["args"]["box_rows"] == math.gcd(block_size & -block_size, cutlass.PAGED_KEY_TILE)
+    assert seen["variant"] == "paged"
+    assert seen["args"]["box_rows"] == (8 if blocks_apart and d > 64 else box_rows)
 
 
-def test_paged16_key_orders_agree_on_every_key(tmp_path):
-    """The paged16 kernels read K and V in permuted key orders (BlockBoxes): a host program built
-    from the kernel source checks the stage layouts, the mask coordinates and the P/V pairing."""
+def test_paged_stage_layout_matches_the_tma_boxes(tmp_path):
+    """A host program built from the kernel source checks that every element of every TMA box lands
+    where the K and V stage layouts (PagedLayouts) put its key and dim."""
     pytest.importorskip("cutlass_library", reason="needs the nvidia-cutlass headers (pip install '.[cutlass]')")
     nvcc = cutlass.find_nvcc()
     if nvcc is None:
@@ -318,8 +315,8 @@ def test_paged16_key_orders_agree_on_every_key(tmp_path):
     exe = tmp_path / "check"
     cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass.ARCH},code=sm_{cutlass.ARCH}",
            "--expt-relaxed-constexpr", "-DATTN_ELEMENT_BF16", "-DATTN_HEAD_DIM=128", "-DATTN_PERSISTENT=0",
-           "-DATTN_PAGED=2", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
-           str(Path(__file__).with_name("block_boxes_check.cu")), "-o", str(exe)]
+           "-DATTN_PAGED=1", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
+           str(Path(__file__).with_name("paged_layout_check.cu")), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     result = subprocess.run([str(exe)], capture_output=True, text=True)
@@ -798,9 +795,11 @@ def test_mixed_backend_misaligned_out():
 
 
 @pytest.mark.gpu
-def test_paged_prefill_fp8_output_and_strided_cache():
-    """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor."""
-    problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=128, hq=8, hkv=8, block_size=32)
+@pytest.mark.parametrize("d,block_size", [(128, 32), (64, 16)])
+def test_paged_prefill_fp8_output_and_strided_cache(d, block_size):
+    """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor,
+    whose blocks lie apart (8-token boxes at D = 128)."""
+    problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=8, block_size=block_size)
     kv = torch.stack(problem[1:3], dim=1)
     problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
     out_scale = torch.tensor(0.02, device="cuda")
