@@ -120,11 +120,17 @@ def run_cutlass():
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
     cutlass.PERSISTENT = None
     print("context_attention (cutlass, plain and automatic grids): ok")
-    for backend, block_size in itertools.product(("cutlass", "mixed"), (8, 16, 48, 256)):   # boxes of 8/16/16/128
+    # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor, blocks padded
+    # by a token (8-token boxes over the blocks apart)
+    layouts = [(backend, block_size, "own") for backend in ("cutlass", "mixed") for block_size in (8, 16, 48, 256)]
+    for backend, block_size, layout in layouts + [("cutlass", 16, "halves"), ("cutlass", 16, "padded")]:
         with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
-            k_cache, v_cache = (torch.randn(sum(blocks) + 1, block_size, 2, 128, device="cuda", dtype=torch.bfloat16)
-                                for _ in range(2))
+            rows = block_size + (layout == "padded")
+            kv = torch.randn(sum(blocks) + 1, 2, rows, 2, 128, device="cuda", dtype=torch.bfloat16)
+            if layout == "own":
+                kv = kv.transpose(0, 1).contiguous().transpose(0, 1)
+            k_cache, v_cache = kv[:, 0, :block_size], kv[:, 1, :block_size]
             tables = torch.randint(0, sum(blocks) + 1, (len(k_lens), max(blocks)), device="cuda", dtype=torch.int32)
             seq_lens = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
             q = torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=torch.bfloat16)

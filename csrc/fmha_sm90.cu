@@ -253,13 +253,14 @@ struct VarlenMainloop : Base {
     int group;  // Hq / Hkv
     int causal;
     float softmax_scale;
-    // paged kernels: the caches as TMA tensors (encode_pages; tokens_in_line: of the first kind);
+    // paged kernels: the caches as TMA tensors (encode_pages; line_stride > 0: seen as one line of
+    // tokens, whose blocks start line_stride tokens apart);
     // block_tables [num_seqs, max_blocks] (row stride), seq_lens [num_seqs]
     cute::TmaDescriptor k_pages, v_pages;
     const int* block_tables;
     const int* seq_lens;
     int64_t block_table_stride;
-    int max_blocks, block_size, num_blocks, box_rows_log2, tokens_in_line;
+    int max_blocks, block_size, num_blocks, box_rows_log2, line_stride;
     // kTransposeV: V token-major, read as K is (the example's tma_load_v is then unused), and the
     // byte offset of the K/V pipeline's barriers from the mainloop's shared storage
     typename Base::TMA_K tma_load_v_tokens;
@@ -572,7 +573,7 @@ struct VarlenMainloop : Base {
       block = table[min(key / p.block_size, p.max_blocks - 1)];
       row = key % p.block_size;
     }
-    if (p.tokens_in_line) return {0, int((int64_t(block) * p.block_size + row) >> 3), hk};  // (64, 8, D / 64, tokens / 8, Hkv)
+    if (p.line_stride) return {0, int((int64_t(block) * p.line_stride + row) >> 3), hk};  // (64, 8, D / 64, tokens / 8, Hkv)
     return {row, hk, block};                                                                   // (64, block_size, D / 64, Hkv, blocks)
   }
 
@@ -1128,13 +1129,15 @@ auto value_stride(AttnFmhaArgs const& a) {
 
 // A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as a 5-D TMA tensor whose
 // boxes land whole swizzle atoms of PagedLayouts' stages (each 8 tokens' 64-dim halves one after the
-// other, 128-byte swizzle); coordinates past it read zeros. Tokens in line (every cache's blocks back
-// to back: block stride = block_size x token stride): (64 dims, 8 tokens, D / 64, all tokens / 8,
-// Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1), box_rows up to the key tile. Otherwise: (64,
-// block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows, D / 64, 1, 1), where box_rows must
-// be 8 unless D = 64 (a box's tokens would hold the first halves of 16 rows before the second ones).
+// other, 128-byte swizzle); coordinates past it read zeros. Where the blocks start a multiple of 8
+// tokens apart (line_stride tokens: block_size for a cache of its own, 2 x block_size for K and V
+// halves of one [num_blocks, 2, block_size, Hkv, D] tensor), as one line of tokens: (64 dims, 8
+// tokens, D / 64, tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1), box_rows up to the
+// key tile. Otherwise (line_stride 0): (64, block_size, D / 64, Hkv, num_blocks) in boxes of (64,
+// box_rows, D / 64, 1, 1), where box_rows must be 8 unless D = 64 (a box's tokens would hold the
+// first halves of 16 rows before the second ones).
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
-                  int64_t block_stride, bool tokens_in_line, AttnFmhaArgs const& a) {
+                  int64_t block_stride, int64_t line_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
   constexpr cuuint32_t kBoxDims = 128 / kBytes, kHalves = kHeadDim / kBoxDims;
   cuuint64_t row = row_stride * kBytes, head = head_stride * kBytes, block = block_stride * kBytes;
@@ -1143,8 +1146,8 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
   std::array<cuuint64_t, 5> dims;
   std::array<cuuint64_t, 4> strides;
   std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
-  if (tokens_in_line) {
-    dims = {kBoxDims, 8, kHalves, blocks * rows / 8, heads};
+  if (line_stride) {
+    dims = {kBoxDims, 8, kHalves, ((blocks - 1) * line_stride + rows) / 8, heads};
     strides = {row, 128, 8 * row, head};
     box = {kBoxDims, 8, kHalves, box_rows / 8, 1};
   } else {
@@ -1205,12 +1208,16 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
         a.block_size % a.box_rows != 0 || a.max_blocks < 1 || a.num_blocks < 1) {
       return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
     }
-    bool in_line = a.k_block_stride == a.block_size * a.k_row_stride && a.v_block_stride == a.block_size * a.v_row_stride;
-    if (!in_line && kHeadDim > 64 && a.box_rows != 8) {
-      return fail("paged: caches whose blocks are not back to back (block stride != block_size x token stride) take boxes of 8 tokens (box_rows = 8)");
+    int64_t line = a.k_row_stride > 0 && a.k_block_stride % a.k_row_stride == 0 ? a.k_block_stride / a.k_row_stride : 0;
+    if (line % 8 || line < a.block_size || a.v_block_stride != line * a.v_row_stride ||
+        (int64_t(a.num_blocks) * line) >> 31) {
+      line = 0;
     }
-    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, in_line, a) ||
-        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, in_line, a)) {
+    if (!line && kHeadDim > 64 && a.box_rows != 8) {
+      return fail("paged: caches whose blocks do not start a multiple of 8 tokens apart (the same for K and V) take boxes of 8 tokens (box_rows = 8)");
+    }
+    if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, line, a) ||
+        !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, line, a)) {
       return fail("paged: cuTensorMapEncodeTiled rejected the cache (16-byte aligned base and strides needed)");
     }
     mainloop.block_tables = a.block_tables;
@@ -1220,7 +1227,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.block_size = a.block_size;
     mainloop.num_blocks = a.num_blocks;
     mainloop.box_rows_log2 = box_rows_log2;
-    mainloop.tokens_in_line = in_line;
+    mainloop.line_stride = int(line);
   }
   if constexpr (kTransposeV) {
     Base::Arguments v_as_k{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.v),

@@ -50,8 +50,8 @@ typedef struct {
   // with the k_/v_ row (token), head and block strides; cu_seqlens_k is unused, seq_lens [num_seqs]
   // gives each sequence's keys, block_tables [num_seqs, max_blocks] int32 (block_table_stride)
   // its blocks. K/V are read in TMA boxes of box_rows tokens: a power of two in 8 .. the key tile
-  // (128) that divides block_size, and 8 at head dims over 64 unless both caches' blocks lie back to
-  // back (block stride = block_size x row stride). Base and strides 16-byte aligned.
+  // (128) that divides block_size, and 8 at head dims over 64 unless both caches' blocks start the
+  // same multiple of 8 tokens apart (block stride = 8 n x row stride). Base and strides 16-byte aligned.
   const int* block_tables;
   const int* seq_lens;
   int64_t block_table_stride, k_block_stride, v_block_stride;

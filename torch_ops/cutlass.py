@@ -471,13 +471,16 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
 
 def paged_box_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """Tokens per TMA box of the paged kernels: the largest power of two up to the key tile that divides
-    block_size, when both caches' blocks lie back to back (block stride = block_size x token stride:
-    TMA then sees one line of tokens) or at D = 64; otherwise 8, where TMA sees the blocks apart and a
-    box of more tokens over two 64-dim halves would not land as the kernel's stages want
-    (csrc/fmha_sm90.cu, encode_pages)."""
+    block_size, where TMA sees each cache as one line of tokens (both caches' blocks start the same
+    multiple of 8 tokens apart: block_size for caches of their own, 2 x block_size for the K and V
+    halves of one [num_blocks, 2, block_size, Hkv, D] tensor) or at D = 64; otherwise 8, where a box of
+    more tokens over two 64-dim halves would not land as the kernel's stages want (csrc/fmha_sm90.cu,
+    encode_pages)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]
     largest = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
-    if d <= 64 or all(c.stride(0) == block_size * c.stride(1) for c in (k_cache, v_cache)):
+    (k_block, k_row), (v_block, v_row) = k_cache.stride()[:2], v_cache.stride()[:2]
+    line = k_block // k_row if k_row > 0 and k_block % k_row == 0 else 0
+    if d <= 64 or (line % 8 == 0 and line >= block_size and v_block == line * v_row):
         return largest
     return PAGED_MIN_BOX_ROWS
 

@@ -289,20 +289,23 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
 
 @pytest.mark.parametrize("block_size,d,box_rows", [(16, 128, 16), (48, 128, 16), (8, 128, 8), (256, 128, 128),
                                                      (64, 64, 64)])
-@pytest.mark.parametrize("blocks_apart", [False, True])
-def test_paged_boxes_span_the_block_where_the_cache_blocks_lie_back_to_back(monkeypatch, block_size, d, box_rows,
-                                                                             blocks_apart):
-    """Boxes of up to the key tile's tokens x the whole head dim; 8 tokens where a cache's blocks lie
-    apart (K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor), unless D = 64."""
+@pytest.mark.parametrize("layout", ["own", "halves", "padded"])
+def test_paged_boxes_span_the_block_where_tma_sees_a_line_of_tokens(monkeypatch, block_size, d, box_rows, layout):
+    """Boxes of up to the key tile's tokens x the whole head dim where each cache's blocks start a
+    multiple of 8 tokens apart (caches of their own; K and V as halves of one [blocks, 2, block_size,
+    Hkv, D] tensor); 8 tokens otherwise (blocks padded by one token), unless D = 64."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size)
-    if blocks_apart:
+    if layout == "halves":
         k_cache, v_cache = torch.stack((k_cache, v_cache), dim=1).unbind(1)
+    elif layout == "padded":
+        k_cache, v_cache = (torch.zeros(c.shape[0], block_size + 1, *c.shape[2:], dtype=c.dtype)[:, :block_size]
+                            for c in (k_cache, v_cache))
     cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
     assert seen["variant"] == "paged"
-    assert seen["args"]["box_rows"] == (8 if blocks_apart and d > 64 else box_rows)
+    assert seen["args"]["box_rows"] == (8 if layout == "padded" and d > 64 else box_rows)
 
 
 def test_paged_stage_layout_matches_the_tma_boxes(tmp_path):
@@ -795,13 +798,22 @@ def test_mixed_backend_misaligned_out():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,block_size", [(128, 32), (64, 16)])
-def test_paged_prefill_fp8_output_and_strided_cache(d, block_size):
-    """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor,
-    whose blocks lie apart (8-token boxes at D = 128)."""
+@pytest.mark.parametrize("d,block_size,layout", [(128, 32, "halves"), (64, 16, "halves"), (128, 16, "padded"),
+                                                 (64, 16, "padded")])
+def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout):
+    """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor, or
+    in blocks padded by a token (which TMA cannot see as one line of tokens: 8-token boxes at D = 128)."""
     problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=8, block_size=block_size)
-    kv = torch.stack(problem[1:3], dim=1)
-    problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
+    if layout == "halves":
+        kv = torch.stack(problem[1:3], dim=1)
+        problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
+    else:
+        padded = [torch.full((c.shape[0], block_size + 1, *c.shape[2:]), float("nan"), dtype=BF16, device="cuda")
+                  for c in problem[1:3]]
+        for p, c in zip(padded, problem[1:3]):
+            p[:, :block_size] = c
+        problem = (problem[0], padded[0][:, :block_size], padded[1][:, :block_size], *problem[3:])
+    assert cutlass.paged_box_rows(*problem[1:3]) == (8 if layout == "padded" and d > 64 else block_size)
     out_scale = torch.tensor(0.02, device="cuda")
     out = torch.empty(problem[0].shape, dtype=E4M3, device="cuda")
     lse = torch.empty(problem[0].shape[:2], device="cuda")
