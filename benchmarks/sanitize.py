@@ -120,10 +120,11 @@ def run_cutlass():
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
     cutlass.PERSISTENT = None
     print("context_attention (cutlass, plain and automatic grids): ok")
-    # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor, blocks padded
-    # by a token (8-token boxes over the blocks apart)
+    # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor (32-token boxes
+    # over one line of tokens), blocks padded by a token (16-token boxes of paged16, 8-token ones apart)
     layouts = [(backend, block_size, "own") for backend in ("cutlass", "mixed") for block_size in (8, 16, 48, 256)]
-    for backend, block_size, layout in layouts + [("cutlass", 16, "halves"), ("cutlass", 16, "padded")]:
+    for backend, block_size, layout in layouts + [("cutlass", 32, "halves"), ("cutlass", 32, "padded"),
+                                                  ("cutlass", 8, "padded")]:
         with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
             rows = block_size + (layout == "padded")

@@ -17,11 +17,12 @@
 //     (predicated rows; the persistent kernels in buffers of their own where they fit);
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
 //     in TMA boxes of `box_rows` tokens x the whole head dim, addressed by (block, row in block)
-//     from the block table (see PagedLayouts, load_paged_tile and encode_pages).
+//     from the block table (see PagedLayouts, load_paged_tile and encode_pages); (-DATTN_PAGED=2,
+//     D = 128) boxes of 16 tokens in another stage layout (see BlockBoxes).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not), chosen by
 // -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
-// -DATTN_PAGED=<0|1>; torch_ops/cutlass.py builds and links them.
+// -DATTN_PAGED=<0|1|2>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -66,11 +67,13 @@ using Element = cutlass::half_t;
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
-constexpr bool kPaged = ATTN_PAGED;
+constexpr bool kPaged = ATTN_PAGED != 0;
+constexpr bool kBlockBoxes = ATTN_PAGED == 2;  // see BlockBoxes
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
               "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
+static_assert(!kBlockBoxes || kHeadDim == 128, "BlockBoxes: D = 128");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
@@ -207,16 +210,17 @@ using StagesKV = Option<Tag::kStagesKV, Int<kStagesKV>>;
 using Base = std::conditional_t<kPersistent, MainloopWith<Option<Tag::kIsPersistent, true_type>, StagesKV>,
                                 MainloopWith<StagesKV>>;
 
-// The paged kernels' K/V stages: key a of the tile, dim d at element
+template <class Shape_, class Stride_>
+using Swizzled = ComposedLayout<Swizzle<3, 4, 3>, smem_ptr_flag_bits<sizeof_bits_v<Element>>, Layout<Shape_, Stride_>>;
+
+// -DATTN_PAGED=1: the K/V stages hold key a of the tile, dim d at element
 //   8 D (a / 8) + 64 (a % 8) + 512 (d / 64) + d % 64      (128-byte swizzled rows),
 // every 8 keys' whole head dim in D / 64 swizzle atoms of 8 rows, where the example's stages keep a
-// 64-dim column block's keys together (the same at D = 64). The cache, seen by TMA as (64 dims, 8
-// tokens, D / 64, ...) (encode_pages), then brings box_rows tokens x the whole head dim in one box of
-// whole atoms, and the products still read 8-key groups at one stride, as wgmma's descriptors want:
-// the example's products and masks run on them unchanged. Offsets in elements of 16 bits.
+// 64-dim column block's keys together (the same at D = 64). A TMA box over (64 dims, 8 tokens,
+// D / 64, tokens / 8) (encode_pages) lands box_rows tokens x the whole head dim on whole atoms, and
+// the products still read 8-key groups at one stride, as wgmma's descriptors want: the example's
+// products and masks run on them unchanged. Offsets in elements of 16 bits.
 struct PagedLayouts {
-  template <class Shape_, class Stride_>
-  using Swizzled = ComposedLayout<Swizzle<3, 4, 3>, smem_ptr_flag_bits<sizeof_bits_v<Element>>, Layout<Shape_, Stride_>>;
   static constexpr int kBlockN = get<1>(TileShape{});
   using Keys = Shape<_8, Int<kBlockN / 8>>;
   using KeyStrides = Stride<_64, Int<8 * kHeadDim>>;
@@ -226,14 +230,42 @@ struct PagedLayouts {
   using StageStride = Int<kBlockN * kHeadDim>;
   using SmemLayoutK = Swizzled<Shape<Keys, Dims, Stages>, Stride<KeyStrides, DimStrides, StageStride>>;  // (key, dim, stage)
   using SmemLayoutV = Swizzled<Shape<Dims, Keys, Stages>, Stride<DimStrides, KeyStrides, StageStride>>;  // (dim, key, stage)
+  using SmemLayoutBoxes = SmemLayoutK;  // (key, dim, stage): where the boxes land
+  using TiledMmaQK = typename Base::TiledMmaQK;
 };
 
-// The stage layouts of the kernel: the example's, or PagedLayouts'.
+// -DATTN_PAGED=2: boxes of 16 tokens over (64 dims, 16 tokens, 2 halves), 16 consecutive rows per
+// half: for 16-token boxes 1.00-1.07x as fast as PagedLayouts' (64, 8, 2, 2) boxes (the same bytes,
+// 8 boxes per tile; results/trial_cutlass_paged_layouts_H200_20261123g.log), and they take caches
+// whose blocks TMA cannot see as one line of tokens. A stage then holds key a, dim d at element
+//   2048 (a / 16) + 1024 (d / 64) + 64 (a % 16) + d % 64,
+// and the products read it through "logical" key orders whose 8-key groups lie at one stride, as
+// wgmma's descriptors want: QK^T as two N = 64 products over logical keys l = (i, g, n) (i, g < 8,
+// n < 2: key 16 g + 8 n + i; groups 4 KB apart). The PV product takes P's 16-key steps in the order
+// the accumulator gives them (step t = n + 2 c holds logical keys 64 n + 16 c + j, j < 16), so V's
+// logical key 16 t + j is key 32 c + 16 (j / 8) + 8 n + j % 8. Masks see the keys themselves
+// (KeyCoordinates).
+struct BlockBoxes {
+  using Stages = Int<kStagesKV>;
+  using StageStride = Int<128 * 128>;
+  using Dims = Shape<_64, _2>;
+  using DimStrides = Stride<_1, _1024>;
+  using SmemLayoutBoxes = Swizzled<Shape<Shape<_16, _8>, Dims, Stages>, Stride<Stride<_64, _2048>, DimStrides, StageStride>>;
+  // (logical key l, dim, stage) and (dim, logical key of V, stage)
+  using SmemLayoutK = Swizzled<Shape<Shape<_8, _8, _2>, Dims, Stages>, Stride<Stride<_64, _2048, _512>, DimStrides, StageStride>>;
+  using SmemLayoutV = Swizzled<Shape<Dims, Shape<_8, _2, _2, _4>, Stages>, Stride<DimStrides, Stride<_64, _2048, _512, _4096>, StageStride>>;
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, _128>>()));
+  // (row, logical key) -> (row, key): the masks' coordinates
+  using KeyCoordinates = Layout<Shape<_64, Shape<_8, _8, _2>>, Stride<E<0>, Stride<E<1>, ScaledBasis<_16, 1>, ScaledBasis<_8, 1>>>>;
+};
+
+// The stage layouts and QK^T product of the kernel: the example's, PagedLayouts' or BlockBoxes'.
 struct ExampleLayouts {
   using SmemLayoutK = typename Base::SmemLayoutK;
   using SmemLayoutV = typename Base::SmemLayoutV;
+  using TiledMmaQK = typename Base::TiledMmaQK;
 };
-using Layouts = std::conditional_t<kPaged, PagedLayouts, ExampleLayouts>;
+using Layouts = std::conditional_t<kBlockBoxes, BlockBoxes, std::conditional_t<kPaged, PagedLayouts, ExampleLayouts>>;
 
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
@@ -244,6 +276,7 @@ struct Sequence {
 struct VarlenMainloop : Base {
   using SmemLayoutK = Layouts::SmemLayoutK;
   using SmemLayoutV = Layouts::SmemLayoutV;
+  using TiledMmaQK = Layouts::TiledMmaQK;
   struct Params : Base::Params {
     const int* cu_q;
     const int* cu_k;
@@ -545,7 +578,7 @@ struct VarlenMainloop : Base {
     q.next(smem_pipe_write_q);
     const int* table = params.block_tables + get<2, 0>(blk) * params.block_table_stride;
     int hk = get<2, 1>(blk) / params.group;
-    Tensor stages = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});  // (key, dim, stage), K or V
+    Tensor stages = make_tensor(make_smem_ptr(storage.smem_k.data()), Layouts::SmemLayoutBoxes{});  // K or V
     CUTLASS_PRAGMA_NO_UNROLL
     for (int tile = 0; tile < trips; tile++) {
       // lane i looks up box i's cache block once for K and V, all lanes at once, so that the
@@ -578,7 +611,7 @@ struct VarlenMainloop : Base {
   }
 
   // One K or V tile into the next pipeline stage, lane i's box onto the stage's keys i * box_rows ..
-  // (whole swizzle atoms, PagedLayouts): one TMA copy per lane (the elected lane alone issued
+  // (whole swizzle atoms): one TMA copy per lane (the elected lane alone issued
   // 16-token boxes 1.3x slower), completing on the stage's barrier once the elected lane has set the
   // expected bytes. All lanes track the state.
   template <class Stages>
@@ -675,11 +708,11 @@ struct VarlenMainloop : Base {
     constexpr int kChunks = kHeadDim / kChunk;    // per key
     int end = min(kBlockN, (valid + box_rows - 1) & -box_rows);
     if (valid >= end) return;  // the same for every thread
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});  // (D, keys, stage)
+    Tensor stages = make_tensor(make_smem_ptr(storage.smem_v.data()), Layouts::SmemLayoutBoxes{});  // (key, dim, stage)
     for (int i = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup; i < (end - valid) * kChunks;
          i += cutlass::NumThreadsPerWarpGroup) {
       int key = valid + i / kChunks, dim = i % kChunks * kChunk;
-      *reinterpret_cast<uint4*>(&sV(dim, key, stage)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&stages(key, dim, stage)) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();  // visible to the tensor cores' (async proxy) reads
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, wg);
@@ -713,7 +746,10 @@ struct VarlenMainloop : Base {
     auto q_stage = tSrQ(_, _, _, smem_pipe_read_q.index());
 
     // (row, key) of each accumulator element, for the masks
-    Tensor tPcP = thr_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
+    Tensor tPcP = thr_qk.partition_C([] {
+      if constexpr (kBlockBoxes) return make_coord_tensor(BlockBoxes::KeyCoordinates{});
+      else return make_identity_tensor(take<0, 2>(TileShapeQK{}));
+    }());
     tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg)) * get<0>(TileShapeQK{});
 
     Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
@@ -1128,14 +1164,14 @@ auto value_stride(AttnFmhaArgs const& a) {
 }
 
 // A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as a 5-D TMA tensor whose
-// boxes land whole swizzle atoms of PagedLayouts' stages (each 8 tokens' 64-dim halves one after the
-// other, 128-byte swizzle); coordinates past it read zeros. Where the blocks start a multiple of 8
-// tokens apart (line_stride tokens: block_size for a cache of its own, 2 x block_size for K and V
-// halves of one [num_blocks, 2, block_size, Hkv, D] tensor), as one line of tokens: (64 dims, 8
-// tokens, D / 64, tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1), box_rows up to the
-// key tile. Otherwise (line_stride 0): (64, block_size, D / 64, Hkv, num_blocks) in boxes of (64,
-// box_rows, D / 64, 1, 1), where box_rows must be 8 unless D = 64 (a box's tokens would hold the
-// first halves of 16 rows before the second ones).
+// boxes land whole swizzle atoms of the stages (Layouts::SmemLayoutBoxes, 128-byte swizzle);
+// coordinates past it read zeros. With line_stride (PagedLayouts at D = 128, blocks starting
+// line_stride tokens apart, a multiple of 8: block_size for a cache of its own, 2 x block_size for
+// the K and V halves of one [num_blocks, 2, block_size, Hkv, D] tensor) as one line of tokens:
+// (64 dims, 8 tokens, D / 64, tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1).
+// Otherwise (line_stride 0): (64, block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows,
+// D / 64, 1, 1): PagedLayouts at D = 64 (boxes of two dims, 1.05x as fast as the line's at 8- and
+// 16-token blocks), or at 8 tokens; BlockBoxes at 16.
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
                   int64_t block_stride, int64_t line_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
@@ -1209,12 +1245,13 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
       return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
     }
     int64_t line = a.k_row_stride > 0 && a.k_block_stride % a.k_row_stride == 0 ? a.k_block_stride / a.k_row_stride : 0;
-    if (line % 8 || line < a.block_size || a.v_block_stride != line * a.v_row_stride ||
+    if (kBlockBoxes || kHeadDim == 64 || line % 8 || line < a.block_size || a.v_block_stride != line * a.v_row_stride ||
         (int64_t(a.num_blocks) * line) >> 31) {
       line = 0;
     }
-    if (!line && kHeadDim > 64 && a.box_rows != 8) {
-      return fail("paged: caches whose blocks do not start a multiple of 8 tokens apart (the same for K and V) take boxes of 8 tokens (box_rows = 8)");
+    if (kBlockBoxes && a.box_rows != 16) return fail("paged16: this kernel reads boxes of 16 tokens (box_rows = 16)");
+    if (!kBlockBoxes && !line && kHeadDim > 64 && a.box_rows != 8) {
+      return fail("paged: caches whose blocks do not start a multiple of 8 tokens apart (the same for K and V) take boxes of 8 tokens (box_rows = 8) at D = 128");
     }
     if (!encode_pages(&mainloop.k_pages, a.k, a.k_row_stride, a.k_head_stride, a.k_block_stride, line, a) ||
         !encode_pages(&mainloop.v_pages, a.v, a.v_row_stride, a.v_head_stride, a.v_block_stride, line, a)) {
@@ -1262,6 +1299,8 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 
 #if ATTN_PERSISTENT
 #define ATTN_VARIANT _persistent
+#elif ATTN_PAGED == 2
+#define ATTN_VARIANT _paged16
 #elif ATTN_PAGED
 #define ATTN_VARIANT _paged
 #else

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
-# kernel family -> entry suffix
-VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged"}
+# kernel family -> entry suffix; "paged16": the paged kernels for 16-token boxes at D = 128 (see `paged_kernel`)
+VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
+PAGED_DEFINES = {"paged": 1, "paged16": 2}   # variant -> -DATTN_PAGED
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 # plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
@@ -79,9 +80,11 @@ PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of 
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
 # queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
-# tiles), and for caches whose blocks take boxes of fewer tokens
+# tiles), and for caches whose blocks take TMA boxes of fewer bytes (8 tokens at D = 64: 0.92-0.95x the
+# Triton time, 8 at D = 128 1.23x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log)
 PAGED_MIN_QUERIES = 64
-PAGED_AUTO_MIN_BOX_ROWS = 16
+PAGED_AUTO_MIN_BOX_BYTES = 2048
+PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -109,7 +112,7 @@ def compile_command(nvcc: str, element: str, head_dim: int, output: Path, includ
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
         f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}",
-        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={int(variant == 'paged')}",
+        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={PAGED_DEFINES.get(variant, 0)}",
         *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
@@ -130,7 +133,7 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    return ("plain", "paged", "persistent")
+    return ("plain", "paged", "paged16", "persistent")
 
 
 def kernels_of(variant: str) -> dict:
@@ -139,6 +142,8 @@ def kernels_of(variant: str) -> dict:
     or all when the persistent grid is forced on."""
     if variant == "paged":
         return PAGED_KERNELS
+    if variant == "paged16":
+        return {key: e for key, e in PAGED_KERNELS.items() if key[1] == PAGED16_HEAD_DIM}
     if variant == "persistent" and persistent_mode() is not True:
         return {key: KERNELS[key] for key in PERSISTENT_SHORT}
     return KERNELS
@@ -469,20 +474,23 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
 
 
-def paged_box_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Tokens per TMA box of the paged kernels: the largest power of two up to the key tile that divides
-    block_size, where TMA sees each cache as one line of tokens (both caches' blocks start the same
-    multiple of 8 tokens apart: block_size for caches of their own, 2 x block_size for the K and V
-    halves of one [num_blocks, 2, block_size, Hkv, D] tensor) or at D = 64; otherwise 8, where a box of
-    more tokens over two 64-dim halves would not land as the kernel's stages want (csrc/fmha_sm90.cu,
-    encode_pages)."""
+def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int]:
+    """(kernel family, tokens per TMA box) for these caches. A box spans the whole head dim and the
+    largest power of two of tokens, up to the key tile, that divides block_size. At D = 128, boxes of
+    16 tokens go to the paged16 kernels (1.00-1.06x as fast as the paged ones there), larger boxes to
+    the paged kernels where TMA sees each cache as one line of tokens (its blocks start a multiple of 8
+    tokens apart, the same in K and V: block_size for caches of their own, 2 x block_size for the K and
+    V halves of one [num_blocks, 2, block_size, Hkv, D] tensor), else boxes of 16 to paged16
+    (csrc/fmha_sm90.cu, encode_pages; results/trial_cutlass_paged_layouts_H200_20261123g.log)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]
-    largest = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
+    rows = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
+    if d != PAGED16_HEAD_DIM or rows == PAGED_MIN_BOX_ROWS:
+        return "paged", rows
     (k_block, k_row), (v_block, v_row) = k_cache.stride()[:2], v_cache.stride()[:2]
     line = k_block // k_row if k_row > 0 and k_block % k_row == 0 else 0
-    if d <= 64 or (line % 8 == 0 and line >= block_size and v_block == line * v_row):
-        return largest
-    return PAGED_MIN_BOX_ROWS
+    if rows > 16 and line % 8 == 0 and line >= block_size and v_block == line * v_row:
+        return "paged", rows
+    return "paged16", 16
 
 
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
@@ -490,13 +498,13 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
     """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache, except the rows of sequences of
     at most `skip_q_len` queries (left for another kernel; if `out` must go through a buffer, those
     rows get garbage and the other kernel must run after this one). The kernel reads the cache in
-    TMA boxes of `box_rows` tokens x the whole head dim (`paged_box_rows`); int64 block tables and
+    TMA boxes of tokens x the whole head dim (`paged_kernel`); int64 block tables and
     lengths are first copied to int32 (a few KB)."""
     tq, hq, d = query.shape
     if tq == 0:
         return
     num_blocks, block_size, hkv, _ = k_cache.shape
-    box_rows = paged_box_rows(k_cache, v_cache)
+    variant, box_rows = paged_kernel(k_cache, v_cache)
     tables = block_tables.to(torch.int32)
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -509,7 +517,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         skip_q_len=skip_q_len,   # sections at the table's capacity: the lengths are on the device
         section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size())
         if sectioned(causal, tq, hq, _num_sms(query.device.index)) else 1)
-    _launch("paged_prefill", "paged", _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
+    _launch("paged_prefill", variant, _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 
 
@@ -557,8 +565,8 @@ class CutlassBackend:
     def auto_declines(self, op, args, kwargs):
         if op != "paged_prefill":
             return []
-        query, k_cache, seq_lens = args[0], args[1], args[5]
-        why = _small_boxes(k_cache)
+        query, seq_lens = args[0], args[5]
+        why = _small_boxes(*args[1:3])
         if query.shape[0] < PAGED_MIN_QUERIES * seq_lens.shape[0]:
             why.append(f"fewer than {PAGED_MIN_QUERIES} queries per sequence on average: the Triton kernel's "
                        "packed heads waste less (measured)")
@@ -568,10 +576,11 @@ class CutlassBackend:
         self._OPS[op][1](*args, **kwargs)
 
 
-def _small_boxes(k_cache: torch.Tensor) -> list[str]:
-    if k_cache.shape[1] % PAGED_AUTO_MIN_BOX_ROWS:
-        return [f"block_size {k_cache.shape[1]} is not a multiple of {PAGED_AUTO_MIN_BOX_ROWS}: smaller TMA "
-                "boxes make the CUTLASS kernel slower than the Triton one (measured)"]
+def _small_boxes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
+    rows = paged_kernel(k_cache, v_cache)[1]
+    if rows * k_cache.shape[-1] * k_cache.element_size() < PAGED_AUTO_MIN_BOX_BYTES:
+        return [f"TMA boxes of {rows} tokens (block_size {k_cache.shape[1]}) x {k_cache.shape[-1]} dims, under "
+                f"{PAGED_AUTO_MIN_BOX_BYTES} bytes, make the CUTLASS kernel slower than the Triton one (measured)"]
     return []
 
 
@@ -594,8 +603,8 @@ class MixedBatchBackend:
         return [why for backend in self._parts for why in backend.reasons(op, args, kwargs)]
 
     def auto_declines(self, op, args, kwargs):
-        query, k_cache, cu_seqlens_q = args[0], args[1], args[4]
-        why = _small_boxes(k_cache)
+        query, cu_seqlens_q = args[0], args[4]
+        why = _small_boxes(*args[1:3])
         if cu_seqlens_q.shape[0] <= 2:
             why.append("one sequence: one kernel serves it")
         if query.shape[0] <= PAGED_MIN_QUERIES:

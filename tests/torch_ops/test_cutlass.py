@@ -44,13 +44,15 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
     assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
     paged = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
     assert {"-DATTN_PAGED=1", "-DATTN_PERSISTENT=0"} <= set(paged)
+    paged16 = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged16")
+    assert {"-DATTN_PAGED=2", "-DATTN_PERSISTENT=0"} <= set(paged16)
     link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain and paged kernels always; the persistent ones of PERSISTENT_SHORT,
+    """The plain and paged kernels (paged16: D = 128) always; the persistent ones of PERSISTENT_SHORT,
     or all of them when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
@@ -68,11 +70,12 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
                                                    "-DATTN_PAGED")))
                for c in compiles}
     short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
-    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS,
+    paged16 = {key: e for key, e in cutlass.PAGED_KERNELS.items() if key[1] == 128}
+    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (0, 2): paged16,
              (1, 0): cutlass.KERNELS if persistent else short}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
                 for (p, g), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (20 if persistent else 17)
+    assert defines == expected and len(compiles) == len(expected) == (22 if persistent else 19)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -110,8 +113,9 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
     assert "attn_fmha_sm90_##a##_d##b##c" in source
-    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged"} <= set(source.splitlines())
-    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged"}
+    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged",
+            "#define ATTN_VARIANT _paged16"} <= set(source.splitlines())
+    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
     tile_shapes = source[source.index("using TileShape = "):source.index("#endif", source.index("using TileShape = "))]
@@ -278,7 +282,7 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     def section(**options):
         cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
                           lse=torch.empty(q.shape[:2]), **options)
-        assert seen["variant"] == "paged"
+        assert seen["variant"] == "paged16"
         return seen["args"]["section_heads"]
 
     assert section() == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
@@ -287,13 +291,14 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     assert section() == 1
 
 
-@pytest.mark.parametrize("block_size,d,box_rows", [(16, 128, 16), (48, 128, 16), (8, 128, 8), (256, 128, 128),
-                                                     (64, 64, 64)])
+@pytest.mark.parametrize("block_size,d,variant,box_rows", [
+    (16, 128, "paged16", 16), (48, 128, "paged16", 16), (8, 128, "paged", 8), (32, 128, "paged", 32),
+    (256, 128, "paged", 128), (64, 64, "paged", 64), (8, 64, "paged", 8)])
 @pytest.mark.parametrize("layout", ["own", "halves", "padded"])
-def test_paged_boxes_span_the_block_where_tma_sees_a_line_of_tokens(monkeypatch, block_size, d, box_rows, layout):
-    """Boxes of up to the key tile's tokens x the whole head dim where each cache's blocks start a
-    multiple of 8 tokens apart (caches of their own; K and V as halves of one [blocks, 2, block_size,
-    Hkv, D] tensor); 8 tokens otherwise (blocks padded by one token), unless D = 64."""
+def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_size, d, variant, box_rows, layout):
+    """Boxes of up to the key tile's tokens x the whole head dim; at D = 128 the paged16 kernels take
+    16-token boxes, and the larger boxes of caches that TMA cannot see as one line of tokens (here
+    blocks padded by a token; K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor are one)."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
@@ -304,13 +309,16 @@ def test_paged_boxes_span_the_block_where_tma_sees_a_line_of_tokens(monkeypatch,
         k_cache, v_cache = (torch.zeros(c.shape[0], block_size + 1, *c.shape[2:], dtype=c.dtype)[:, :block_size]
                             for c in (k_cache, v_cache))
     cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
-    assert seen["variant"] == "paged"
-    assert seen["args"]["box_rows"] == (8 if layout == "padded" and d > 64 else box_rows)
+    if layout == "padded" and d == 128 and box_rows > 16:
+        variant, box_rows = "paged16", 16
+    assert (seen["variant"], seen["args"]["box_rows"]) == (variant, box_rows)
 
 
-def test_paged_stage_layout_matches_the_tma_boxes(tmp_path):
-    """A host program built from the kernel source checks that every element of every TMA box lands
-    where the K and V stage layouts (PagedLayouts) put its key and dim."""
+@pytest.mark.parametrize("check,define", [("paged_layout_check.cu", 1), ("block_boxes_check.cu", 2)])
+def test_paged_stage_layouts_match_the_tma_boxes(tmp_path, check, define):
+    """Host programs built from the kernel source: every element of every TMA box lands where the K
+    and V stage layouts put its key and dim (PagedLayouts), and (BlockBoxes, permuted key orders) the
+    masks see each accumulator element's key and step k of the PV product pairs P and V at the same keys."""
     pytest.importorskip("cutlass_library", reason="needs the nvidia-cutlass headers (pip install '.[cutlass]')")
     nvcc = cutlass.find_nvcc()
     if nvcc is None:
@@ -318,8 +326,8 @@ def test_paged_stage_layout_matches_the_tma_boxes(tmp_path):
     exe = tmp_path / "check"
     cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass.ARCH},code=sm_{cutlass.ARCH}",
            "--expt-relaxed-constexpr", "-DATTN_ELEMENT_BF16", "-DATTN_HEAD_DIM=128", "-DATTN_PERSISTENT=0",
-           "-DATTN_PAGED=1", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
-           str(Path(__file__).with_name("paged_layout_check.cu")), "-o", str(exe)]
+           f"-DATTN_PAGED={define}", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
+           str(Path(__file__).with_name(check)), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     result = subprocess.run([str(exe)], capture_output=True, text=True)
@@ -435,8 +443,9 @@ def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks(
     assert backend.auto_declines("paged_prefill", prefill, {}) == []
     (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=64), {})
     assert "queries per sequence" in why
-    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {})
-    assert "block_size 8 is not a multiple of 16" in why
+    assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {}) == []
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64), {})
+    assert "TMA boxes of 8 tokens (block_size 8) x 64 dims, under 2048 bytes" in why
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
@@ -449,8 +458,8 @@ def test_mixed_backend_is_first_and_serves_batches_that_may_hold_a_long_sequence
     assert "one sequence" in why
     (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=64, seqs=8), {})
     assert "no sequence can have more than 64 queries" in why
-    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {})
-    assert "block_size 8 is not a multiple of 16" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64), {})
+    assert "under 2048 bytes" in why
     assert "serves attn::paged_prefill only" in backend.reasons("context_attention", _problem(), {})[0]
     assert any("CUDA" in why for why in backend.reasons("paged_prefill", _paged_problem_cpu(), {}))
 
@@ -798,11 +807,12 @@ def test_mixed_backend_misaligned_out():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,block_size,layout", [(128, 32, "halves"), (64, 16, "halves"), (128, 16, "padded"),
-                                                 (64, 16, "padded")])
-def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout):
+@pytest.mark.parametrize("d,block_size,layout,kernel", [
+    (128, 32, "halves", ("paged", 32)), (64, 16, "halves", ("paged", 16)), (128, 32, "padded", ("paged16", 16)),
+    (128, 8, "padded", ("paged", 8)), (64, 16, "padded", ("paged", 16))])
+def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout, kernel):
     """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor, or
-    in blocks padded by a token (which TMA cannot see as one line of tokens: 8-token boxes at D = 128)."""
+    in blocks padded by a token (which TMA cannot see as one line of tokens)."""
     problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=8, block_size=block_size)
     if layout == "halves":
         kv = torch.stack(problem[1:3], dim=1)
@@ -813,7 +823,7 @@ def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout):
         for p, c in zip(padded, problem[1:3]):
             p[:, :block_size] = c
         problem = (problem[0], padded[0][:, :block_size], padded[1][:, :block_size], *problem[3:])
-    assert cutlass.paged_box_rows(*problem[1:3]) == (8 if layout == "padded" and d > 64 else block_size)
+    assert cutlass.paged_kernel(*problem[1:3]) == kernel
     out_scale = torch.tensor(0.02, device="cuda")
     out = torch.empty(problem[0].shape, dtype=E4M3, device="cuda")
     lse = torch.empty(problem[0].shape[:2], device="cuda")
