@@ -263,6 +263,7 @@ struct BlockBoxes {
 struct ExampleLayouts {
   using SmemLayoutK = typename Base::SmemLayoutK;
   using SmemLayoutV = typename Base::SmemLayoutV;
+  using SmemLayoutBoxes = SmemLayoutK;  // unused: these kernels load no paged boxes
   using TiledMmaQK = typename Base::TiledMmaQK;
 };
 using Layouts = std::conditional_t<kBlockBoxes, BlockBoxes, std::conditional_t<kPaged, PagedLayouts, ExampleLayouts>>;
