@@ -1171,8 +1171,8 @@ auto value_stride(AttnFmhaArgs const& a) {
 // the K and V halves of one [num_blocks, 2, block_size, Hkv, D] tensor) as one line of tokens:
 // (64 dims, 8 tokens, D / 64, tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1).
 // Otherwise (line_stride 0): (64, block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows,
-// D / 64, 1, 1): PagedLayouts at D = 64 (boxes of two dims, 1.05x as fast as the line's at 8- and
-// 16-token blocks), or at 8 tokens; BlockBoxes at 16.
+// D / 64, 1, 1): PagedLayouts at D = 64 (boxes of two dims, as fast as the line's) or where the
+// blocks lie otherwise (8-token boxes at D = 128); BlockBoxes (16-token boxes) always.
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
                   int64_t block_stride, int64_t line_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);

@@ -80,8 +80,8 @@ PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of 
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
 # queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
-# tiles), and for caches whose blocks take TMA boxes of fewer bytes (8 tokens at D = 64: 0.92-0.95x the
-# Triton time, 8 at D = 128 1.23x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log)
+# tiles), and for caches whose blocks take TMA boxes of fewer bytes (8 tokens at D = 64: 0.87x as fast as
+# Triton; 8 at D = 128: 1.23-1.26x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log)
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_BYTES = 2048
 PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
