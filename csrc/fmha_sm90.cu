@@ -235,7 +235,7 @@ struct PagedLayouts {
 };
 
 // -DATTN_PAGED=2: boxes of 16 tokens over (64 dims, 16 tokens, 2 halves), 16 consecutive rows per
-// half: for 16-token boxes 1.00-1.07x as fast as PagedLayouts' (64, 8, 2, 2) boxes (the same bytes,
+// half: for 16-token boxes 1.00-1.06x as fast as PagedLayouts' (64, 8, 2, 2) boxes (the same bytes,
 // 8 boxes per tile; results/trial_cutlass_paged_layouts_H200_20261123g.log), and they take caches
 // whose blocks TMA cannot see as one line of tokens. A stage then holds key a, dim d at element
 //   2048 (a / 16) + 1024 (d / 64) + 64 (a % 16) + d % 64,
