@@ -4,7 +4,7 @@ Usage (GPU machine):  python benchmarks/bench_prefill.py [--quick] [--check] [--
   --quick      ~2-minute subset (D=128, S in {2k, 8k}, one paged and one mixed case, few peers)
   --check      verify each of our configurations against the float64 reference first (max error)
   --tune       sweep tile configs of our kernel (prefill_attention.CONFIG_OVERRIDE) on a few shapes
-  --sections / --seqlens / --head-dims / --peers / --budget-s select a subset
+  --sections / --seqlens / --head-dims / --peers / --flex-head-dims / --budget-s select a subset
 Writes JSON (GPU, versions, date, commit, every measurement) under --out (default
 benchmarks/results/) and prints a compact table last.
 
@@ -447,7 +447,7 @@ class Runner:
             if f"flashinfer_{backend}" in peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_context_fn(case, backend), case.flops, us)
         if "flex" in peers:
-            if self.flex_left > 0 and d == 128 and seqlen in (2048, 8192):
+            if self.flex_left > 0 and d in self.args.flex_head_dims and seqlen in (2048, 8192):
                 self.flex_left -= 1
                 self.peer(row, "flex", lambda: flex_fn(case), case.flops, us)
             else:
@@ -558,6 +558,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", type=int, nargs="*")
     p.add_argument("--head-dims", type=int, nargs="*")
     p.add_argument("--peers", nargs="*", default=PEERS, choices=PEERS)
+    p.add_argument("--flex-head-dims", type=int, nargs="*", default=[128],
+                   help="head dims at which FlexAttention runs (S = 2k and 8k; each shape compiles)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop measuring after this many seconds")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

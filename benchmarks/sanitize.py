@@ -121,20 +121,27 @@ def run_cutlass():
     cutlass.PERSISTENT = None
     print("context_attention (cutlass, plain and automatic grids): ok")
     # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor (32-token boxes
-    # over one line of tokens), blocks padded by a token (16-token boxes of paged16, 8-token ones apart)
-    layouts = [(backend, block_size, "own") for backend in ("cutlass", "mixed") for block_size in (8, 16, 48, 256)]
-    for backend, block_size, layout in layouts + [("cutlass", 32, "halves"), ("cutlass", 32, "padded"),
-                                                  ("cutlass", 8, "padded")]:
+    # over one line of tokens), blocks padded by a token (16-token boxes of paged16, 8-token ones apart;
+    # at D = 64 a line of single tokens), K alone padded (at D = 64 no line: blocks by block); 4 query
+    # heads per KV head (the cluster kernels) and 1
+    layouts = [(backend, block_size, "own", 128, 2) for backend in ("cutlass", "mixed") for block_size in (8, 16, 48, 256)]
+    layouts += [("cutlass", 32, "halves", 128, 2), ("cutlass", 32, "padded", 128, 2), ("cutlass", 8, "padded", 128, 2),
+                ("cutlass", 16, "own", 64, 2), ("cutlass", 16, "padded", 64, 2), ("cutlass", 16, "k_padded", 64, 2),
+                ("cutlass", 16, "own", 128, 8), ("cutlass", 32, "halves", 128, 8), ("cutlass", 8, "padded", 128, 8),
+                ("cutlass", 16, "k_padded", 64, 8)]
+    for backend, block_size, layout, d, hkv in layouts:
         with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
-            rows = block_size + (layout == "padded")
-            kv = torch.randn(sum(blocks) + 1, 2, rows, 2, 128, device="cuda", dtype=torch.bfloat16)
+            rows = block_size + (layout in ("padded", "k_padded"))
+            kv = torch.randn(sum(blocks) + 1, 2, rows, hkv, d, device="cuda", dtype=torch.bfloat16)
             if layout == "own":
                 kv = kv.transpose(0, 1).contiguous().transpose(0, 1)
             k_cache, v_cache = kv[:, 0, :block_size], kv[:, 1, :block_size]
+            if layout == "k_padded":
+                v_cache = v_cache.contiguous()
             tables = torch.randint(0, sum(blocks) + 1, (len(k_lens), max(blocks)), device="cuda", dtype=torch.int32)
             seq_lens = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
-            q = torch.randn(sum(q_lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
             for causal in (False, True):
                 torch.ops.attn.paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, causal=causal)
     print("paged_prefill (cutlass, mixed): ok")

@@ -63,17 +63,24 @@ using Element = cutlass::half_t;
 #ifndef ATTN_PAGED
 #define ATTN_PAGED 0
 #endif
+#ifndef ATTN_CLUSTER
+#define ATTN_CLUSTER 1
+#endif
 
 constexpr int kHeadDim = ATTN_HEAD_DIM;
 constexpr bool kFp8 = sizeof(Element) == 1;
 constexpr bool kPersistent = ATTN_PERSISTENT;
 constexpr bool kPaged = ATTN_PAGED != 0;
 constexpr bool kBlockBoxes = ATTN_PAGED == 2;  // see BlockBoxes
+// CTAs per cluster: with 2, the two CTAs of a cluster run two query heads of one KV head on the same
+// rows, and each issues half of a K/V tile's boxes, multicast to both (load_paged_tile)
+constexpr int kCluster = ATTN_CLUSTER;
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
 static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
               "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
 static_assert(!kBlockBoxes || kHeadDim == 128, "BlockBoxes: D = 128");
+static_assert(kCluster == 1 || (kPaged && kCluster == 2), "clusters: paged kernels, of 2 CTAs");
 
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
@@ -275,6 +282,7 @@ struct Sequence {
 
 // The example's mainloop with varlen loads and a per-(sequence, head) softmax scale.
 struct VarlenMainloop : Base {
+  using ClusterShape = Shape<Int<kCluster>, _1, _1>;  // the kernel's K/V pipeline spans the cluster
   using SmemLayoutK = Layouts::SmemLayoutK;
   using SmemLayoutV = Layouts::SmemLayoutV;
   using TiledMmaQK = Layouts::TiledMmaQK;
@@ -300,6 +308,14 @@ struct VarlenMainloop : Base {
     typename Base::TMA_K tma_load_v_tokens;
     int inner_pipeline_offset;
   };
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    if constexpr (kPaged) {
+      cute::prefetch_tma_descriptor(&params.k_pages);
+      cute::prefetch_tma_descriptor(&params.v_pages);
+    }
+  }
 
   template <class BlkCoord>
   CUTLASS_DEVICE static Sequence sequence(BlkCoord const& blk, Params const& p) {
@@ -589,15 +605,18 @@ struct VarlenMainloop : Base {
       q.rest(smem_pipe_write_q);
       load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, box, lane_predicate, stages);
     }
+    // the peer CTA writes this CTA's stages and signals its barriers: stay until it has released them all
+    if constexpr (kCluster > 1) pipeline.producer_tail(smem_pipe_write);
   }
 
   // Lane i's box of a key tile: its keys i * box_rows .. + box_rows - 1, consecutive tokens of one
-  // cache block (box_rows divides block_size), as coordinates 1, 3 and 4 of the cache's TMA tensor
-  // (encode_pages; coordinates 0 and 2, the dims, are 0). Boxes at or past the sequence's end read
-  // block `num_blocks`, out of the tensor's bounds, which TMA fills with zeros; the block table is
-  // read only below the end (and below max_blocks). Lanes past the tile's boxes go unused.
+  // cache block (box_rows divides block_size), as the coordinates of the cache's TMA tensor
+  // (encode_pages) that are not dims: (row, head, block), or on a line (token, head) at D = 64 and
+  // (token / 8, head) at D = 128. Boxes at or past the sequence's end read block `num_blocks`, out
+  // of the tensor's bounds, which TMA fills with zeros; the block table is read only below the end
+  // (and below max_blocks). Lanes past the tile's boxes go unused.
   struct PagedBox {
-    int row, c3, c4;
+    int c1, c2, c3;
   };
 
   CUTLASS_DEVICE static PagedBox paged_box(Params const& p, const int* table, int lk, int tile, int hk) {
@@ -607,14 +626,17 @@ struct VarlenMainloop : Base {
       block = table[min(key / p.block_size, p.max_blocks - 1)];
       row = key % p.block_size;
     }
-    if (p.line_stride) return {0, int((int64_t(block) * p.line_stride + row) >> 3), hk};  // (64, 8, D / 64, tokens / 8, Hkv)
-    return {row, hk, block};                                                                   // (64, block_size, D / 64, Hkv, blocks)
+    if (!p.line_stride) return {row, hk, block};
+    int token = int(int64_t(block) * p.line_stride + row);
+    return kHeadDim == 64 ? PagedBox{token, hk, 0} : PagedBox{token >> 3, hk, 0};
   }
 
   // One K or V tile into the next pipeline stage, lane i's box onto the stage's keys i * box_rows ..
   // (whole swizzle atoms): one TMA copy per lane (the elected lane alone issued
   // 16-token boxes 1.3x slower), completing on the stage's barrier once the elected lane has set the
-  // expected bytes. All lanes track the state.
+  // expected bytes. In a cluster, CTA r issues the boxes i = r mod 2, multicast to the same stage of
+  // both CTAs (whose consumers have both released it: the pipeline spans the cluster). All lanes
+  // track the state.
   template <class Stages>
   CUTLASS_DEVICE static void load_paged_tile(cute::TmaDescriptor const* pages, MainloopPipeline& pipeline,
                                              PipelineState& state, Params const& p, PagedBox box,
@@ -623,12 +645,29 @@ struct VarlenMainloop : Base {
     if (lane_predicate) pipeline.producer_acquire(state);
     __syncwarp();
     int lane = cutlass::canonical_lane_idx();
-    if (lane < get<1>(TileShape{}) >> p.box_rows_log2) {
-      auto hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-      SM90_TMA_LOAD_5D::copy(pages, pipeline.producer_get_barrier(state), hint,
-                             &stages(lane << p.box_rows_log2, 0, state.index()), 0, box.row, 0, box.c3, box.c4);
+    if (lane < get<1>(TileShape{}) >> p.box_rows_log2 && (kCluster == 1 || lane % kCluster == int(cute::block_rank_in_cluster()))) {
+      auto* barrier = pipeline.producer_get_barrier(state);
+      void* stage = &stages(lane << p.box_rows_log2, 0, state.index());
+      if constexpr (kHeadDim == 64) {  // (64, tokens, Hkv) or (64, block_size, Hkv, blocks)
+        if (p.line_stride) copy_box(pages, barrier, stage, 0, box.c1, box.c2);
+        else copy_box(pages, barrier, stage, 0, box.c1, box.c2, box.c3);
+      } else if (p.line_stride) {  // (64, 8, D / 64, tokens / 8, Hkv)
+        copy_box(pages, barrier, stage, 0, 0, 0, box.c1, box.c2);
+      } else {  // (64, block_size, D / 64, Hkv, blocks)
+        copy_box(pages, barrier, stage, 0, box.c1, 0, box.c2, box.c3);
+      }
     }
     ++state;
+  }
+
+  template <class... Coords>
+  CUTLASS_DEVICE static void copy_box(cute::TmaDescriptor const* pages, uint64_t* barrier, void* stage, Coords... c) {
+    auto hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    if constexpr (kCluster > 1) {
+      SM90_TMA_LOAD_MULTICAST::copy(pages, barrier, uint16_t((1 << kCluster) - 1), hint, stage, c...);
+    } else {
+      SM90_TMA_LOAD::copy(pages, barrier, hint, stage, c...);
+    }
   }
 
   // The Q warp of the persistent kernel: one Q block per consumer warpgroup, each as soon as that
@@ -1180,11 +1219,18 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
   cuuint64_t row = row_stride * kBytes, head = head_stride * kBytes, block = block_stride * kBytes;
   cuuint64_t heads = a.hkv, blocks = a.num_blocks, rows = a.block_size;
   cuuint32_t box_rows = a.box_rows;
+  cuuint64_t tokens = (blocks - 1) * line_stride + rows;
   std::array<cuuint64_t, 5> dims;
   std::array<cuuint64_t, 4> strides;
   std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
-  if (line_stride) {
-    dims = {kBoxDims, 8, kHalves, ((blocks - 1) * line_stride + rows) / 8, heads};
+  int rank = 5;
+  if (kHalves == 1) {  // ranks 3 and 4: a 5-D box here was 0.94-0.95x as fast (PAGED_D64_RANK_LOG)
+    rank = line_stride ? 3 : 4;
+    dims = {kBoxDims, line_stride ? tokens : rows, heads, blocks};
+    strides = {row, head, block};
+    box = {kBoxDims, box_rows, 1, 1};
+  } else if (line_stride) {
+    dims = {kBoxDims, 8, kHalves, tokens / 8, heads};
     strides = {row, 128, 8 * row, head};
     box = {kBoxDims, 8, kHalves, box_rows / 8, 1};
   } else {
@@ -1194,7 +1240,7 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
   }
   auto type = std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, 5, const_cast<void*>(cache), dims.data(), strides.data(), box.data(), unit.data(),
+      map, type, rank, const_cast<void*>(cache), dims.data(), strides.data(), box.data(), unit.data(),
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -1246,7 +1292,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
       return fail("paged: need box_rows a power of two in 8..key tile dividing block_size, and blocks");
     }
     int64_t line = a.k_row_stride > 0 && a.k_block_stride % a.k_row_stride == 0 ? a.k_block_stride / a.k_row_stride : 0;
-    if (kBlockBoxes || kHeadDim == 64 || line % 8 || line < a.block_size || a.v_block_stride != line * a.v_row_stride ||
+    if (kBlockBoxes || (kHeadDim > 64 && line % 8) || line < a.block_size || a.v_block_stride != line * a.v_row_stride ||
         (int64_t(a.num_blocks) * line) >> 31) {
       line = 0;
     }
@@ -1277,6 +1323,9 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
   if (a.section_heads < 1 || a.hq % a.section_heads != 0) return fail("need section_heads dividing hq");
+  if (kCluster > 1 && (group % kCluster || a.section_heads % kCluster)) {  // a cluster's CTAs: heads 2i, 2i + 1
+    return fail("clusters of 2: need an even number of query heads per KV head and even section_heads");
+  }
   if (kPersistent && a.num_ctas < 1) return fail("persistent grid: need num_ctas >= 1");
   Scheduler::Params sched = Scheduler::make_params(a, first_tile(tq, a.num_seqs, a.skip_q_len));
   Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
@@ -1290,8 +1339,15 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     if (e != cudaSuccess) return fail(cudaGetErrorString(e));
     configured = true;
   }
-  cutlass::device_kernel<Kernel><<<grid, Kernel::get_block_shape(), smem, stream>>>(params);
-  cudaError_t e = cudaGetLastError();
+  cudaLaunchConfig_t launch{grid, Kernel::get_block_shape(), smem, stream, nullptr, 0};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {kCluster, 1, 1};
+  if (kCluster > 1) {
+    launch.attrs = &cluster;
+    launch.numAttrs = 1;
+  }
+  cudaError_t e = cudaLaunchKernelEx(&launch, cutlass::device_kernel<Kernel>, params);
   return e == cudaSuccess ? 0 : fail(cudaGetErrorString(e));
 }
 
@@ -1300,8 +1356,12 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 
 #if ATTN_PERSISTENT
 #define ATTN_VARIANT _persistent
+#elif ATTN_PAGED == 2 && ATTN_CLUSTER == 2
+#define ATTN_VARIANT _paged16x2
 #elif ATTN_PAGED == 2
 #define ATTN_VARIANT _paged16
+#elif ATTN_PAGED && ATTN_CLUSTER == 2
+#define ATTN_VARIANT _pagedx2
 #elif ATTN_PAGED
 #define ATTN_VARIANT _paged
 #else

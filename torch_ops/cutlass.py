@@ -48,8 +48,10 @@ SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
 # kernel family -> entry suffix; "paged16": the paged kernels for 16-token boxes at D = 128 (see `paged_kernel`)
-VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
-PAGED_DEFINES = {"paged": 1, "paged16": 2}   # variant -> -DATTN_PAGED
+VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16", "pagedx2": "_pagedx2",
+            "paged16x2": "_paged16x2"}
+PAGED_DEFINES = {"paged": 1, "paged16": 2, "pagedx2": 1, "paged16x2": 2}   # variant -> -DATTN_PAGED
+CLUSTER_VARIANTS = ("pagedx2", "paged16x2")   # -DATTN_CLUSTER=2: two CTAs share each K/V box (multicast)
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 # plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
@@ -80,8 +82,10 @@ PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of 
 PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
 # queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
-# tiles), and for caches whose blocks take TMA boxes of fewer bytes (8 tokens at D = 64: 0.87x as fast as
-# Triton; 8 at D = 128: 1.23-1.26x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log)
+# tiles), and for caches whose blocks take TMA boxes of fewer bytes per CTA (8 tokens at D = 64: 0.87x as
+# fast as Triton; 8 at D = 128: 1.23-1.26x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log;
+# a cluster kernel's box serves two CTAs: 8 tokens at D = 64 1.13x faster than Triton,
+# results/trial_cutlass_paged_clusters_H200_20261123h.log)
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_BYTES = 2048
 PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
@@ -113,6 +117,7 @@ def compile_command(nvcc: str, element: str, head_dim: int, output: Path, includ
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
         f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}",
         f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={PAGED_DEFINES.get(variant, 0)}",
+        f"-DATTN_CLUSTER={2 if variant in CLUSTER_VARIANTS else 1}",
         *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
@@ -133,16 +138,16 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    return ("plain", "paged", "paged16", "persistent")
+    return ("plain", "paged", "paged16", *CLUSTER_VARIANTS, "persistent")
 
 
 def kernels_of(variant: str) -> dict:
     """The (input dtype, head dim) instantiations a build compiles for kernel family `variant`: every
     one for the plain grid, `PAGED_KERNELS`, and for the persistent grid those of `PERSISTENT_SHORT`,
     or all when the persistent grid is forced on."""
-    if variant == "paged":
+    if variant in ("paged", "pagedx2"):
         return PAGED_KERNELS
-    if variant == "paged16":
+    if variant in ("paged16", "paged16x2"):
         return {key: e for key, e in PAGED_KERNELS.items() if key[1] == PAGED16_HEAD_DIM}
     if variant == "persistent" and persistent_mode() is not True:
         return {key: KERNELS[key] for key in PERSISTENT_SHORT}
@@ -474,23 +479,25 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
 
 
-def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int]:
-    """(kernel family, tokens per TMA box) for these caches. A box spans the whole head dim and the
-    largest power of two of tokens, up to the key tile, that divides block_size. At D = 128, boxes of
-    16 tokens go to the paged16 kernels (1.00-1.06x as fast as the paged ones there), larger boxes to
-    the paged kernels where TMA sees each cache as one line of tokens (its blocks start a multiple of 8
-    tokens apart, the same in K and V: block_size for caches of their own, 2 x block_size for the K and
-    V halves of one [num_blocks, 2, block_size, Hkv, D] tensor), else boxes of 16 to paged16
-    (csrc/fmha_sm90.cu, encode_pages; results/trial_cutlass_paged_layouts_H200_20261123g.log)."""
+def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tuple[str, int]:
+    """(kernel family, tokens per TMA box) for these caches and `group` query heads per KV head. A box
+    spans the whole head dim and the largest power of two of tokens, up to the key tile, that divides
+    block_size. At D = 128, boxes of 16 tokens go to the paged16 kernels (1.00-1.06x as fast as the
+    paged ones there), larger boxes to the paged kernels where TMA sees each cache as one line of
+    tokens (its blocks start a multiple of 8 tokens apart, the same in K and V: block_size for caches
+    of their own, 2 x block_size for the K and V halves of one [num_blocks, 2, block_size, Hkv, D]
+    tensor), else boxes of 16 to paged16 (csrc/fmha_sm90.cu, encode_pages;
+    results/trial_cutlass_paged_layouts_H200_20261123g.log). With an even group, the family's cluster
+    kernels (`CLUSTER_VARIANTS`: two CTAs, two query heads of one KV head, share every box)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]
     rows = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
-    if d != PAGED16_HEAD_DIM or rows == PAGED_MIN_BOX_ROWS:
-        return "paged", rows
-    (k_block, k_row), (v_block, v_row) = k_cache.stride()[:2], v_cache.stride()[:2]
-    line = k_block // k_row if k_row > 0 and k_block % k_row == 0 else 0
-    if rows > 16 and line % 8 == 0 and line >= block_size and v_block == line * v_row:
-        return "paged", rows
-    return "paged16", 16
+    variant = "paged"
+    if d == PAGED16_HEAD_DIM and rows > PAGED_MIN_BOX_ROWS:
+        (k_block, k_row), (v_block, v_row) = k_cache.stride()[:2], v_cache.stride()[:2]
+        line = k_block // k_row if k_row > 0 and k_block % k_row == 0 else 0
+        if rows == 16 or line % 8 or line < block_size or v_block != line * v_row:
+            variant, rows = "paged16", 16
+    return variant + "x2" if group % 2 == 0 else variant, rows
 
 
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
@@ -504,7 +511,12 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
     if tq == 0:
         return
     num_blocks, block_size, hkv, _ = k_cache.shape
-    variant, box_rows = paged_kernel(k_cache, v_cache)
+    variant, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
+    section = 1
+    if sectioned(causal, tq, hq, _num_sms(query.device.index)):   # at the table's capacity: lengths are on the device
+        section = section_heads(hq, hkv, block_tables.shape[1] * block_size, d, k_cache.element_size())
+    if variant in CLUSTER_VARIANTS and section % 2:
+        section *= 2   # a cluster's CTAs run query heads 2i and 2i + 1 of one section
     tables = block_tables.to(torch.int32)
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -514,9 +526,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=box_rows,
-        skip_q_len=skip_q_len,   # sections at the table's capacity: the lengths are on the device
-        section_heads=section_heads(hq, hkv, tables.shape[1] * block_size, d, k_cache.element_size())
-        if sectioned(causal, tq, hq, _num_sms(query.device.index)) else 1)
+        skip_q_len=skip_q_len, section_heads=section)
     _launch("paged_prefill", variant, _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 
@@ -566,7 +576,7 @@ class CutlassBackend:
         if op != "paged_prefill":
             return []
         query, seq_lens = args[0], args[5]
-        why = _small_boxes(*args[1:3])
+        why = _small_boxes(*args[:3])
         if query.shape[0] < PAGED_MIN_QUERIES * seq_lens.shape[0]:
             why.append(f"fewer than {PAGED_MIN_QUERIES} queries per sequence on average: the Triton kernel's "
                        "packed heads waste less (measured)")
@@ -576,11 +586,14 @@ class CutlassBackend:
         self._OPS[op][1](*args, **kwargs)
 
 
-def _small_boxes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
-    rows = paged_kernel(k_cache, v_cache)[1]
-    if rows * k_cache.shape[-1] * k_cache.element_size() < PAGED_AUTO_MIN_BOX_BYTES:
-        return [f"TMA boxes of {rows} tokens (block_size {k_cache.shape[1]}) x {k_cache.shape[-1]} dims, under "
-                f"{PAGED_AUTO_MIN_BOX_BYTES} bytes, make the CUTLASS kernel slower than the Triton one (measured)"]
+def _small_boxes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
+    """Why the automatic choice leaves these caches to Triton: a CTA's TMA boxes too small (a box of
+    a cluster kernel serves two CTAs, which counts as twice its bytes)."""
+    variant, rows = paged_kernel(k_cache, v_cache, query.shape[1] // k_cache.shape[2])
+    box_bytes = rows * k_cache.shape[-1] * k_cache.element_size()
+    if box_bytes * (2 if variant in CLUSTER_VARIANTS else 1) < PAGED_AUTO_MIN_BOX_BYTES:
+        return [f"TMA boxes of {rows} tokens (block_size {k_cache.shape[1]}) x {k_cache.shape[-1]} dims, {box_bytes} "
+                f"bytes for one CTA, make the CUTLASS kernel slower than the Triton one (measured)"]
     return []
 
 
@@ -604,7 +617,7 @@ class MixedBatchBackend:
 
     def auto_declines(self, op, args, kwargs):
         query, cu_seqlens_q = args[0], args[4]
-        why = _small_boxes(*args[1:3])
+        why = _small_boxes(*args[:3])
         if cu_seqlens_q.shape[0] <= 2:
             why.append("one sequence: one kernel serves it")
         if query.shape[0] <= PAGED_MIN_QUERIES:

@@ -52,8 +52,8 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
 
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
-    """The plain and paged kernels (paged16: D = 128) always; the persistent ones of PERSISTENT_SHORT,
-    or all of them when the persistent grid is forced on."""
+    """The plain and paged kernels (paged16: D = 128), alone and in clusters, always; the persistent
+    ones of PERSISTENT_SHORT, or all of them when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -67,15 +67,15 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
     library = cutlass.build(tmp_path / "out" / "lib.so", nvcc="/opt/nvcc", jobs=1)
     *compiles, link = commands
     defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT",
-                                                   "-DATTN_PAGED")))
+                                                   "-DATTN_PAGED", "-DATTN_CLUSTER")))
                for c in compiles}
     short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
     paged16 = {key: e for key, e in cutlass.PAGED_KERNELS.items() if key[1] == 128}
-    grids = {(0, 0): cutlass.KERNELS, (0, 1): cutlass.PAGED_KERNELS, (0, 2): paged16,
-             (1, 0): cutlass.KERNELS if persistent else short}
-    expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}")
-                for (p, g), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (22 if persistent else 19)
+    grids = {(0, 0, 1): cutlass.KERNELS, (0, 1, 1): cutlass.PAGED_KERNELS, (0, 2, 1): paged16,
+             (0, 1, 2): cutlass.PAGED_KERNELS, (0, 2, 2): paged16, (1, 0, 1): cutlass.KERNELS if persistent else short}
+    expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}",
+                 f"-DATTN_CLUSTER={c}") for (p, g, c), kernels in grids.items() for (_, d), e in kernels.items()}
+    assert defines == expected and len(compiles) == len(expected) == (28 if persistent else 25)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -113,9 +113,9 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
     assert "attn_fmha_sm90_##a##_d##b##c" in source
-    assert {"#define ATTN_VARIANT _persistent", "#define ATTN_VARIANT _paged",
-            "#define ATTN_VARIANT _paged16"} <= set(source.splitlines())
-    assert cutlass.VARIANTS == {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16"}
+    defined = {line.split()[-1] for line in source.splitlines() if line.startswith("#define ATTN_VARIANT ")}
+    assert defined == {suffix for suffix in cutlass.VARIANTS.values() if suffix}
+    assert cutlass.VARIANTS["plain"] == ""
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
     tile_shapes = source[source.index("using TileShape = "):source.index("#endif", source.index("using TileShape = "))]
@@ -279,30 +279,33 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
     tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
 
-    def section(**options):
+    def section(q=q, **options):
         cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q),
                           lse=torch.empty(q.shape[:2]), **options)
-        assert seen["variant"] == "paged16"
-        return seen["args"]["section_heads"]
+        return seen["variant"], seen["args"]["section_heads"]
 
-    assert section() == cutlass.section_heads(32, 8, 2048 * 16, 128, 2) == 8   # two KV heads
-    assert section(causal=False) == 1
+    assert section() == ("paged16x2", cutlass.section_heads(32, 8, 2048 * 16, 128, 2)) == ("paged16x2", 8)   # 2 KV heads
+    # one head per section, but a cluster's two CTAs run two heads of one section
+    assert section(causal=False) == ("paged16x2", 2)
+    assert section(q[:, :24], causal=False) == ("paged16", 1)   # 3 query heads per KV head: no clusters
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
-    assert section() == 1
+    assert section() == ("paged16x2", 2)
 
 
 @pytest.mark.parametrize("block_size,d,variant,box_rows", [
     (16, 128, "paged16", 16), (48, 128, "paged16", 16), (8, 128, "paged", 8), (32, 128, "paged", 32),
     (256, 128, "paged", 128), (64, 64, "paged", 64), (8, 64, "paged", 8)])
 @pytest.mark.parametrize("layout", ["own", "halves", "padded"])
-def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_size, d, variant, box_rows, layout):
+@pytest.mark.parametrize("hq", [2, 4, 6])
+def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_size, d, variant, box_rows, layout, hq):
     """Boxes of up to the key tile's tokens x the whole head dim; at D = 128 the paged16 kernels take
     16-token boxes, and the larger boxes of caches that TMA cannot see as one line of tokens (here
-    blocks padded by a token; K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor are one)."""
+    blocks padded by a token; K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor are one).
+    An even number of query heads per KV head takes the family's cluster kernels."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
-    q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size)
+    q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size, hq=hq, hkv=2)
     if layout == "halves":
         k_cache, v_cache = torch.stack((k_cache, v_cache), dim=1).unbind(1)
     elif layout == "padded":
@@ -311,6 +314,8 @@ def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_s
     cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
     if layout == "padded" and d == 128 and box_rows > 16:
         variant, box_rows = "paged16", 16
+    if hq == 4:
+        variant += "x2"
     assert (seen["variant"], seen["args"]["box_rows"]) == (variant, box_rows)
 
 
@@ -444,8 +449,10 @@ def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks(
     (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=64), {})
     assert "queries per sequence" in why
     assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8), {}) == []
-    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64), {})
-    assert "TMA boxes of 8 tokens (block_size 8) x 64 dims, under 2048 bytes" in why
+    # 1 KB boxes: to Triton, but not where a cluster kernel shares each box between two CTAs
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64, hq=2), {})
+    assert "TMA boxes of 8 tokens (block_size 8) x 64 dims, 1024 bytes for one CTA" in why
+    assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64, hq=4), {}) == []
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
@@ -458,8 +465,8 @@ def test_mixed_backend_is_first_and_serves_batches_that_may_hold_a_long_sequence
     assert "one sequence" in why
     (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=64, seqs=8), {})
     assert "no sequence can have more than 64 queries" in why
-    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64), {})
-    assert "under 2048 bytes" in why
+    (why,) = backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2, block_size=8, d=64, hq=2), {})
+    assert "1024 bytes for one CTA" in why
     assert "serves attn::paged_prefill only" in backend.reasons("context_attention", _problem(), {})[0]
     assert any("CUDA" in why for why in backend.reasons("paged_prefill", _paged_problem_cpu(), {}))
 
@@ -809,21 +816,24 @@ def test_mixed_backend_misaligned_out():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,block_size,layout,kernel", [
     (128, 32, "halves", ("paged", 32)), (64, 16, "halves", ("paged", 16)), (128, 32, "padded", ("paged16", 16)),
-    (128, 8, "padded", ("paged", 8)), (64, 16, "padded", ("paged", 16))])
+    (128, 8, "padded", ("paged", 8)), (64, 16, "padded", ("paged", 16)), (64, 16, "k_padded", ("paged", 16))])
 def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout, kernel):
     """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor, or
-    in blocks padded by a token (which TMA cannot see as one line of tokens)."""
+    in blocks padded by a token (at D = 128 TMA cannot see them as one line of 8-token groups), or K
+    alone padded (no line: K's and V's blocks lie differently)."""
     problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=8, block_size=block_size)
     if layout == "halves":
         kv = torch.stack(problem[1:3], dim=1)
         problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
     else:
-        padded = [torch.full((c.shape[0], block_size + 1, *c.shape[2:]), float("nan"), dtype=BF16, device="cuda")
-                  for c in problem[1:3]]
-        for p, c in zip(padded, problem[1:3]):
-            p[:, :block_size] = c
-        problem = (problem[0], padded[0][:, :block_size], padded[1][:, :block_size], *problem[3:])
-    assert cutlass.paged_kernel(*problem[1:3]) == kernel
+        def pad(cache):
+            padded = torch.full((cache.shape[0], block_size + 1, *cache.shape[2:]), float("nan"), dtype=BF16,
+                                device="cuda")
+            padded[:, :block_size] = cache
+            return padded[:, :block_size]
+        k, v = problem[1:3]
+        problem = (problem[0], pad(k), pad(v) if layout == "padded" else v, *problem[3:])
+    assert cutlass.paged_kernel(*problem[1:3], 1) == kernel
     out_scale = torch.tensor(0.02, device="cuda")
     out = torch.empty(problem[0].shape, dtype=E4M3, device="cuda")
     lse = torch.empty(problem[0].shape[:2], device="cuda")
