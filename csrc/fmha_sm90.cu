@@ -1203,15 +1203,15 @@ auto value_stride(AttnFmhaArgs const& a) {
   }
 }
 
-// A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as a 5-D TMA tensor whose
-// boxes land whole swizzle atoms of the stages (Layouts::SmemLayoutBoxes, 128-byte swizzle);
-// coordinates past it read zeros. With line_stride (PagedLayouts at D = 128, blocks starting
-// line_stride tokens apart, a multiple of 8: block_size for a cache of its own, 2 x block_size for
-// the K and V halves of one [num_blocks, 2, block_size, Hkv, D] tensor) as one line of tokens:
-// (64 dims, 8 tokens, D / 64, tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1).
-// Otherwise (line_stride 0): (64, block_size, D / 64, Hkv, num_blocks) in boxes of (64, box_rows,
-// D / 64, 1, 1): PagedLayouts at D = 64 (boxes of two dims, as fast as the line's) or where the
-// blocks lie otherwise (8-token boxes at D = 128); BlockBoxes (16-token boxes) always.
+// A paged cache [num_blocks, block_size, Hkv, D] (strides in elements) as a TMA tensor whose boxes
+// land whole swizzle atoms of the stages (Layouts::SmemLayoutBoxes, 128-byte swizzle); coordinates
+// past it read zeros. With line_stride (blocks starting line_stride tokens apart: block_size for a
+// cache of its own, 2 x block_size for the K and V halves of one [num_blocks, 2, block_size, Hkv, D]
+// tensor; a multiple of 8 at D = 128) as one line of tokens: at D = 128 (64 dims, 8 tokens, D / 64,
+// tokens / 8, Hkv) in boxes of (64, 8, D / 64, box_rows / 8, 1), at D = 64 (64, tokens, Hkv) in
+// boxes of (64, box_rows, 1). Otherwise (line_stride 0) (64, block_size, D / 64, Hkv, num_blocks)
+// in boxes of (64, box_rows, D / 64, 1, 1), without the D / 64 dim at D = 64: where the blocks lie
+// otherwise (8-token boxes at D = 128); BlockBoxes (16-token boxes) always.
 bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_stride, int64_t head_stride,
                   int64_t block_stride, int64_t line_stride, AttnFmhaArgs const& a) {
   constexpr int64_t kBytes = sizeof(Element);
@@ -1224,7 +1224,7 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
   std::array<cuuint64_t, 4> strides;
   std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
   int rank = 5;
-  if (kHalves == 1) {  // ranks 3 and 4: a 5-D box here was 0.94-0.95x as fast (PAGED_D64_RANK_LOG)
+  if (kHalves == 1) {  // ranks 3 and 4: 1.01-1.02x rank 5 (results/trial_cutlass_paged_d64_ranks_H200_20261123h.log)
     rank = line_stride ? 3 : 4;
     dims = {kBoxDims, line_stride ? tokens : rows, heads, blocks};
     strides = {row, head, block};
