@@ -89,6 +89,9 @@ PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_BYTES = 2048
 PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
+# the cluster kernels against the others, H200 (results/trial_cutlass_paged_clusters_H200_20261123h.log): boxes of
+# 8 tokens 1.12-1.26x, 16 1.08-1.14x, 32 1.03x; 64 and 128 0.96-1.01x (0.96-0.98x on the shortest case)
+PAGED_CLUSTER_MAX_BOX_ROWS = 32
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -487,8 +490,9 @@ def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tu
     tokens (its blocks start a multiple of 8 tokens apart, the same in K and V: block_size for caches
     of their own, 2 x block_size for the K and V halves of one [num_blocks, 2, block_size, Hkv, D]
     tensor), else boxes of 16 to paged16 (csrc/fmha_sm90.cu, encode_pages;
-    results/trial_cutlass_paged_layouts_H200_20261123g.log). With an even group, the family's cluster
-    kernels (`CLUSTER_VARIANTS`: two CTAs, two query heads of one KV head, share every box)."""
+    results/trial_cutlass_paged_layouts_H200_20261123g.log). With an even group and boxes of at most
+    `PAGED_CLUSTER_MAX_BOX_ROWS` tokens, the family's cluster kernels (`CLUSTER_VARIANTS`: two CTAs, two
+    query heads of one KV head, share every box)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]
     rows = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
     variant = "paged"
@@ -497,7 +501,7 @@ def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tu
         line = k_block // k_row if k_row > 0 and k_block % k_row == 0 else 0
         if rows == 16 or line % 8 or line < block_size or v_block != line * v_row:
             variant, rows = "paged16", 16
-    return variant + "x2" if group % 2 == 0 else variant, rows
+    return variant + "x2" if group % 2 == 0 and rows <= PAGED_CLUSTER_MAX_BOX_ROWS else variant, rows
 
 
 def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
