@@ -394,7 +394,7 @@ class Runner:
         self.args = args
         self.t_end = time.time() + args.budget_s
         self.rows: list[dict] = []
-        self.flex_left = 2 if args.quick else 8
+        self.flex_left = 2 if args.quick else 16
 
     def time_left(self) -> float:
         return self.t_end - time.time()
