@@ -18,11 +18,12 @@
 //   * (-DATTN_PAGED=1, bf16/fp16) K/V read from a paged cache [num_blocks, block_size, Hkv, D]
 //     in TMA boxes of `box_rows` tokens x the whole head dim, addressed by (block, row in block)
 //     from the block table (see PagedLayouts, load_paged_tile and encode_pages); (-DATTN_PAGED=2,
-//     D = 128) boxes of 16 tokens in another stage layout (see BlockBoxes).
+//     D = 128) boxes of 16 tokens in another stage layout (see BlockBoxes); with -DATTN_CLUSTER=2
+//     in clusters of two CTAs (two query heads of one KV head) that share each box by multicast.
 //
-// One translation unit per (element, head dim, persistent or not, paged or not), chosen by
-// -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1> and
-// -DATTN_PAGED=<0|1|2>; torch_ops/cutlass.py builds and links them.
+// One translation unit per (element, head dim, persistent or not, paged or not, cluster size),
+// chosen by -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1>,
+// -DATTN_PAGED=<0|1|2> and -DATTN_CLUSTER=<1|2>; torch_ops/cutlass.py builds and links them.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -645,7 +646,8 @@ struct VarlenMainloop : Base {
     if (lane_predicate) pipeline.producer_acquire(state);
     __syncwarp();
     int lane = cutlass::canonical_lane_idx();
-    if (lane < get<1>(TileShape{}) >> p.box_rows_log2 && (kCluster == 1 || lane % kCluster == int(cute::block_rank_in_cluster()))) {
+    bool mine = kCluster == 1 || lane % kCluster == int(cute::block_rank_in_cluster());
+    if (lane < get<1>(TileShape{}) >> p.box_rows_log2 && mine) {
       auto* barrier = pipeline.producer_get_barrier(state);
       void* stage = &stages(lane << p.box_rows_log2, 0, state.index());
       if constexpr (kHeadDim == 64) {  // (64, tokens, Hkv) or (64, block_size, Hkv, blocks)
@@ -1100,6 +1102,7 @@ CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int s
 // host picks one head per section (head by head: the running CTAs share a head's K/V in L2) or,
 // for causal grids of few waves, as many heads as fit their K/V in L2, so that the heaviest tiles
 // of all those heads start first (torch_ops/cutlass.py `sectioned`). A CTA with a spare tile exits.
+// In clusters of 2 (even sections), items 2i and 2i + 1 are heads h, h + 1 of one tile and KV head.
 struct Scheduler {
   struct Params {
     dim3 grid;

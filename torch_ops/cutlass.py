@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
-# kernel family -> entry suffix; "paged16": the paged kernels for 16-token boxes at D = 128 (see `paged_kernel`)
+# kernel family -> entry suffix; "paged16": the paged kernels for 16-token boxes at D = 128, "x2": in clusters
+# of two CTAs (see `paged_kernel`)
 VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16", "pagedx2": "_pagedx2",
             "paged16x2": "_paged16x2"}
 PAGED_DEFINES = {"paged": 1, "paged16": 2, "pagedx2": 1, "paged16x2": 2}   # variant -> -DATTN_PAGED
