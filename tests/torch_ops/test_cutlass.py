@@ -817,11 +817,13 @@ def test_mixed_backend_misaligned_out():
 @pytest.mark.parametrize("d,block_size,layout,kernel", [
     (128, 32, "halves", ("paged", 32)), (64, 16, "halves", ("paged", 16)), (128, 32, "padded", ("paged16", 16)),
     (128, 8, "padded", ("paged", 8)), (64, 16, "padded", ("paged", 16)), (64, 16, "k_padded", ("paged", 16))])
-def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout, kernel):
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout, kernel, hkv):
     """FP8 output through out_scale; K and V as the halves of one [blocks, 2, block, Hkv, D] tensor, or
     in blocks padded by a token (at D = 128 TMA cannot see them as one line of 8-token groups), or K
-    alone padded (no line: K's and V's blocks lie differently)."""
-    problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=8, block_size=block_size)
+    alone padded (no line: K's and V's blocks lie differently); MHA and 4 query heads per KV head (the
+    cluster kernels)."""
+    problem = paged_problem([200, 77], [500, 77], dtype=BF16, d=d, hq=8, hkv=hkv, block_size=block_size)
     if layout == "halves":
         kv = torch.stack(problem[1:3], dim=1)
         problem = (problem[0], kv[:, 0], kv[:, 1], *problem[3:])
@@ -833,7 +835,7 @@ def test_paged_prefill_fp8_output_and_strided_cache(d, block_size, layout, kerne
             return padded[:, :block_size]
         k, v = problem[1:3]
         problem = (problem[0], pad(k), pad(v) if layout == "padded" else v, *problem[3:])
-    assert cutlass.paged_kernel(*problem[1:3], 1) == kernel
+    assert cutlass.paged_kernel(*problem[1:3], 8 // hkv) == (kernel[0] + ("x2" if hkv == 2 else ""), kernel[1])
     out_scale = torch.tensor(0.02, device="cuda")
     out = torch.empty(problem[0].shape, dtype=E4M3, device="cuda")
     lse = torch.empty(problem[0].shape[:2], device="cuda")
