@@ -16,7 +16,9 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   second grid of one program per (sequence, KV head) serves exactly those with 16-row tiles.
   Which launch takes a sequence is decided on the device; both grids come from shapes. With
   `max_queries`, both launches also leave sequences of more queries to the caller (the `mixed`
-  backend runs those through the CUTLASS paged kernel).
+  backend runs those through the CUTLASS paged kernel), and the work list gives each sequence
+  `cdiv(max_queries, TOK)` slots of its own instead (`SEQ_SLOTS`; no search): a batch of long
+  chunks, which it leaves alone, then launches a few programs rather than `T // TOK + B`.
 - **GQA: the group's query heads are packed into M.** Row `m` of a BLOCK_M tile is token
   `m // HPT`, head `m % HPT` of the KV head's group (HPT = min(group, BLOCK_M) heads per tile,
   TOK = BLOCK_M // HPT tokens). Each K/V tile is read once per group instead of once per query
@@ -262,7 +264,7 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
-    SHORT: tl.constexpr, INTERPRET: tl.constexpr,
+    SHORT: tl.constexpr, SEQ_SLOTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // HPT
     HEAD_PROGS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
@@ -272,6 +274,9 @@ def _prefill_kernel(
     if SHORT:   # one program per (sequence, head): only sequences of at most TOK tokens
         b = pid // HEAD_PROGS
         slot = b   # unused
+    elif SEQ_SLOTS > 0:   # SEQ_SLOTS programs per (sequence, head), tiles in order
+        b = pid // HEAD_PROGS // SEQ_SLOTS
+        slot = pid // HEAD_PROGS % SEQ_SLOTS
     else:
         slot = tl.num_programs(0) // HEAD_PROGS - 1 - pid // HEAD_PROGS   # heaviest tiles first
         b = _find_sequence(CuQ, num_seqs, slot, TOK)
@@ -282,7 +287,7 @@ def _prefill_kernel(
         if q_len > TOK or q_len > max_queries:
             return
     else:
-        tok0 = (slot - (q_start // TOK + b)) * TOK
+        tok0 = slot * TOK if SEQ_SLOTS > 0 else (slot - (q_start // TOK + b)) * TOK
         if q_len <= short_tokens or q_len > max_queries:   # served by the short launch / another kernel
             return
     if tok0 >= q_len:
@@ -504,8 +509,8 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     if round_p_bf16:
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
-    max_queries = 2**31 - 1 if max_queries is None else max_queries   # a constant: one kernel specialization
-    cfg = config(d, op_dtype, causal, paged, min(-(-t // num_seqs), max_queries) * group, group_scaled=kv_fmt >= 3)
+    rows_per_seq = min(-(-t // num_seqs), max_queries if max_queries is not None else t) * group
+    cfg = config(d, op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt >= 3)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
         short_cfg = {**cfg, "BLOCK_M": SHORT_BLOCK_M, "num_warps": 4}
@@ -547,7 +552,7 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         out_scale if out_scale is not None else dummy,
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
-        SHORT_BLOCK_M // group if short_cfg else 0, max_queries,
+        SHORT_BLOCK_M // group if short_cfg else 0, 2**31 - 1 if max_queries is None else max_queries,
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
@@ -562,19 +567,28 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
         ROUND_P_BF16=round_p_bf16, INTERPRET=interpret,
     )
-    _launch(args, constants, cfg, t, num_seqs, hkv, short=False, device=query.device)
+    _launch(args, constants, cfg, t, num_seqs, hkv, short=False, device=query.device, max_queries=max_queries)
     if short_cfg:
         _launch(args, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device)
 
 
-def _launch(args, constants, cfg, t, num_seqs, hkv, *, short, device) -> None:
+def work_slots(t: int, num_seqs: int, tok: int, max_queries: int | None) -> tuple[int, int]:
+    """(slots, slots per sequence) of the work list for `t` query tokens in `num_seqs` sequences and
+    tiles of `tok` tokens: the shared list (`T // TOK + B` slots, 0 per sequence), or, with
+    `max_queries`, `cdiv(max_queries, TOK)` slots for each sequence where that makes fewer."""
+    shared = t // tok + num_seqs
+    per_seq = -(-max_queries // tok) if max_queries is not None else 0
+    return (num_seqs * per_seq, per_seq) if 0 < per_seq and num_seqs * per_seq < shared else (shared, 0)
+
+
+def _launch(args, constants, cfg, t, num_seqs, hkv, *, short, device, max_queries=None) -> None:
     """One launch of the kernel with tile config `cfg`: over the work list (`short=False`), or one
     program per sequence and head for the sequences that fit one tile (`short=True`)."""
     block_m = cfg["BLOCK_M"]
     hpt = min(constants["GROUP"], block_m)
     head_chunks = -(-constants["GROUP"] // hpt)
-    slots = num_seqs if short else t // (block_m // hpt) + num_seqs
-    constants = dict(constants, HPT=hpt, HEAD_CHUNKS=head_chunks, BLOCK_M=block_m, SHORT=short)
+    slots, seq_slots = (num_seqs, 0) if short else work_slots(t, num_seqs, block_m // hpt, max_queries)
+    constants = dict(constants, HPT=hpt, HEAD_CHUNKS=head_chunks, BLOCK_M=block_m, SHORT=short, SEQ_SLOTS=seq_slots)
     requested = cfg
     if _FITTED:
         cfg = _FITTED.get(_launch_key(constants, requested, device), cfg)

@@ -164,16 +164,26 @@ def test_paged_mixed_batch_two_launches(kernel_device, monkeypatch):
     assert launches == [False, True]
 
 
-def test_paged_max_queries_leaves_longer_sequences_untouched(kernel_device, monkeypatch):
+def test_work_list_slots():
+    assert pa.work_slots(52, 7, 16, None) == (10, 0)   # T // TOK + B, shared
+    assert pa.work_slots(52, 7, 16, 9) == (7, 1)       # one slot per sequence: fewer
+    assert pa.work_slots(52, 7, 16, 20) == (10, 0)     # two per sequence would be more
+    assert pa.work_slots(2048, 4, 32, 64) == (8, 2)    # 4 chunks of 512: 8 slots, not 68
+
+
+@pytest.mark.parametrize("max_queries,slots", [(20, (18, 2)), (40, (19, 0))], ids=["slots-per-sequence", "shared-list"])
+def test_paged_max_queries_leaves_longer_sequences_untouched(kernel_device, monkeypatch, max_queries, slots):
     # what the `mixed` backend asks of the Triton kernel: both launches skip sequences of more than
-    # max_queries queries (there the CUTLASS kernel writes), and serve the rest
+    # max_queries queries (there the CUTLASS kernel writes), and serve the rest; the work list in
+    # 16-token slots of each sequence's own (two each) or shared
     monkeypatch.setattr(pa, "CONFIG_OVERRIDE", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
-    q_lens, seq_lens = [1, 20, 8, 0, 9, 3, 11], [40, 20, 31, 5, 9, 3, 30]
+    q_lens, seq_lens = [1, 20, 8, 0, 9, 3, 11, 60, 60], [40, 20, 31, 5, 9, 3, 30, 70, 64]
+    assert pa.work_slots(sum(q_lens), len(q_lens), 16, max_queries) == slots
     problem = make_paged(kernel_device, q_lens=q_lens, seq_lens=seq_lens, hq=4, hkv=2, d=32, bs=8)
     q, cache, bt, cu, sl = problem
     out, lse = _out_buffers(q, q.dtype)
-    paged_prefill.run(q, cache.k, cache.v, bt, cu, sl, out=out, lse=lse, max_queries=9)
-    rows = torch.repeat_interleave(torch.tensor(q_lens) <= 9, torch.tensor(q_lens)).to(kernel_device)
+    paged_prefill.run(q, cache.k, cache.v, bt, cu, sl, out=out, lse=lse, max_queries=max_queries)
+    rows = torch.repeat_interleave(torch.tensor(q_lens) <= max_queries, torch.tensor(q_lens)).to(kernel_device)
     assert out[~rows].isnan().all() and lse[~rows].isnan().all(), "a longer sequence's rows were written"
     truth_o, truth_l = reference.paged_prefill(q, cache.k, cache.v, bt, cu, sl, compute_dtype=torch.float64)
     base_o, base_l = reference.paged_prefill(q, cache.k, cache.v, bt, cu, sl, compute_dtype=q.dtype)
