@@ -17,8 +17,9 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   Which launch takes a sequence is decided on the device; both grids come from shapes. With
   `max_queries`, both launches also leave sequences of more queries to the caller (the `mixed`
   backend runs those through the CUTLASS paged kernel), and the work list gives each sequence
-  `cdiv(max_queries, TOK)` slots of its own instead (`SEQ_SLOTS`; no search): a batch of long
-  chunks, which it leaves alone, then launches a few programs rather than `T // TOK + B`.
+  `cdiv(max_queries, TOK)` slots of its own where that makes fewer programs (`SEQ_SLOTS`; no
+  search): a batch of long chunks, which it leaves alone, then launches a few programs rather than
+  `T // TOK + B`.
 - **GQA: the group's query heads are packed into M.** Row `m` of a BLOCK_M tile is token
   `m // HPT`, head `m % HPT` of the KV head's group (HPT = min(group, BLOCK_M) heads per tile,
   TOK = BLOCK_M // HPT tokens). Each K/V tile is read once per group instead of once per query
@@ -552,7 +553,8 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         out_scale if out_scale is not None else dummy,
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
-        SHORT_BLOCK_M // group if short_cfg else 0, 2**31 - 1 if max_queries is None else max_queries,
+        SHORT_BLOCK_M // group if short_cfg else 0,
+        2**31 - 1 if max_queries is None else max_queries,   # None: a constant, one kernel specialization
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
