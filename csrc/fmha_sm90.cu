@@ -19,7 +19,9 @@
 //     in TMA boxes of `box_rows` tokens x the whole head dim, addressed by (block, row in block)
 //     from the block table (see PagedLayouts, load_paged_tile and encode_pages); (-DATTN_PAGED=2,
 //     D = 128) boxes of 16 tokens in another stage layout (see BlockBoxes); with -DATTN_CLUSTER=2
-//     in clusters of two CTAs (two query heads of one KV head) that share each box by multicast.
+//     in clusters of two CTAs (two query heads of one KV head) that share each box by multicast;
+//     the paged kernels in the persistent grid too (there the load warp looks ahead in the work
+//     order, so that a CTA of a cluster stays until its peer is done with its stages).
 //
 // One translation unit per (element, head dim, persistent or not, paged or not, cluster size),
 // chosen by -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1>,
@@ -78,8 +80,7 @@ constexpr bool kBlockBoxes = ATTN_PAGED == 2;  // see BlockBoxes
 constexpr int kCluster = ATTN_CLUSTER;
 static_assert(kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 64 && !kFp8),
               "head dims 128 and 256 are instantiated, and 64 for bf16/fp16");
-static_assert(!kPaged || (!kFp8 && !kPersistent && kHeadDim <= 128),
-              "paged kernels: bf16/fp16, head dims 64 and 128, one CTA per work tile");
+static_assert(!kPaged || (!kFp8 && kHeadDim <= 128), "paged kernels: bf16/fp16, head dims 64 and 128");
 static_assert(!kBlockBoxes || kHeadDim == 128, "BlockBoxes: D = 128");
 static_assert(kCluster == 1 || (kPaged && kCluster == 2), "clusters: paged kernels, of 2 CTAs");
 
@@ -276,6 +277,68 @@ struct ExampleLayouts {
 };
 using Layouts = std::conditional_t<kBlockBoxes, BlockBoxes, std::conditional_t<kPaged, PagedLayouts, ExampleLayouts>>;
 
+// Work tiles: sequence b owns the "virtual" q tiles [first(b), first(b + 1)) of each head, with
+// first(b) = floor(cu_q[b] / M) + min(b, floor(cu_q[b] / (skip + 1))): at least ceil(Lq / M) of
+// them when Lq > skip (both terms grow, the second by at least one), at most one spare (found past
+// Lq and skipped). Sequences of at most `skip` queries (left to another launch) may get tiles too,
+// which find nothing to do. There are first(B) = floor(total_q / M) + min(B, floor(total_q /
+// (skip + 1))) virtual tiles per head, known on the host without reading the lengths; a tile's
+// sequence is found by a search on cu_seqlens_q (find_tile).
+constexpr int kBlockM = get<0>(TileShape{});
+
+struct VirtualTile {
+  int m_block, b;
+  bool valid;
+};
+
+CUTLASS_HOST_DEVICE int first_tile(int cu_q_b, int b, int skip) { return cu_q_b / kBlockM + min(b, cu_q_b / (skip + 1)); }
+
+// The search is 32-ary, by a whole warp (every caller runs with all 32 lanes): each round, lane i
+// tests the i-th of 32 evenly spaced candidates in [lo, hi], so that up to 1024 sequences take two
+// dependent reads of cu_q instead of ten. A CTA whose tile holds nothing pays for this search and
+// nothing else (mixed batches launch many: H100, 1.5-4k of them cost 20-80 us with a binary search).
+CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int skip) {
+  int lo = 0, hi = num_seqs - 1;   // the answer: the last b in [lo, hi] with first_tile(b) <= t
+  int lane = threadIdx.x % 32;
+  while (lo < hi) {
+    int step = (hi - lo) / 32 + 1;
+    int b = lo + lane * step;
+    bool le = b <= hi && first_tile(cu_q[b], b, skip) <= t;
+    lo += (__popc(__ballot_sync(0xffffffffu, le)) - 1) * step;   // lanes 0 .. k pass: the answer is in their step
+    hi = min(hi, lo + step - 1);
+  }
+  int m_block = t - first_tile(cu_q[lo], lo, skip);
+  int lq = cu_q[lo + 1] - cu_q[lo];
+  return {m_block, lo, lq > skip && m_block * kBlockM < lq};
+}
+
+// The work items of a launch: tiles x Hq, item i of (head section, virtual tile, head within the
+// section) = (i / section_heads / num_tiles, i / section_heads % num_tiles, i % section_heads):
+// the `section_heads` heads of a section run each q tile together, and causal tiles go from the
+// highest (most keys) down. The plain grid runs item i in CTA i, the persistent one items c,
+// c + num_ctas, ... in CTA c.
+struct WorkOrder {
+  const int* cu_q;
+  int num_seqs, skip_q_len, num_tiles, num_items, section_heads, num_ctas;
+  bool longest_first;
+
+  CUTLASS_DEVICE VirtualTile at(int item, int& h) const {
+    int rest = item / section_heads, x = rest % num_tiles;
+    h = rest / num_tiles * section_heads + item % section_heads;
+    return find_tile(longest_first ? num_tiles - 1 - x : x, cu_q, num_seqs, skip_q_len);
+  }
+
+  // From `item` on (in steps of the grid), the first item whose tile holds query rows: skips
+  // spare tiles; num_items or more when none is left.
+  CUTLASS_DEVICE int seek(int item, VirtualTile& tile, int& h) const {
+    for (; item < num_items; item += int(gridDim.x)) {
+      tile = at(item, h);
+      if (tile.valid) break;
+    }
+    return item;
+  }
+};
+
 // A sequence's packed rows: queries from q0, key tiles from k0 (its first key minus `off`).
 struct Sequence {
   int q0, k0, lq, lk, off;
@@ -304,10 +367,11 @@ struct VarlenMainloop : Base {
     const int* seq_lens;
     int64_t block_table_stride;
     int max_blocks, block_size, num_blocks, box_rows_log2, line_stride;
-    // kTransposeV: V token-major, read as K is (the example's tma_load_v is then unused), and the
-    // byte offset of the K/V pipeline's barriers from the mainloop's shared storage
+    // kTransposeV: V token-major, read as K is (the example's tma_load_v is then unused);
+    // persistent: the byte offsets of the K/V and Q pipelines' barriers from the mainloop's storage
     typename Base::TMA_K tma_load_v_tokens;
-    int inner_pipeline_offset;
+    int inner_pipeline_offset, outer_pipeline_offset;
+    WorkOrder order;  // the scheduler's: the persistent cluster kernels' load warp looks ahead in it
   };
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -416,7 +480,8 @@ struct VarlenMainloop : Base {
     Sequence seq = sequence(blk, params);
     int trips = VarlenMask{}.get_trip_count(blk, TileShape{}, seq_shape(seq, problem, params));
     if constexpr (kPaged) {
-      load_paged(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage, seq, trips);
+      load_paged<kLoadQ>(blk, params, problem, pipeline, smem_pipe_write, pipeline_q, smem_pipe_write_q, storage,
+                         q_issued, first_tile, seq, trips);
     } else if constexpr (kTransposeV) {
       load_transposing(blk, params, problem, pipeline, smem_pipe_write, storage, q_issued, first_tile, seq, trips);
     } else {
@@ -584,16 +649,17 @@ struct VarlenMainloop : Base {
                  "r"(x2), "r"(x3));
   }
 
-  // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above, each K/V
-  // tile gathered from the cache by load_paged_tile.
-  template <class BlkCoord, class ProblemShape>
+  // The paged kernels' load warp: Q block 0, K0, Q block 1, V0, K1, V1, ... as above (persistent:
+  // K0, V0, K1, ...), each K/V tile gathered from the cache by load_paged_tile.
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void load_paged(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
                                  MainloopPipeline& pipeline, PipelineState& smem_pipe_write,
                                  MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_write_q,
-                                 SharedStorage& storage, Sequence const& seq, int trips) {
+                                 SharedStorage& storage, LoadWarpBarrier& q_issued, bool first_tile,
+                                 Sequence const& seq, int trips) {
     int lane_predicate = cute::elect_one_sync();
     auto q = q_blocks(blk, params, problem, pipeline_q, storage, lane_predicate);
-    q.next(smem_pipe_write_q);
+    if constexpr (kLoadQ) q.next(smem_pipe_write_q);
     const int* table = params.block_tables + get<2, 0>(blk) * params.block_table_stride;
     int hk = get<2, 1>(blk) / params.group;
     Tensor stages = make_tensor(make_smem_ptr(storage.smem_k.data()), Layouts::SmemLayoutBoxes{});  // K or V
@@ -603,11 +669,30 @@ struct VarlenMainloop : Base {
       // table reads overlap each other and the wait for a free stage
       PagedBox box = paged_box(params, table, seq.lk, tile, hk);
       load_paged_tile(&params.k_pages, pipeline, smem_pipe_write, params, box, lane_predicate, stages);
-      q.rest(smem_pipe_write_q);
+      if constexpr (kLoadQ) {
+        q.rest(smem_pipe_write_q);
+      } else if (first_tile && tile == 0) {  // as in load_kv_maybe_q
+        q_issued.arrive();
+        q_issued.wait(0);
+      }
       load_paged_tile(&params.v_pages, pipeline, smem_pipe_write, params, box, lane_predicate, stages);
     }
-    // the peer CTA writes this CTA's stages and signals its barriers: stay until it has released them all
-    if constexpr (kCluster > 1) pipeline.producer_tail(smem_pipe_write);
+    // the peer CTA writes this CTA's stages and signals its barriers: stay until it has released
+    // them all (persistent: after the CTA's last tile)
+    if constexpr (kCluster > 1) {
+      if (!kPersistent || !next_item(params.order)) pipeline.producer_tail(smem_pipe_write);
+    }
+  }
+
+  // The load warp's walk over its CTA's items (persistent grid), one call per tile: whether a tile
+  // follows the current one.
+  int item_ = -1;
+  CUTLASS_DEVICE bool next_item(WorkOrder const& order) {
+    VirtualTile tile;
+    int h;
+    if (item_ < 0) item_ = order.seek(int(blockIdx.x), tile, h);  // the first tile
+    item_ = order.seek(item_ + int(gridDim.x), tile, h);
+    return item_ < order.num_items;
   }
 
   // Lane i's box of a key tile: its keys i * box_rows .. + box_rows - 1, consecutive tokens of one
@@ -708,8 +793,14 @@ struct VarlenMainloop : Base {
     p.scale_softmax = scale;
     p.scale_softmax_log2 = scale * 1.4426950408889634f;
     if constexpr (kOverlapSoftmax) {
+      // The example's kernel builds the Q pipeline for a cluster of one CTA: in a real cluster, its
+      // consumer_release would signal the cluster's first CTA. The persistent kernels release each Q
+      // stage on this CTA's own barrier instead (every thread of the warpgroup arrives, as in a
+      // pipeline of one CTA).
+      auto& q_barriers = *reinterpret_cast<typename MainloopPipelineQ::SharedStorage*>(
+          reinterpret_cast<char*>(&storage) + params.outer_pipeline_offset);
       return compute_overlapped(blk, wg, p, seq_problem, 1 << params.box_rows_log2, pipeline, smem_pipe_read,
-                                pipeline_q, smem_pipe_read_q, storage, order);
+                                pipeline_q, smem_pipe_read_q, q_barriers.empty_barrier_, storage, order);
     } else {
       return Base::compute(blk, wg, p, seq_problem, pipeline, smem_pipe_read, pipeline_q, smem_pipe_read_q,
                            reducer, reducer_state, storage, order);
@@ -774,7 +865,8 @@ struct VarlenMainloop : Base {
                                          SeqShape const& seq_problem, int box_rows,
                                          MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
                                          MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
-                                         SharedStorage& storage, OrderBarrier& order) {
+                                         cutlass::arch::ClusterBarrier* q_empty, SharedStorage& storage,
+                                         OrderBarrier& order) {
     using namespace cutlass::fmha::collective;
     float const scale_log2 = p.scale_softmax_log2;
     int thread_idx = int(threadIdx.x);
@@ -909,7 +1001,7 @@ struct VarlenMainloop : Base {
       if constexpr (kTransposeV) ++v_read;
       p_op = to_operand(acc_s);
     }
-    if constexpr (kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
+    if constexpr (kIsPersistent) q_empty[smem_pipe_read_q.index()].arrive();  // free for the next tile (see compute)
 
     issue_pv(true);  // of the last tile
     warpgroup_wait<0>();
@@ -1060,71 +1152,24 @@ struct VarlenEpilogue {
   }
 };
 
-// Work tiles: sequence b owns the "virtual" q tiles [first(b), first(b + 1)) of each head, with
-// first(b) = floor(cu_q[b] / M) + min(b, floor(cu_q[b] / (skip + 1))): at least ceil(Lq / M) of
-// them when Lq > skip (both terms grow, the second by at least one), at most one spare (found past
-// Lq and skipped). Sequences of at most `skip` queries (left to another launch) may get tiles too,
-// which find nothing to do. There are first(B) = floor(total_q / M) + min(B, floor(total_q /
-// (skip + 1))) virtual tiles per head, known on the host without reading the lengths; a tile's
-// sequence is found by a search on cu_seqlens_q (find_tile).
-constexpr int kBlockM = get<0>(TileShape{});
-
-struct VirtualTile {
-  int m_block, b;
-  bool valid;
-};
-
-CUTLASS_HOST_DEVICE int first_tile(int cu_q_b, int b, int skip) { return cu_q_b / kBlockM + min(b, cu_q_b / (skip + 1)); }
-
-// The search is 32-ary, by a whole warp (every caller runs with all 32 lanes): each round, lane i
-// tests the i-th of 32 evenly spaced candidates in [lo, hi], so that up to 1024 sequences take two
-// dependent reads of cu_q instead of ten. A CTA whose tile holds nothing pays for this search and
-// nothing else (mixed batches launch many: H100, 1.5-4k of them cost 20-80 us with a binary search).
-CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int skip) {
-  int lo = 0, hi = num_seqs - 1;   // the answer: the last b in [lo, hi] with first_tile(b) <= t
-  int lane = threadIdx.x % 32;
-  while (lo < hi) {
-    int step = (hi - lo) / 32 + 1;
-    int b = lo + lane * step;
-    bool le = b <= hi && first_tile(cu_q[b], b, skip) <= t;
-    lo += (__popc(__ballot_sync(0xffffffffu, le)) - 1) * step;   // lanes 0 .. k pass: the answer is in their step
-    hi = min(hi, lo + step - 1);
-  }
-  int m_block = t - first_tile(cu_q[lo], lo, skip);
-  int lq = cu_q[lo + 1] - cu_q[lo];
-  return {m_block, lo, lq > skip && m_block * kBlockM < lq};
-}
-
 #if !ATTN_PERSISTENT
-// One CTA per work item: a 1-D grid over the tiles x Hq items, in the persistent kernel's order
-// (section of heads, virtual tile, head within the section): the `section_heads` heads of a
-// section run each q tile together, and causal tiles go from the highest (most keys) down. The
-// host picks one head per section (head by head: the running CTAs share a head's K/V in L2) or,
-// for causal grids of few waves, as many heads as fit their K/V in L2, so that the heaviest tiles
-// of all those heads start first (torch_ops/cutlass.py `sectioned`). A CTA with a spare tile exits.
-// In clusters of 2 (even sections), items 2i and 2i + 1 are heads h, h + 1 of one tile and KV head.
+// One CTA per work item (WorkOrder). The host picks one head per section (head by head: the
+// running CTAs share a head's K/V in L2) or, for causal grids of few waves, as many heads as fit
+// their K/V in L2, so that the heaviest tiles of all those heads start first
+// (torch_ops/cutlass.py `sectioned`). A CTA with a spare tile exits. In clusters of 2 (even
+// sections), items 2i and 2i + 1 are heads h, h + 1 of one tile and KV head.
 struct Scheduler {
-  struct Params {
-    dim3 grid;
-    const int* cu_q;
-    int num_seqs, skip_q_len, num_tiles, section_heads;
-    bool longest_first;
-  };
+  using Params = WorkOrder;
 
   VirtualTile tile;
   int h;
 
   CUTLASS_DEVICE Scheduler(Params const& p) {
-    int item = int(blockIdx.x), rest = item / p.section_heads, x = rest % p.num_tiles;
-    h = rest / p.num_tiles * p.section_heads + item % p.section_heads;
-    tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs, p.skip_q_len);
+    tile = p.at(int(blockIdx.x), h);
     if (!tile.valid) asm volatile("exit;");   // every thread of the CTA, before any barrier is set up
   }
 
-  static Params make_params(AttnFmhaArgs const& a, int tiles) {
-    return {dim3(tiles * a.hq, 1, 1), a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, a.section_heads, a.causal != 0};
-  }
-  static dim3 get_grid_shape(Params const& p) { return p.grid; }
+  static dim3 get_grid_shape(Params const& p) { return dim3(p.num_items, 1, 1); }
   CUTLASS_DEVICE bool is_valid() const { return tile.valid; }
   CUTLASS_DEVICE auto get_block_coord() const { return make_coord(tile.m_block, _0{}, make_coord(tile.b, h)); }
   CUTLASS_DEVICE Scheduler& operator++() {
@@ -1136,45 +1181,26 @@ struct Scheduler {
 using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, Scheduler>;
 #else
 // Persistent: `num_ctas` CTAs (one per SM), CTA c runs work items c, c + num_ctas, c + 2 num_ctas, ...
-// of the tiles x Hq items, ordered by (head section, virtual tile, head within the section): the
-// `section_heads` heads of a section (chosen on the host so that their K/V fit in L2) run each q
-// tile together, and causal tiles go from the highest (most keys) down, so the shortest run last
-// and the tail is short. Every warp of a CTA walks the same sequence of items, so the producer and
-// consumer warps agree on each tile without talking to each other.
+// (WorkOrder), with heads of a section chosen on the host so that their K/V fit in L2; causal
+// tiles, heaviest first, leave the shortest for the tail. Every warp of a CTA walks the same
+// sequence of items, so the producer and consumer warps agree on each tile without talking to
+// each other. In clusters of 2 (even num_ctas and sections) CTAs 2j and 2j + 1 run heads h, h + 1
+// of the same tiles.
 struct Scheduler {
-  struct Params {
-    const int* cu_q;
-    int num_seqs, skip_q_len, num_tiles, num_items, section_heads, num_ctas;
-    bool longest_first;
-  };
+  using Params = WorkOrder;
 
   Params const& p;
-  int item;
   VirtualTile tile;
   int h;
+  int item;
 
-  CUTLASS_DEVICE Scheduler(Params const& params) : p(params), item(blockIdx.x) { seek(); }
+  CUTLASS_DEVICE Scheduler(Params const& params) : p(params), item(p.seek(int(blockIdx.x), tile, h)) {}
 
-  // From `item` on, the first item whose tile holds query rows (skips spare tiles).
-  CUTLASS_DEVICE void seek() {
-    for (; item < p.num_items; item += gridDim.x) {
-      int rest = item / p.section_heads;
-      int x = rest % p.num_tiles;
-      h = rest / p.num_tiles * p.section_heads + item % p.section_heads;
-      tile = find_tile(p.longest_first ? p.num_tiles - 1 - x : x, p.cu_q, p.num_seqs, p.skip_q_len);
-      if (tile.valid) return;
-    }
-  }
-
-  static Params make_params(AttnFmhaArgs const& a, int tiles) {
-    return {a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, tiles * a.hq, a.section_heads, a.num_ctas, a.causal != 0};
-  }
   static dim3 get_grid_shape(Params const& p) { return dim3(p.num_ctas, 1, 1); }
   CUTLASS_DEVICE bool is_valid() const { return item < p.num_items; }
   CUTLASS_DEVICE auto get_block_coord() const { return make_coord(tile.m_block, _0{}, make_coord(tile.b, h)); }
   CUTLASS_DEVICE Scheduler& operator++() {
-    item += gridDim.x;
-    seek();
+    item = p.seek(item + int(gridDim.x), tile, h);
     return *this;
   }
 };
@@ -1287,7 +1313,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, 0};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, 0, 0, {}};
   if constexpr (kPaged) {
     int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
     if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
@@ -1320,8 +1346,11 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     Base::Arguments v_as_k{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.v),
                            StrideQK{int(a.v_row_stride), _1{}, heads(a.v_head_stride)}, static_cast<Element const*>(a.v), dV};
     mainloop.tma_load_v_tokens = Base::to_underlying_arguments(packed, v_as_k, nullptr).tma_load_k;
+  }
+  if constexpr (kPersistent) {  // the pipelines' barriers, from the mainloop's storage
     static_assert(offsetof(Kernel::SharedStorage, tensors) == 0, "the mainloop's storage opens the kernel's");
     mainloop.inner_pipeline_offset = int(offsetof(Kernel::SharedStorage, pipeline_storage_inner));
+    mainloop.outer_pipeline_offset = int(offsetof(Kernel::SharedStorage, pipeline_storage_outer));
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
                                   a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
@@ -1329,20 +1358,11 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   if (kCluster > 1 && (group % kCluster || a.section_heads % kCluster)) {  // a cluster's CTAs: heads 2i, 2i + 1
     return fail("clusters of 2: need an even number of query heads per KV head and even section_heads");
   }
-  if (kPersistent && a.num_ctas < 1) return fail("persistent grid: need num_ctas >= 1");
-  Scheduler::Params sched = Scheduler::make_params(a, first_tile(tq, a.num_seqs, a.skip_q_len));
-  Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
-  dim3 grid = Kernel::get_grid_shape(params);
+  if (kPersistent && a.num_ctas < kCluster) return fail("persistent grid: need num_ctas >= CTAs per cluster");
 
   static_assert(sizeof(Kernel::Params) < 4096, "kernel parameters must fit the launch limit");
   constexpr int smem = Kernel::SharedStorageSize;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return fail(cudaGetErrorString(e));
-    configured = true;
-  }
-  cudaLaunchConfig_t launch{grid, Kernel::get_block_shape(), smem, stream, nullptr, 0};
+  cudaLaunchConfig_t launch{dim3(kCluster, 1, 1), Kernel::get_block_shape(), smem, stream, nullptr, 0};
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim = {kCluster, 1, 1};
@@ -1350,6 +1370,24 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     launch.attrs = &cluster;
     launch.numAttrs = 1;
   }
+  // First call: the shared memory attribute, and how many clusters fit at once (the persistent
+  // cluster kernels' grid: a cluster that did not fit would run its whole share after the others;
+  // 1 elsewhere).
+  static int max_clusters = 0;
+  if (!max_clusters) {
+    cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e == cudaSuccess && kPersistent && kCluster > 1) {
+      e = cudaOccupancyMaxActiveClusters(&max_clusters, cutlass::device_kernel<Kernel>, &launch);
+    }
+    if (e != cudaSuccess) return fail(cudaGetErrorString(e));
+    max_clusters = max(max_clusters, 1);
+  }
+  int tiles = first_tile(tq, a.num_seqs, a.skip_q_len);
+  int num_ctas = kCluster > 1 ? min(a.num_ctas / kCluster, max_clusters) * kCluster : a.num_ctas;
+  WorkOrder sched{a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, tiles * a.hq, a.section_heads, num_ctas, a.causal != 0};
+  mainloop.order = sched;
+  Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
+  launch.gridDim = Kernel::get_grid_shape(params);
   cudaError_t e = cudaLaunchKernelEx(&launch, cutlass::device_kernel<Kernel>, params);
   return e == cudaSuccess ? 0 : fail(cudaGetErrorString(e));
 }
@@ -1357,22 +1395,27 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 }  // namespace
 }  // namespace attn_fmha
 
-#if ATTN_PERSISTENT
-#define ATTN_VARIANT _persistent
-#elif ATTN_PAGED == 2 && ATTN_CLUSTER == 2
-#define ATTN_VARIANT _paged16x2
-#elif ATTN_PAGED == 2
-#define ATTN_VARIANT _paged16
-#elif ATTN_PAGED && ATTN_CLUSTER == 2
-#define ATTN_VARIANT _pagedx2
+// entry attn_fmha_sm90_<element>_d<D>[_paged|_paged16][x2][_persistent]
+#if ATTN_PAGED == 2
+#define ATTN_FAMILY _paged16
 #elif ATTN_PAGED
-#define ATTN_VARIANT _paged
+#define ATTN_FAMILY _paged
 #else
-#define ATTN_VARIANT
+#define ATTN_FAMILY
 #endif
-#define ATTN_CAT2(a, b, c) attn_fmha_sm90_##a##_d##b##c
-#define ATTN_CAT(a, b, c) ATTN_CAT2(a, b, c)
-#define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM, ATTN_VARIANT)
+#if ATTN_CLUSTER == 2
+#define ATTN_CLUSTERED x2
+#else
+#define ATTN_CLUSTERED
+#endif
+#if ATTN_PERSISTENT
+#define ATTN_GRID _persistent
+#else
+#define ATTN_GRID
+#endif
+#define ATTN_CAT2(a, b, c, d, e) attn_fmha_sm90_##a##_d##b##c##d##e
+#define ATTN_CAT(a, b, c, d, e) ATTN_CAT2(a, b, c, d, e)
+#define ATTN_ENTRY ATTN_CAT(ATTN_ELEMENT_NAME, ATTN_HEAD_DIM, ATTN_FAMILY, ATTN_CLUSTERED, ATTN_GRID)
 
 // the library is built with -fvisibility=hidden: only the entry points are exported
 extern "C" __attribute__((visibility("default"))) int ATTN_ENTRY(AttnFmhaArgs const* args, void* stream, char* err, int err_len) {

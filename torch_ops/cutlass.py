@@ -11,10 +11,11 @@ CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
 `PERSISTENT` picks the grid: True runs the persistent kernels (one CTA per SM, each looping over
 work tiles), False the plain ones (one CTA per work tile), None (the default) reads
 `ATTN_CUTLASS_PERSISTENT` (0, 1, or unset / `auto`). Automatic: the persistent grid for short
-sequences where it measured faster (`PERSISTENT_SHORT`), the plain one elsewhere. The default
-build holds the persistent objects of `PERSISTENT_SHORT` only; forcing the persistent grid builds
-all of them (their own JIT cache folder; `ATTN_CUTLASS_PERSISTENT=1` at install for the prebuilt
-library).
+sequences where it measured faster (`PERSISTENT_SHORT`), the plain one elsewhere; paged_prefill
+runs the persistent grid only where forced (it measured slower than the plain one on most batches).
+The default build holds the persistent objects of `PERSISTENT_SHORT` only; forcing the persistent
+grid builds all of them, the paged ones too (their own JIT cache folder; `ATTN_CUTLASS_PERSISTENT=1`
+at install for the prebuilt library).
 
 The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
@@ -47,12 +48,15 @@ log = logging.getLogger(__name__)
 SOURCES = ("fmha_sm90.cu", "fmha_sm90.h")
 PREBUILT = Path(__file__).resolve().parent / "_fmha_sm90.so"
 LIBRARY_NAME = "libattn_fmha_sm90.so"
-# kernel family -> entry suffix; "paged16": the paged kernels for 16-token boxes at D = 128, "x2": in clusters
-# of two CTAs (see `paged_kernel`)
-VARIANTS = {"plain": "", "persistent": "_persistent", "paged": "_paged", "paged16": "_paged16", "pagedx2": "_pagedx2",
-            "paged16x2": "_paged16x2"}
-PAGED_DEFINES = {"paged": 1, "paged16": 2, "pagedx2": 1, "paged16x2": 2}   # variant -> -DATTN_PAGED
+# the paged kernel families; "paged16": for 16-token boxes at D = 128, "x2": in clusters of two CTAs (see
+# `paged_kernel`)
+PAGED_FAMILIES = ("paged", "paged16", "pagedx2", "paged16x2")
+PAGED_DEFINES = {"paged": 1, "paged16": 2, "pagedx2": 1, "paged16x2": 2}   # family -> -DATTN_PAGED
 CLUSTER_VARIANTS = ("pagedx2", "paged16x2")   # -DATTN_CLUSTER=2: two CTAs share each K/V box (multicast)
+# kernel variant -> entry suffix: the plain and persistent grids over contiguous K/V, the paged families,
+# and the paged families in the persistent grid ("<family>_persistent", built when that grid is forced)
+VARIANTS = {"plain": "", "persistent": "_persistent", **{f: f"_{f}" for f in PAGED_FAMILIES},
+            **{f"{f}_persistent": f"_{f}_persistent" for f in PAGED_FAMILIES}}
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 # plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
@@ -116,12 +120,13 @@ def compile_command(nvcc: str, element: str, head_dim: int, output: Path, includ
                     defines: tuple[str, ...] = (), variant: str = "plain") -> list[str]:
     """nvcc command line that compiles the `element` x `head_dim` instantiation of kernel family
     `variant` (a key of `VARIANTS`) to an object."""
+    family = variant.removesuffix("_persistent")
     return [
         nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}",
         "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden", "-lineinfo", "-ftz=true",
         f"-DATTN_ELEMENT_{element.upper()}", f"-DATTN_HEAD_DIM={head_dim}",
-        f"-DATTN_PERSISTENT={int(variant == 'persistent')}", f"-DATTN_PAGED={PAGED_DEFINES.get(variant, 0)}",
-        f"-DATTN_CLUSTER={2 if variant in CLUSTER_VARIANTS else 1}",
+        f"-DATTN_PERSISTENT={int(variant.endswith('persistent'))}", f"-DATTN_PAGED={PAGED_DEFINES.get(family, 0)}",
+        f"-DATTN_CLUSTER={2 if family in CLUSTER_VARIANTS else 1}",
         *(f"-D{d}" for d in defines),
         *(f"-I{p}" for p in include_dirs), f"-I{CSRC}",
         "-c", str(CSRC / "fmha_sm90.cu"), "-o", str(output),
@@ -142,16 +147,18 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    return ("plain", "paged", "paged16", *CLUSTER_VARIANTS, "persistent")
+    paged_persistent = tuple(f"{f}_persistent" for f in PAGED_FAMILIES) if persistent_mode() is True else ()
+    return ("plain", *PAGED_FAMILIES, "persistent", *paged_persistent)
 
 
 def kernels_of(variant: str) -> dict:
     """The (input dtype, head dim) instantiations a build compiles for kernel family `variant`: every
-    one for the plain grid, `PAGED_KERNELS`, and for the persistent grid those of `PERSISTENT_SHORT`,
-    or all when the persistent grid is forced on."""
-    if variant in ("paged", "pagedx2"):
+    one for the plain grid, `PAGED_KERNELS` for the paged families in either grid, and for the
+    persistent grid over contiguous K/V those of `PERSISTENT_SHORT`, or all when that grid is forced."""
+    family = variant.removesuffix("_persistent")
+    if family in ("paged", "pagedx2"):
         return PAGED_KERNELS
-    if variant in ("paged16", "paged16x2"):
+    if family in ("paged16", "paged16x2"):
         return {key: e for key, e in PAGED_KERNELS.items() if key[1] == PAGED16_HEAD_DIM}
     if variant == "persistent" and persistent_mode() is not True:
         return {key: KERNELS[key] for key in PERSISTENT_SHORT}
@@ -245,7 +252,7 @@ def _entry(element: str, head_dim: int, variant: str):
         fn = getattr(ctypes.CDLL(str(path)), name)
     except AttributeError as e:
         hint = ("built without these persistent kernels (build it with ATTN_CUTLASS_PERSISTENT=1 set, or run the "
-                "plain ones: ATTN_CUTLASS_PERSISTENT=0)" if variant == "persistent" else
+                "plain ones: ATTN_CUTLASS_PERSISTENT=0)" if variant.endswith("persistent") else
                 "older than this source tree (rebuild it)")
         raise RuntimeError(f"the CUTLASS library {path} has no {name}: a library {hint}") from e
     fn.argtypes = [ctypes.POINTER(FmhaArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -516,11 +523,15 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
     if tq == 0:
         return
     num_blocks, block_size, hkv, _ = k_cache.shape
-    variant, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
+    family, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
+    sms = _num_sms(query.device.index)
+    persistent = persistent_mode() is True   # the paged kernels' persistent grid only where forced (docs/cutlass.md)
+    variant = f"{family}_persistent" if persistent else family
+    num_ctas = persistent_ctas(tq, cu_seqlens_q.shape[0] - 1, hq, sms) if persistent else 0
     section = 1
-    if sectioned(causal, tq, hq, _num_sms(query.device.index)):   # at the table's capacity: lengths are on the device
+    if persistent or sectioned(causal, tq, hq, sms):   # at the table's capacity: lengths are on the device
         section = section_heads(hq, hkv, block_tables.shape[1] * block_size, d, k_cache.element_size())
-    if variant in CLUSTER_VARIANTS and section % 2:
+    if family in CLUSTER_VARIANTS and section % 2:
         section *= 2   # a cluster's CTAs run query heads 2i and 2i + 1 of one section
     tables = block_tables.to(torch.int32)
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
@@ -531,7 +542,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=box_rows,
-        skip_q_len=skip_q_len, section_heads=section)
+        skip_q_len=skip_q_len, section_heads=section, num_ctas=num_ctas)
     _launch("paged_prefill", variant, _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
             causal, scale, q_scaling, out_scale, args)
 

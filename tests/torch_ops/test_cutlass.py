@@ -53,7 +53,7 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
     """The plain and paged kernels (paged16: D = 128), alone and in clusters, always; the persistent
-    ones of PERSISTENT_SHORT, or all of them when the persistent grid is forced on."""
+    ones of PERSISTENT_SHORT, or all of them, the paged ones too, when the persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -71,11 +71,13 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
                for c in compiles}
     short = {key: cutlass.KERNELS[key] for key in cutlass.PERSISTENT_SHORT}
     paged16 = {key: e for key, e in cutlass.PAGED_KERNELS.items() if key[1] == 128}
-    grids = {(0, 0, 1): cutlass.KERNELS, (0, 1, 1): cutlass.PAGED_KERNELS, (0, 2, 1): paged16,
-             (0, 1, 2): cutlass.PAGED_KERNELS, (0, 2, 2): paged16, (1, 0, 1): cutlass.KERNELS if persistent else short}
+    paged = {(1, 1): cutlass.PAGED_KERNELS, (2, 1): paged16, (1, 2): cutlass.PAGED_KERNELS, (2, 2): paged16}
+    grids = {(0, 0, 1): cutlass.KERNELS, (1, 0, 1): cutlass.KERNELS if persistent else short,
+             **{(0, g, c): kernels for (g, c), kernels in paged.items()},
+             **({(1, g, c): kernels for (g, c), kernels in paged.items()} if persistent else {})}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}",
                  f"-DATTN_CLUSTER={c}") for (p, g, c), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (28 if persistent else 25)
+    assert defines == expected and len(compiles) == len(expected) == (40 if persistent else 25)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -112,9 +114,16 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
 
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
     source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
-    assert "attn_fmha_sm90_##a##_d##b##c" in source
-    defined = {line.split()[-1] for line in source.splitlines() if line.startswith("#define ATTN_VARIANT ")}
-    assert defined == {suffix for suffix in cutlass.VARIANTS.values() if suffix}
+    assert "attn_fmha_sm90_##a##_d##b##c##d##e" in source
+
+    def defined(macro):
+        return {line.split()[2] if len(line.split()) > 2 else "" for line in source.splitlines()
+                if line.startswith(f"#define {macro}")}
+    # the entry's suffix: family, cluster, grid
+    suffixes = {f + c + g for f in defined("ATTN_FAMILY") for c in defined("ATTN_CLUSTERED") for g in defined("ATTN_GRID")}
+    families = {suffix.removesuffix("_persistent").removesuffix("x2") for suffix in cutlass.VARIANTS.values()}
+    assert families == defined("ATTN_FAMILY")
+    assert set(cutlass.VARIANTS.values()) <= suffixes
     assert cutlass.VARIANTS["plain"] == ""
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
@@ -290,6 +299,27 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     assert section(q[:, :24], causal=False) == ("paged16", 1)   # 3 query heads per KV head: no clusters
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
     assert section() == ("paged16x2", 2)
+
+
+def test_paged_persistent_grid_only_where_forced(monkeypatch):
+    """The paged families run the persistent grid when it is forced (one CTA per SM, in sections of
+    heads, even ones for the cluster kernels), the plain one otherwise."""
+    seen = {}
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
+
+    def launch(q=q):
+        cutlass.paged_run(q, k_cache, v_cache, tables, cu_q, lens, out=torch.empty_like(q), lse=torch.empty(q.shape[:2]))
+        return seen["variant"], seen["args"]["num_ctas"], seen["args"]["section_heads"]
+
+    assert launch()[:2] == ("paged16x2", 0)
+    monkeypatch.setattr(cutlass, "PERSISTENT", True)
+    ctas = cutlass.persistent_ctas(300, 2, 32, 132)
+    variant, num_ctas, section = launch()
+    assert (variant, num_ctas) == ("paged16x2_persistent", ctas) and section % 2 == 0 and 32 % section == 0
+    assert launch(q[:, :24])[:2] == ("paged16_persistent", cutlass.persistent_ctas(300, 2, 24, 132))
+    assert "paged16x2_persistent" in cutlass.built_variants()
 
 
 @pytest.mark.parametrize("block_size,d,variant,box_rows", [
