@@ -88,8 +88,9 @@ def quantize_groupwise(
     """Symmetric group-wise quantization of `x [..., D]` (`D % group == 0`).
 
     Returns `(q, scale)`: `q` int8 `[..., D]` for 8 bits or packed uint8 `[..., D/2]` for 4 bits,
-    `scale [..., D // group]` in `scale_dtype`. The scale is rounded to `scale_dtype` before
-    dividing, so that dequantizing with the stored scale is what the kernels see.
+    `scale [..., D // group]` in `scale_dtype`. The scale is rounded to `scale_dtype` before its
+    reciprocal is taken, so that dequantizing with the stored scale is what the kernels see.
+    Codes are `round(x * (1 / scale))` (docs/ops.md, "KV cache").
     """
     if bits not in _QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
@@ -102,7 +103,10 @@ def quantize_groupwise(
     # Divide by a tensor: CUDA turns division by a Python scalar into a multiplication by its
     # reciprocal, which is not correctly rounded (and then differs from the kernels by an ulp).
     scale = (absmax / torch.full_like(absmax, qmax)).clamp_min(GROUP_SCALE_EPS).to(scale_dtype)
-    q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-qmax, qmax).reshape(x.shape)
+    # x times the fp32 reciprocal of the scale, the product exact (fp64), rounded to even: what
+    # the kernels' one FMA per value computes
+    rcp = torch.ones_like(absmax) / scale.float()
+    q = torch.round(g.double() * rcp.double().unsqueeze(-1)).clamp(-qmax, qmax).reshape(x.shape)
     q = q.to(torch.int8)
     return (pack_int4(q) if bits == 4 else q), scale
 

@@ -164,9 +164,9 @@ def quant_fp8_vector(x: list[float], scale: float, dtype) -> torch.Tensor:
 
 
 def quant_group_vector(x: list[float], bits: int, scale_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """docs: per group `s = max(absmax / qmax, 1e-5)` (stored in `scale_dtype`), `q = round(x / s)`
-    clamped to `[-qmax, qmax]`; INT4 packed as `q + 8` nibbles. fp32 arithmetic, the division by
-    the stored scale. Returns (int8 `[D]` or uint8 `[D/2]` codes, scales `[D / GROUP]`)."""
+    """docs: per group `s = max(absmax / qmax, 1e-5)` (stored in `scale_dtype`), `q = round(x * r)`
+    with `r = 1 / s` in fp32 and the product exact, clamped to `[-qmax, qmax]`; INT4 packed as
+    `q + 8` nibbles. Returns (int8 `[D]` or uint8 `[D/2]` codes, scales `[D / GROUP]`)."""
     qmax = 127 if bits == 8 else 7
     codes, scales = [], []
     for g0 in range(0, len(x), GROUP):
@@ -174,7 +174,8 @@ def quant_group_vector(x: list[float], bits: int, scale_dtype) -> tuple[torch.Te
         s = max(max(abs(e) for e in xs) / np.float32(qmax), np.float32(1e-5))
         s = torch.tensor(float(s)).to(scale_dtype)
         scales.append(s)
-        codes += [min(max(round(e / np.float32(s.item())), -qmax), qmax) for e in xs]
+        r = np.float32(1) / np.float32(s.item())
+        codes += [min(max(round(float(e) * float(r)), -qmax), qmax) for e in xs]   # fp64: exact
     if bits == 4:
         packed = [(lo + 8) | ((hi + 8) << 4) for lo, hi in zip(codes[0::2], codes[1::2])]
         return torch.tensor(packed, dtype=torch.uint8), torch.stack(scales)

@@ -20,10 +20,10 @@ Design
 - **Numbers are the reference's, bit for bit.** Plain caches without RoPE get the loaded bits.
   FP8: `clamp(x / scale)`, then the round-to-nearest-even convert. INT8/INT4, per group:
   `s = max(div_rn(absmax, qmax), 1e-5)` rounded to the scale-cache dtype, then
-  `q = rint(clamp(x / s))` (clamping first gives the same integer; `rint` is `cvt.rni`, in
-  the interpreter the exact `(y + 1.5 * 2^23) - 1.5 * 2^23`), INT4 as `q + 8` nibbles, even
-  element low. The divisions are correctly rounded (`_div_rn`: a reciprocal per scale and two
-  FMAs per element; `absmax / qmax` by the constant `RN(1 / qmax)` and the same correction,
+  `q = rint(x * RN(1 / s))` with the product exact (one FMA per element, `_rint_mul`; the
+  reference's clamp never acts), INT4 as `q + 8` nibbles, even element low. The divisions are
+  correctly rounded (FP8's per element by `_div_rn`: a reciprocal per scale and two FMAs per
+  element; `absmax / qmax` by the constant `RN(1 / qmax)` and the same correction,
   `_div_by_qmax`; Triton's `/` is approximate on the GPU). RoPE is fp32 in the reference's operation
   order (`a*cos - b*sin` as a true subtraction: Triton's `-x` is `0 - x`, which loses the sign
   of a zero), compiled with `enable_fp_fusion=False` so that no FMA contraction changes a
@@ -64,6 +64,9 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   7): ~13 / 15 / 18, at T = 16k 83-89 / 80-91 / 79-86 % (results/kvwrite_H200_20261122k2.json).
   `absmax / qmax` without a division call and INT8/INT4 capped at 96 registers (session 10):
   INT8 / INT4 14 / 16, at T = 16k INT8 83-91 %, INT4 80-86 % (results/trial_kvwrite_ab_H200_20261122o.log).
+  `rint(x * RN(1 / s))` in one FMA instead of the correctly rounded `x / s` and a rounding add
+  (session 27; sm_90 SASS per program of INT4 RoPE on k 1520 -> 1200): at T = 16k INT8 88-90 %,
+  INT4 90 % (results/trial_kvwrite_fma_rounding_H200_20261123k.log).
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
@@ -129,7 +132,9 @@ def _rope(x, ptrs, mask, stride_d, cs_rows, cs_ok, stride_csd, g, e,
         cs_mask = cs_ok[:, None, None, None] & rot
         c = tl.load(cs + i * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
         s = tl.load(cs + (i + HALF) * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
-        p = tl.load(ptrs + tl.where(first, HALF, -HALF) * stride_d, mask=mask & rot, other=0.0).to(tl.float32)
+        # a select of pointers, not of offsets: Triton then sees 16-byte runs (Triton 3.9 made one
+        # 2-byte load per element of `ptrs + where(first, HALF, -HALF)`)
+        p = tl.load(tl.where(first, ptrs + HALF * stride_d, ptrs - HALF * stride_d), mask=mask & rot, other=0.0).to(tl.float32)
         xc = x * c
         ps = p * s
         return tl.where(rot, tl.where(first, xc - ps, xc + ps), x)
@@ -166,23 +171,31 @@ def _rope_halves(lo, hi, cs_rows, cs_ok, stride_csd, d, HALF: tl.constexpr):
 
 
 @triton.jit
-def _div_rn(x, s, INTERPRETED: tl.constexpr, EDGES: tl.constexpr):
+def _div_rn(x, s, INTERPRETED: tl.constexpr):
     """`x / s` correctly rounded, with one division per scale instead of one per element: the
     reciprocal `r = RN(1 / s)`, `q = RN(x * r)` (within an ulp), then Markstein's correction
     `RN(q + RN(x - s * q) * r)`, both steps FMAs, which is the correctly rounded quotient
     (Markstein's theorem; checked against exact rational arithmetic on 60k adversarial cases).
-    The correction turns x = -0 into +0 and an overflowing quotient into NaN; `EDGES` keeps
-    those as the division would (a select per element: FP8 stores the sign of zero and may
-    overflow; group-quantized values may not). The interpreter's FMA rounds twice, so there it
+    The correction would turn x = -0 into +0 and an overflowing quotient into NaN: a select per
+    element keeps those as the division does. The interpreter's FMA rounds twice, so there it
     divides per element."""
     if INTERPRETED:
         return tl.math.div_rn(x, s)
     r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     q = x * r
     corrected = tl.math.fma(tl.math.fma(q, -s, x), r, q)   # -s per scale: Triton negates as 0 - x
-    if EDGES:
-        return tl.where((x == 0) | (tl.abs(q) == float("inf")), q, corrected)
-    return corrected
+    return tl.where((x == 0) | (tl.abs(q) == float("inf")), q, corrected)
+
+
+@triton.jit
+def _rint_mul(x, r, MAGIC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The fp32 bits of `MAGIC + rint(x * r)`, the product exact and rounded once to an integer
+    (ties to even): one FMA, `x * r + MAGIC` with `MAGIC = 1.5 * 2^23 (+ offset)`, whose ulp is 1.
+    The interpreter's FMA rounds twice; there the exact product and its rounding are fp64."""
+    if INTERPRETED:
+        y = (x.to(tl.float64) * r.to(tl.float64) + 6755399441055744.0) - 6755399441055744.0   # 1.5 * 2^52
+        return (y.to(tl.float32) + MAGIC).to(tl.int32, bitcast=True)
+    return tl.math.fma(x, r, MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -212,7 +225,7 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     if FMT == 0:
         tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok, cache_modifier=STORE_CM)
     elif FMT == 1:
-        y = _div_rn(x, scales, INTERPRETED, True)
+        y = _div_rn(x, scales, INTERPRETED)
         if INTERPRETED:
             # on the GPU the convert saturates (cvt.rn.satfinite): the clamp for finite and
             # infinite y, and NaN stays NaN as in the reference (min/max would make it -FP8_MAX)
@@ -223,17 +236,18 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         s = tl.maximum(_div_by_qmax(amax, QMAX, QMAX_RCP, INTERPRETED), 1e-5).to(scales.dtype.element_ty)
         tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG), cache_modifier=STORE_CM)
         # s = max(absmax / QMAX, 1e-5) rounded to fp16 or fp32 is at most 0.3% below absmax / QMAX
-        # (fp16 subnormals just above the floor; 2^-11 for normal fp16), so |x / s| < QMAX + 0.5
-        # and rint never leaves [-QMAX, QMAX]: the reference's clamp is left out (tested with
-        # the worst bf16 inputs). Rounding: adding 1.5 * 2^23 (+ 8 for the INT4 offset) leaves
-        # rint(y) (+ 8) in the low bits of the sum, two's complement, ties to even.
-        y = _div_rn(x, s.to(tl.float32), INTERPRETED, False)
-        bits = (y + (12582912.0 + (8.0 if FMT == 3 else 0.0))).to(tl.int32, bitcast=True)
+        # (fp16 subnormals just above the floor; 2^-11 for normal fp16), so |x * RN(1 / s)| <
+        # QMAX + 0.5 and rint never leaves [-QMAX, QMAX]: the reference's clamp is left out
+        # (tested with the worst bf16 inputs). The low bits of the sum are rint(x * r) (+ 8 for
+        # the INT4 offset), two's complement.
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s.to(tl.float32))
+        bits = _rint_mul(x, r, 12582912.0 + (8.0 if FMT == 3 else 0.0), INTERPRETED)
         if FMT == 2:
             tl.store(rows + d, bits.to(tl.int8), mask=ok, cache_modifier=STORE_CM)
         else:
             lo, hi = tl.split(tl.reshape(bits, (BT, BH, NGP, GP // 2, 2)))
-            packed = ((lo & 15) | ((hi & 15) << 4)).to(tl.uint8)
+            # bits 4-7 of the low byte are 0 (q + 8 is in [1, 15]): one multiply-add per byte
+            packed = (hi * 16 + lo).to(tl.uint8)
             if FLAT_ROWS:
                 # groups unpadded: each row's bytes stored as one contiguous run, in 16-byte pieces
                 # (the group pieces below left half of every 32-byte sector to a second store:
