@@ -270,8 +270,8 @@ def test_write_rope(kernel_device, cache_dtype, style, rot, with_query, d, heads
 def test_group_scale_rounded_down(kernel_device, cache_dtype):
     # groups whose absmax (a bf16 input) makes the fp16 scale absmax / QMAX round down the most,
     # so that absmax / s exceeds QMAX (the kernel relies on rint bringing it back: it does not
-    # clamp), with the other elements multiples of s / 2 (halfway points of x / s, which x * RN(1 / s)
-    # misses by an ulp either way: the reference must get the same side)
+    # clamp), with the other elements multiples of s / 2 (halfway points of x / s: x * RN(1 / s) may
+    # fall on either side of them, and the reference must agree)
     key, value, cache, slots, kwargs = make_problem(kernel_device, cache_dtype=cache_dtype, t=8, hkv=2, d=64,
                                                     group=16, scale_dtype=FP16, num_skipped=0)
     qmax = 127.0 if cache_dtype == INT8 else 7.0
