@@ -341,13 +341,11 @@ struct WorkOrder {
 // loads come within 1-4% of the mean on uniform, ragged and mixed batches, as in the plain grid's
 // dispatch, where a static deal of virtual tiles (one spare per sequence) left up to 31%.
 // A CTA's items grow round by round, so its walk (OrderWalk) only moves forward in a section.
-constexpr int64_t kL2SectionBytes = 32 << 20;  // torch_ops/cutlass.py L2_SECTION_BYTES
-
 struct CompactOrder {
   const int* cu_q;
   const int* cu_k;      // key lengths: cu_k[b + 1] - cu_k[b], or
   const int* seq_lens;  // (paged) seq_lens[b]
-  int num_seqs, skip_q_len, num_heads, group, num_ctas;
+  int num_seqs, skip_q_len, num_heads, section_heads, num_ctas;
   bool causal;
 
   // Sequence b's tiles T and levels [first, end); (0, 0, 0) when it has no tiles. `longest`: K.
@@ -375,7 +373,7 @@ struct CompactOrder {
 struct OrderWalk {
   static constexpr unsigned kAll = 0xffffffffu;
   CompactOrder const& o;
-  int longest = 0, num_tiles = 0, num_items, section_heads = kCluster;
+  int longest = 0, num_tiles = 0, num_items;
   int round = 0;
   // where the last tile was found: head section `section`, level `level` (the tiles [level_first,
   // level_first + level_size) of the order), in sequences chunk .. chunk + 31, whose tiles at the
@@ -383,27 +381,16 @@ struct OrderWalk {
   int section = -1, level, level_first, level_size, chunk, chunk_first;
 
   CUTLASS_DEVICE explicit OrderWalk(CompactOrder const& order) : o(order) {
-    int all_keys = 0;
     for (int b = lane(); b < o.num_seqs; b += 32) {
       int lq = o.cu_q[b + 1] - o.cu_q[b];
       if (lq > o.skip_q_len) {
         num_tiles += (lq + kBlockM - 1) / kBlockM;
         longest = max(longest, o.keys(b));
-        all_keys += o.keys(b);
       }
     }
     num_tiles = __reduce_add_sync(kAll, num_tiles);
     longest = __reduce_max_sync(kAll, longest);
     num_items = num_tiles * o.num_heads;
-    // A level spans the sequences, so a section's heads are as many as fit the K/V of all of them
-    // in kL2SectionBytes (a multiple of the cluster's CTAs, which run heads 2i, 2i + 1).
-    int64_t kv_head_bytes = int64_t(__reduce_add_sync(kAll, all_keys)) * 2 * kHeadDim * sizeof(Element);
-    for (int s = o.num_heads; s > kCluster; s--) {
-      if (o.num_heads % s == 0 && s % kCluster == 0 && (s + o.group - 1) / o.group * kv_head_bytes <= kL2SectionBytes) {
-        section_heads = s;
-        break;
-      }
-    }
   }
 
   CUTLASS_DEVICE static int lane() { return int(threadIdx.x % 32); }
@@ -431,8 +418,8 @@ struct OrderWalk {
 
   // the tile and head of this round's item (valid)
   CUTLASS_DEVICE VirtualTile tile(int& h) {
-    int item = CompactOrder::item_of(round), rest = item / section_heads, x = rest % num_tiles;
-    h = rest / num_tiles * section_heads + item % section_heads;
+    int item = CompactOrder::item_of(round), rest = item / o.section_heads, x = rest % num_tiles;
+    h = rest / num_tiles * o.section_heads + item % o.section_heads;
     if (rest / num_tiles != section) {
       section = rest / num_tiles;
       level_first = 0;
@@ -1507,7 +1494,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
 #if ATTN_PERSISTENT
   int num_ctas = kCluster > 1 ? min(a.num_ctas / kCluster, max_clusters) * kCluster : a.num_ctas;
   CompactOrder sched{a.cu_seqlens_q, a.cu_seqlens_k, kPaged ? a.seq_lens : nullptr, a.num_seqs, a.skip_q_len, a.hq,
-                     group, num_ctas, a.causal != 0};
+                     a.section_heads, num_ctas, a.causal != 0};
   mainloop.order = sched;
 #else
   int tiles = first_tile(tq, a.num_seqs, a.skip_q_len);

@@ -479,8 +479,8 @@ def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False
     (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
     sms = _num_sms(query.device.index)
     num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
-    section = 1   # the persistent kernels size their sections on the device (all sequences' keys)
-    if variant == "plain" and sectioned(causal, tq, hq, sms):
+    section = 1
+    if variant == "persistent" or sectioned(causal, tq, hq, sms):
         section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
     args = dict(
         k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
@@ -528,8 +528,8 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
     persistent = persistent_mode() is True   # the paged kernels' persistent grid only where forced (docs/cutlass.md)
     variant = f"{family}_persistent" if persistent else family
     num_ctas = persistent_ctas(tq, cu_seqlens_q.shape[0] - 1, hq, sms) if persistent else 0
-    section = 1   # the persistent kernels size their sections on the device (all sequences' keys)
-    if not persistent and sectioned(causal, tq, hq, sms):   # at the table's capacity: lengths are on the device
+    section = 1
+    if persistent or sectioned(causal, tq, hq, sms):   # at the table's capacity: lengths are on the device
         section = section_heads(hq, hkv, block_tables.shape[1] * block_size, d, k_cache.element_size())
     if family in CLUSTER_VARIANTS and section % 2:
         section *= 2   # a cluster's CTAs run query heads 2i and 2i + 1 of one section

@@ -297,9 +297,6 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     # one head per section, but a cluster's two CTAs run two heads of one section
     assert section(causal=False) == ("paged16x2", 2)
     assert section(q[:, :24], causal=False) == ("paged16", 1)   # 3 query heads per KV head: no clusters
-    monkeypatch.setattr(cutlass, "PERSISTENT", True)   # the persistent kernels size sections on the device
-    assert section() == ("paged16x2_persistent", 2)
-    monkeypatch.setattr(cutlass, "PERSISTENT", None)
     monkeypatch.setattr(cutlass, "L2_SECTION_BYTES", 0)   # nothing fits: one head per section
     assert section() == ("paged16x2", 2)
 
