@@ -8,10 +8,9 @@
 //     FP8 V is read transposed (tokens innermost), where TMA traps on a box start that is not
 //     16-byte aligned: a sequence's key tiles then start at its first key rounded down to 16
 //     and the keys before it are masked (the "key offset");
-//   * tile schedulers that read cu_seqlens_q on the device (no host sync, no pre-pass, CUDA-graph
-//     safe): one CTA per "virtual" tile (floor(cu_q[b] / M) + b, found by a search), or
-//     (-DATTN_PERSISTENT=1) a persistent grid whose CTAs loop over the real tiles, dealt out
-//     heaviest level first in a snake (CompactOrder);
+//   * tile schedulers over "virtual" tiles (floor(cu_q[b] / M) + b), found by binary search
+//     on cu_seqlens_q: no host sync, no pre-pass, CUDA-graph safe; either one CTA per work tile,
+//     or (-DATTN_PERSISTENT=1) a persistent grid whose CTAs loop over the work tiles;
 //   * bottom-right causal masking, GQA (KV head = h / group), runtime softmax scale with
 //     per-head q/k descales, v descale (and 1/out_scale for FP8 output) in the epilogue;
 //   * an epilogue that writes bf16/fp16/e4m3 rows through shared memory in 16-byte chunks
@@ -313,13 +312,14 @@ CUTLASS_DEVICE VirtualTile find_tile(int t, const int* cu_q, int num_seqs, int s
   return {m_block, lo, lq > skip && m_block * kBlockM < lq};
 }
 
-// The plain grid's work items: tiles x Hq, item i of (head section, virtual tile, head within the
-// section) = (i / section_heads / num_tiles, i / section_heads % num_tiles, i % section_heads): the
-// `section_heads` heads of a section run each q tile together, and causal tiles go from the
-// highest (most keys) down. CTA i runs item i.
+// The work items of a launch: tiles x Hq, item i of (head section, virtual tile, head within the
+// section) = (i / section_heads / num_tiles, i / section_heads % num_tiles, i % section_heads):
+// the `section_heads` heads of a section run each q tile together, and causal tiles go from the
+// highest (most keys) down. The plain grid runs item i in CTA i, the persistent one items c,
+// c + num_ctas, ... in CTA c.
 struct WorkOrder {
   const int* cu_q;
-  int num_seqs, skip_q_len, num_tiles, num_items, section_heads;
+  int num_seqs, skip_q_len, num_tiles, num_items, section_heads, num_ctas;
   bool longest_first;
 
   CUTLASS_DEVICE VirtualTile at(int item, int& h) const {
@@ -327,126 +327,15 @@ struct WorkOrder {
     h = rest / num_tiles * section_heads + item % section_heads;
     return find_tile(longest_first ? num_tiles - 1 - x : x, cu_q, num_seqs, skip_q_len);
   }
-};
 
-// The persistent grid's work items: real tiles only (sequence b of Lq > skip queries has T_b =
-// ceil(Lq / M), the others none), ordered by levels of about equal cost. Sequence b of Lk keys
-// starts at level off_b = (K - Lk) / M, K the longest Lk; causal, its tile T_b - 1 - m (the
-// m-th heaviest, about m M keys fewer than Lk) lies at level off_b + m; non-causal, all its tiles
-// (of Lk keys each) lie at off_b. A level holds its tiles sequence by sequence (tile by tile).
-// Item i of (head section, tile in that order, head within the section) is as in WorkOrder, over
-// N = sum_b T_b tiles. Round k of the grid deals items [k G, (k + 1) G) to the G CTAs, cluster by
-// cluster, upwards when k is even and downwards when odd (a snake), so that the CTAs given the
-// heaviest items of one round get the lightest of the next. Modelled (docs/cutlass.md), the CTAs'
-// loads come within 1-4% of the mean on uniform, ragged and mixed batches, as in the plain grid's
-// dispatch, where a static deal of virtual tiles (one spare per sequence) left up to 31%.
-// A CTA's items grow round by round, so its walk (OrderWalk) only moves forward in a section.
-struct CompactOrder {
-  const int* cu_q;
-  const int* cu_k;      // key lengths: cu_k[b + 1] - cu_k[b], or
-  const int* seq_lens;  // (paged) seq_lens[b]
-  int num_seqs, skip_q_len, num_heads, section_heads, num_ctas;
-  bool causal;
-
-  // Sequence b's tiles T and levels [first, end); (0, 0, 0) when it has no tiles. `longest`: K.
-  struct Span {
-    int tiles, first, end;
-  };
-  CUTLASS_DEVICE Span span(int b, int longest) const {
-    int lq = b < num_seqs ? cu_q[b + 1] - cu_q[b] : 0;
-    if (lq <= skip_q_len) return {0, 0, 0};
-    int tiles = (lq + kBlockM - 1) / kBlockM, first = (longest - keys(b)) / kBlockM;
-    return {tiles, first, first + (causal ? tiles : 1)};
-  }
-  CUTLASS_DEVICE int keys(int b) const { return seq_lens ? seq_lens[b] : cu_k[b + 1] - cu_k[b]; }
-  // sequence b's tiles at level l
-  CUTLASS_DEVICE int tiles_at(Span s, int l) const { return s.first <= l && l < s.end ? (causal ? 1 : s.tiles) : 0; }
-
-  // this CTA's item in round k
-  CUTLASS_DEVICE static int item_of(int k) {
-    int units = int(gridDim.x) / kCluster, unit = int(blockIdx.x) / kCluster;
-    return k * int(gridDim.x) + (k % 2 ? units - 1 - unit : unit) * kCluster + int(blockIdx.x) % kCluster;
-  }
-};
-
-// One warp's walk over its CTA's items: every lane calls every member, and all agree on the result.
-struct OrderWalk {
-  static constexpr unsigned kAll = 0xffffffffu;
-  CompactOrder const& o;
-  int longest = 0, num_tiles = 0, num_items;
-  int round = 0;
-  // where the last tile was found: head section `section`, level `level` (the tiles [level_first,
-  // level_first + level_size) of the order), in sequences chunk .. chunk + 31, whose tiles at the
-  // level follow `chunk_first` earlier ones
-  int section = -1, level, level_first, level_size, chunk, chunk_first;
-
-  CUTLASS_DEVICE explicit OrderWalk(CompactOrder const& order) : o(order) {
-    for (int b = lane(); b < o.num_seqs; b += 32) {
-      int lq = o.cu_q[b + 1] - o.cu_q[b];
-      if (lq > o.skip_q_len) {
-        num_tiles += (lq + kBlockM - 1) / kBlockM;
-        longest = max(longest, o.keys(b));
-      }
+  // From `item` on (in steps of the grid), the first item whose tile holds query rows: skips
+  // spare tiles; num_items or more when none is left.
+  CUTLASS_DEVICE int seek(int item, VirtualTile& tile, int& h) const {
+    for (; item < num_items; item += int(gridDim.x)) {
+      tile = at(item, h);
+      if (tile.valid) break;
     }
-    num_tiles = __reduce_add_sync(kAll, num_tiles);
-    longest = __reduce_max_sync(kAll, longest);
-    num_items = num_tiles * o.num_heads;
-  }
-
-  CUTLASS_DEVICE static int lane() { return int(threadIdx.x % 32); }
-  CUTLASS_DEVICE bool valid() const { return CompactOrder::item_of(round) < num_items; }
-
-  // the first level after l that holds tiles (-1: none; a section's first: next_level(-1))
-  CUTLASS_DEVICE int next_level(int l) const {
-    unsigned next = ~0u;
-    for (int b = lane(); b < o.num_seqs; b += 32) {
-      CompactOrder::Span s = o.span(b, longest);
-      if (s.end > l + 1) next = min(next, unsigned(max(s.first, l + 1)));
-    }
-    return int(__reduce_min_sync(kAll, next));
-  }
-  CUTLASS_DEVICE int tiles_at(int l) const {
-    int n = 0;
-    for (int b = lane(); b < o.num_seqs; b += 32) n += o.tiles_at(o.span(b, longest), l);
-    return __reduce_add_sync(kAll, n);
-  }
-  CUTLASS_DEVICE void enter_level(int l) {
-    level = l;
-    level_size = tiles_at(l);
-    chunk = chunk_first = 0;
-  }
-
-  // the tile and head of this round's item (valid)
-  CUTLASS_DEVICE VirtualTile tile(int& h) {
-    int item = CompactOrder::item_of(round), rest = item / o.section_heads, x = rest % num_tiles;
-    h = rest / num_tiles * o.section_heads + item % o.section_heads;
-    if (rest / num_tiles != section) {
-      section = rest / num_tiles;
-      level_first = 0;
-      enter_level(next_level(-1));
-    }
-    while (x >= level_first + level_size) {
-      level_first += level_size;
-      enter_level(next_level(level));
-    }
-    for (int j = x - level_first - chunk_first;; chunk += 32) {  // the level's j-th tile from `chunk` on
-      CompactOrder::Span s = o.span(chunk + lane(), longest);
-      int n = o.tiles_at(s, level), before = n;  // before: an inclusive, then exclusive prefix sum
-      for (int d = 1; d < 32; d *= 2) {
-        int up = __shfl_up_sync(kAll, before, d);
-        if (lane() >= d) before += up;
-      }
-      int total = __shfl_sync(kAll, before, 31);
-      before -= n;
-      if (j < total) {
-        int src = __ffs(__ballot_sync(kAll, before <= j && j < before + n)) - 1;
-        int t = __shfl_sync(kAll, s.tiles, src), m = j - __shfl_sync(kAll, before, src);
-        int m_block = o.causal ? t - 1 - (level - __shfl_sync(kAll, s.first, src)) : m;
-        return {m_block, chunk + src, true};
-      }
-      j -= total;
-      chunk_first += total;
-    }
+    return item;
   }
 };
 
@@ -482,7 +371,7 @@ struct VarlenMainloop : Base {
     // persistent: the byte offsets of the K/V and Q pipelines' barriers from the mainloop's storage
     typename Base::TMA_K tma_load_v_tokens;
     int inner_pipeline_offset, outer_pipeline_offset;
-    CompactOrder order;  // the persistent grid's: its cluster kernels' load warp looks ahead in it
+    WorkOrder order;  // the scheduler's: the persistent cluster kernels' load warp looks ahead in it
   };
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -797,10 +686,13 @@ struct VarlenMainloop : Base {
 
   // The load warp's walk over its CTA's items (persistent grid), one call per tile: whether a tile
   // follows the current one.
-  int round_ = 0, num_items_ = -1;
-  CUTLASS_DEVICE bool next_item(CompactOrder const& order) {
-    if (num_items_ < 0) num_items_ = OrderWalk(order).num_items;
-    return CompactOrder::item_of(++round_) < num_items_;
+  int item_ = -1;
+  CUTLASS_DEVICE bool next_item(WorkOrder const& order) {
+    VirtualTile tile;
+    int h;
+    if (item_ < 0) item_ = order.seek(int(blockIdx.x), tile, h);  // the first tile
+    item_ = order.seek(item_ + int(gridDim.x), tile, h);
+    return item_ < order.num_items;
   }
 
   // Lane i's box of a key tile: its keys i * box_rows .. + box_rows - 1, consecutive tokens of one
@@ -1288,28 +1180,27 @@ struct Scheduler {
 
 using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<VarlenMainloop, VarlenEpilogue, Scheduler>;
 #else
-// Persistent: `num_ctas` CTAs (one per SM), each looping over its items of the CompactOrder, with
-// heads of a section chosen on the host so that their K/V fit in L2. Every warp of a CTA walks the
-// same items, so the producer and consumer warps agree on each tile without talking to each
-// other. In clusters of 2 (even num_ctas and sections) CTAs 2j and 2j + 1 run heads h, h + 1 of
-// the same tiles.
+// Persistent: `num_ctas` CTAs (one per SM), CTA c runs work items c, c + num_ctas, c + 2 num_ctas, ...
+// (WorkOrder), with heads of a section chosen on the host so that their K/V fit in L2; causal
+// tiles, heaviest first, leave the shortest for the tail. Every warp of a CTA walks the same
+// sequence of items, so the producer and consumer warps agree on each tile without talking to
+// each other. In clusters of 2 (even num_ctas and sections) CTAs 2j and 2j + 1 run heads h, h + 1
+// of the same tiles.
 struct Scheduler {
-  using Params = CompactOrder;
+  using Params = WorkOrder;
 
-  OrderWalk walk;
+  Params const& p;
   VirtualTile tile;
   int h;
+  int item;
 
-  CUTLASS_DEVICE Scheduler(Params const& p) : walk(p) {
-    if (walk.valid()) tile = walk.tile(h);
-  }
+  CUTLASS_DEVICE Scheduler(Params const& params) : p(params), item(p.seek(int(blockIdx.x), tile, h)) {}
 
   static dim3 get_grid_shape(Params const& p) { return dim3(p.num_ctas, 1, 1); }
-  CUTLASS_DEVICE bool is_valid() const { return walk.valid(); }
+  CUTLASS_DEVICE bool is_valid() const { return item < p.num_items; }
   CUTLASS_DEVICE auto get_block_coord() const { return make_coord(tile.m_block, _0{}, make_coord(tile.b, h)); }
   CUTLASS_DEVICE Scheduler& operator++() {
-    ++walk.round;
-    if (walk.valid()) tile = walk.tile(h);
+    item = p.seek(item + int(gridDim.x), tile, h);
     return *this;
   }
 };
@@ -1491,15 +1382,10 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     if (e != cudaSuccess) return fail(cudaGetErrorString(e));
     max_clusters = max(max_clusters, 1);
   }
-#if ATTN_PERSISTENT
-  int num_ctas = kCluster > 1 ? min(a.num_ctas / kCluster, max_clusters) * kCluster : a.num_ctas;
-  CompactOrder sched{a.cu_seqlens_q, a.cu_seqlens_k, kPaged ? a.seq_lens : nullptr, a.num_seqs, a.skip_q_len, a.hq,
-                     a.section_heads, num_ctas, a.causal != 0};
-  mainloop.order = sched;
-#else
   int tiles = first_tile(tq, a.num_seqs, a.skip_q_len);
-  WorkOrder sched{a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, tiles * a.hq, a.section_heads, a.causal != 0};
-#endif
+  int num_ctas = kCluster > 1 ? min(a.num_ctas / kCluster, max_clusters) * kCluster : a.num_ctas;
+  WorkOrder sched{a.cu_seqlens_q, a.num_seqs, a.skip_q_len, tiles, tiles * a.hq, a.section_heads, num_ctas, a.causal != 0};
+  mainloop.order = sched;
   Kernel::Params params{Kernel::ProblemShape{a.num_seqs, a.hq, tq, tk, d}, mainloop, epilogue, sched};
   launch.gridDim = Kernel::get_grid_shape(params);
   cudaError_t e = cudaLaunchKernelEx(&launch, cutlass::device_kernel<Kernel>, params);
