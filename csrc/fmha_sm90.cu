@@ -155,14 +155,6 @@ CUTLASS_DEVICE float exp2_poly(float x) {
   return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
 }
 
-// Ends a basic block on a branch that ptxas cannot resolve (x is never NaN where it is called).
-// ptxas schedules within blocks: in one block with the softmax, it hoists the wait for the PV
-// product above the softmax so as to interleave the P conversion (which rewrites the product's
-// operand registers) with the exps, and the softmax no longer overlaps the product.
-CUTLASS_DEVICE void block_boundary(float x) {
-  if (x != x) asm volatile("nanosleep.u32 1;");
-}
-
 // Keys of a sequence are read from its first key rounded down to this many (see the header).
 constexpr int kKeyAlign = kFp8 ? 16 : 1;
 
@@ -1022,7 +1014,6 @@ struct VarlenMainloop : Base {
       pipeline.consumer_release(k_read);
       if (j >= unmasked) VarlenMask{}.before_softmax(acc_s, tPcP, seq_problem);
       softmax_step(acc_s);
-      block_boundary(scale_log2);  // keeps the wait below the softmax (see block_boundary)
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_pv);
       pipeline.consumer_release(v_read);
