@@ -135,26 +135,6 @@ CUTLASS_DEVICE uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
   return out;
 }
 
-// exp2 on the FMA pipe, for every kPolyExp2-th score of a row in the overlapped loop (0: none).
-// MUFU.EX2 retires 16 results per clock per SM, which at FP8 D = 128 (and 16-bit D = 64) takes as
-// long as the tile's tensor-core work; the emulation moves part of it to the FMA units, as FA4
-// does on Blackwell. Tuning runs set -DATTN_POLY_EXP2=k.
-#ifndef ATTN_POLY_EXP2
-#define ATTN_POLY_EXP2 0
-#endif
-constexpr int kPolyExp2 = ATTN_POLY_EXP2;
-
-// 2^x for x <= 0 (x = -inf included) in 8 FMA/ALU instructions: x = j + f with j = floor(x), 2^f
-// by a cubic (relative error 8.6e-5, below bf16's and fp16's rounding), j added to the exponent.
-// Below -127 the result is 0 or an fp32 denormal, which the -ftz build flushes.
-CUTLASS_DEVICE float exp2_poly(float x) {
-  x = fmaxf(x, -127.f);
-  float t = __fadd_rd(x, 12582912.f);  // 1.5 * 2^23: j in the low mantissa bits
-  float f = x - (t - 12582912.f);      // [0, 1)
-  float p = fmaf(fmaf(fmaf(0.07706616f, f, 0.2276452f), f, 0.6951172f), f, 1.f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-
 // Keys of a sequence are read from its first key rounded down to this many (see the header).
 constexpr int kKeyAlign = kFp8 ? 16 : 1;
 
@@ -938,8 +918,7 @@ struct VarlenMainloop : Base {
         float bias = m_use * scale_log2, sum = 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(s); j++) {
-          float x = s(i, j) * scale_log2 - bias;
-          s(i, j) = kPolyExp2 > 0 && j % kPolyExp2 == kPolyExp2 - 1 ? exp2_poly(x) : exp2f(x);
+          s(i, j) = exp2f(s(i, j) * scale_log2 - bias);
           sum += s(i, j);
         }
         row_sum(i) = row_sum(i) * correction(i) + sum;
