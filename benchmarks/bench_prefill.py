@@ -454,8 +454,8 @@ class Runner:
                 row["flex"] = "skipped: compile-time budget (a few shapes only)"
         return row
 
-    def paged(self, batch: int, prefix: int, chunk: int, page: int = PAGE) -> dict:
-        case = PagedCase([(chunk, prefix + chunk)] * batch, page=page)
+    def paged(self, batch: int, prefix: int, chunk: int, page: int = PAGE, d: int = 128) -> dict:
+        case = PagedCase([(chunk, prefix + chunk)] * batch, d=d, page=page)
         row = {"section": "paged", "desc": f"{batch}x {chunk} on {prefix} cached, {page}-token blocks", "d": case.d,
                "causal": True, "block_size": page,
                "heads": f"{case.hq}/{case.hkv}", "tflop": case.flops / 1e12}
@@ -557,6 +557,7 @@ def main(argv=None) -> int:
     p.add_argument("--sections", nargs="*", default=SECTIONS, choices=SECTIONS)
     p.add_argument("--seqlens", type=int, nargs="*")
     p.add_argument("--head-dims", type=int, nargs="*")
+    p.add_argument("--paged-head-dims", type=int, nargs="*", default=[128], help="head dims of the paged section")
     p.add_argument("--peers", nargs="*", default=PEERS, choices=PEERS)
     p.add_argument("--flex-head-dims", type=int, nargs="*", default=[128],
                    help="head dims at which FlexAttention runs (S = 2k and 8k; each shape compiles)")
@@ -584,10 +585,11 @@ def main(argv=None) -> int:
         jobs += [("context", (s, d, c, r)) for d in args.head_dims for s in args.seqlens
                  for c in (False, True) for r in (False, True)]
     if "paged" in args.sections:
-        jobs += [("paged", (*c, page)) for c in (QUICK_PAGED_CASES if args.quick else PAGED_CASES)
-                 for page in PAGED_BLOCK_SIZES]
-        if not args.quick:
-            jobs += [("paged", (4, 8192, 2048, page)) for page in (32, 128)]
+        for d in args.paged_head_dims:
+            jobs += [("paged", (*c, page, d)) for c in (QUICK_PAGED_CASES if args.quick else PAGED_CASES)
+                     for page in PAGED_BLOCK_SIZES]
+            if not args.quick:
+                jobs += [("paged", (4, 8192, 2048, page, d)) for page in (32, 128)]
     if "mixed" in args.sections:
         jobs += [("mixed", c) for c in (MIXED_CASES[:1] if args.quick else MIXED_CASES)]
     if args.quick:   # one case of each section first, so that the time budget reaches them all

@@ -97,6 +97,13 @@ PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
 # the cluster kernels against the others, H200 (results/trial_cutlass_paged_clusters_H200_20261123h.log): boxes of
 # 8 tokens 1.12-1.26x, 16 1.08-1.14x, 32 1.03x; 64 and 128 0.96-1.01x (0.96-0.98x on the shortest case)
 PAGED_CLUSTER_MAX_BOX_ROWS = 32
+# paged_prefill on the cluster kernels at D = 64 runs the persistent grid automatically when its sequences
+# bring at least PAGED_PERSISTENT_MIN_QUERIES queries on average. H200, 16-token blocks, persistent / plain
+# (results/trial_decode_clusters_paged64_persistent_H200_20261123m.log): 4 x 512 on 2k 1.061x, 4 x 2k on 8k
+# 1.055x, 1 x 4k on 16k 1.045x (session 28's run: 1.08x, 1.07x), but 16 x 256 on 4k 0.848x (the grid's
+# static work order over many short sequences, docs/cutlass.md); at D = 128 (paged16x2) 1.00x / 0.96x.
+PAGED_PERSISTENT_KERNELS = {key: e for key, e in PAGED_KERNELS.items() if key[1] == 64}
+PAGED_PERSISTENT_MIN_QUERIES = 512
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
 V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
@@ -147,15 +154,17 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    paged_persistent = tuple(f"{f}_persistent" for f in PAGED_FAMILIES) if persistent_mode() is True else ()
-    return ("plain", *PAGED_FAMILIES, "persistent", *paged_persistent)
+    paged_persistent = PAGED_FAMILIES if persistent_mode() is True else ("pagedx2",)
+    return ("plain", *PAGED_FAMILIES, "persistent", *(f"{f}_persistent" for f in paged_persistent))
 
 
 def kernels_of(variant: str) -> dict:
     """The (input dtype, head dim) instantiations a build compiles for kernel family `variant`: every
-    one for the plain grid, `PAGED_KERNELS` for the paged families in either grid, and for the
-    persistent grid over contiguous K/V those of `PERSISTENT_SHORT`, or all when that grid is forced."""
+    one for the plain grid, `PAGED_KERNELS` for the paged families, and for the persistent grid
+    `PERSISTENT_SHORT`'s over contiguous K/V and `PAGED_PERSISTENT_KERNELS`, or all when that grid is forced."""
     family = variant.removesuffix("_persistent")
+    if variant == "pagedx2_persistent" and persistent_mode() is not True:
+        return PAGED_PERSISTENT_KERNELS
     if family in ("paged", "pagedx2"):
         return PAGED_KERNELS
     if family in ("paged16", "paged16x2"):
@@ -285,6 +294,17 @@ def runs_persistent(dtype: torch.dtype, head_dim: int, causal: bool, total_q: in
         return mode
     limits = PERSISTENT_SHORT.get((dtype, head_dim))
     return limits is not None and total_q <= limits[int(causal)] * num_seqs
+
+
+def paged_runs_persistent(family: str, dtype: torch.dtype, head_dim: int, total_q: int, num_seqs: int) -> bool:
+    """Whether paged_prefill on kernel family `family` runs the persistent grid: as forced
+    (`persistent_mode`), else for the cluster kernels of `PAGED_PERSISTENT_KERNELS` when the mean query
+    length is at least `PAGED_PERSISTENT_MIN_QUERIES`. From shapes only (CUDA-graph safe)."""
+    mode = persistent_mode()
+    if mode is not None:
+        return mode
+    return (family == "pagedx2" and (dtype, head_dim) in PAGED_PERSISTENT_KERNELS
+            and total_q >= PAGED_PERSISTENT_MIN_QUERIES * num_seqs)
 
 
 def section_heads(hq: int, hkv: int, keys: int, head_dim: int, element_size: int) -> int:
@@ -525,7 +545,7 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
     num_blocks, block_size, hkv, _ = k_cache.shape
     family, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
     sms = _num_sms(query.device.index)
-    persistent = persistent_mode() is True   # the paged kernels' persistent grid only where forced (docs/cutlass.md)
+    persistent = paged_runs_persistent(family, query.dtype, d, tq, cu_seqlens_q.shape[0] - 1)
     variant = f"{family}_persistent" if persistent else family
     num_ctas = persistent_ctas(tq, cu_seqlens_q.shape[0] - 1, hq, sms) if persistent else 0
     section = 1

@@ -53,7 +53,8 @@ def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
 @pytest.mark.parametrize("persistent", [None, True])
 def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(monkeypatch, tmp_path, persistent):
     """The plain and paged kernels (paged16: D = 128), alone and in clusters, always; the persistent
-    ones of PERSISTENT_SHORT, or all of them, the paged ones too, when the persistent grid is forced on."""
+    ones of PERSISTENT_SHORT and PAGED_PERSISTENT_KERNELS, or all of them, the paged ones too, when the
+    persistent grid is forced on."""
     monkeypatch.setattr(cutlass, "PERSISTENT", persistent)
     commands = []
 
@@ -74,10 +75,11 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
     paged = {(1, 1): cutlass.PAGED_KERNELS, (2, 1): paged16, (1, 2): cutlass.PAGED_KERNELS, (2, 2): paged16}
     grids = {(0, 0, 1): cutlass.KERNELS, (1, 0, 1): cutlass.KERNELS if persistent else short,
              **{(0, g, c): kernels for (g, c), kernels in paged.items()},
-             **({(1, g, c): kernels for (g, c), kernels in paged.items()} if persistent else {})}
+             **({(1, g, c): kernels for (g, c), kernels in paged.items()} if persistent
+                else {(1, 1, 2): cutlass.PAGED_PERSISTENT_KERNELS})}
     expected = {(f"-DATTN_ELEMENT_{e.upper()}", f"-DATTN_HEAD_DIM={d}", f"-DATTN_PERSISTENT={p}", f"-DATTN_PAGED={g}",
                  f"-DATTN_CLUSTER={c}") for (p, g, c), kernels in grids.items() for (_, d), e in kernels.items()}
-    assert defines == expected and len(compiles) == len(expected) == (40 if persistent else 25)
+    assert defines == expected and len(compiles) == len(expected) == (40 if persistent else 27)
     objects = [c[-1] for c in compiles]
     assert len(set(objects)) == len(objects) and set(objects) <= set(link)
     assert library.exists()
@@ -221,6 +223,19 @@ def test_automatic_grid_is_persistent_for_short_prompts_where_it_measured_faster
     assert not run(fp8, 128, True, 16384, 32)
     knob.setattr(cutlass, "PERSISTENT", True)
     assert run(fp8, 128, False, 16384, 1) and run(fp16, 64, False, 16384, 1)
+
+
+def test_automatic_paged_grid_is_persistent_for_d64_cluster_kernels_on_long_chunks(knob):
+    bf16, fp16 = torch.bfloat16, torch.float16
+    run = cutlass.paged_runs_persistent
+    assert run("pagedx2", bf16, 64, 2048, 4) and run("pagedx2", fp16, 64, 4096, 1)       # mean 512 and 4k
+    assert not run("pagedx2", bf16, 64, 4096, 16)                                        # 16 x 256: plain
+    assert not run("paged", bf16, 64, 8192, 4) and not run("paged16x2", bf16, 128, 8192, 4)
+    assert not run("pagedx2", bf16, 128, 8192, 4)                                        # D = 128: plain
+    knob.setattr(cutlass, "PERSISTENT", True)
+    assert run("paged16", bf16, 128, 16, 16)
+    knob.setattr(cutlass, "PERSISTENT", False)
+    assert not run("pagedx2", bf16, 64, 8192, 1)
 
 
 def test_persistent_grid_is_one_cta_per_sm_at_most_one_per_work_tile():
