@@ -129,7 +129,11 @@ def run_cutlass():
                 ("cutlass", 16, "own", 64, 2), ("cutlass", 16, "padded", 64, 2), ("cutlass", 16, "k_padded", 64, 2),
                 ("cutlass", 16, "own", 128, 8), ("cutlass", 32, "halves", 128, 8), ("cutlass", 8, "padded", 128, 8),
                 ("cutlass", 16, "k_padded", 64, 8)]
-    for backend, block_size, layout, d, hkv in layouts:
+    # D = 64 chunks of 512+ queries on the cluster kernels: the automatic persistent grid
+    layouts = [(*layout, q_lens, k_lens) for layout in layouts]
+    layouts += [("cutlass", block_size, "own", 64, 2, [600, 0, 1500, 513], [900, 7, 1500, 2000]) for block_size in (8, 16)]
+    for backend, block_size, layout, d, hkv, q_lens, k_lens in layouts:
+        cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
         with torch_ops.use_backend(backend):
             blocks = [-(-n // block_size) for n in k_lens]
             rows = block_size + (layout in ("padded", "k_padded"))

@@ -316,9 +316,10 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     assert section() == ("paged16x2", 2)
 
 
-def test_paged_persistent_grid_only_where_forced(monkeypatch):
+def test_paged_persistent_grid_where_forced_or_chosen(monkeypatch):
     """The paged families run the persistent grid when it is forced (one CTA per SM, in sections of
-    heads, even ones for the cluster kernels), the plain one otherwise."""
+    heads, even ones for the cluster kernels), or where `paged_runs_persistent` picks it (D = 64), the
+    plain one otherwise."""
     seen = {}
     monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
@@ -335,6 +336,10 @@ def test_paged_persistent_grid_only_where_forced(monkeypatch):
     assert (variant, num_ctas) == ("paged16x2_persistent", ctas) and section % 2 == 0 and 32 % section == 0
     assert launch(q[:, :24])[:2] == ("paged16_persistent", cutlass.persistent_ctas(300, 2, 24, 132))
     assert "paged16x2_persistent" in cutlass.built_variants()
+    monkeypatch.setattr(cutlass, "PERSISTENT", None)
+    q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=64, hq=32, hkv=8, tq=1024, seqs=2)
+    assert launch(q)[:2] == ("pagedx2_persistent", cutlass.persistent_ctas(1024, 2, 32, 132))
+    assert launch(q[:1000])[:2] == ("pagedx2", 0)   # mean 500 queries
 
 
 @pytest.mark.parametrize("block_size,d,variant,box_rows", [
@@ -814,6 +819,17 @@ def test_paged_prefill(dtype, d, block_size, causal, lens):
     assert cutlass.paged_unsupported(*problem, causal=causal) == []
     out, lse = run_paged(problem, causal=causal, scale=0.1, q_scaling=1.5)
     check_paged(problem, out, lse, causal=causal, scale=0.1, q_scaling=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_prefill_d64_long_chunks_on_the_automatic_persistent_grid(block_size, causal):
+    q_lens, k_lens = [600, 0, 1500, 513], [900, 7, 1500, 2000]
+    problem = paged_problem(q_lens, k_lens, dtype=BF16, d=64, hq=8, hkv=2, block_size=block_size)
+    assert cutlass.paged_runs_persistent("pagedx2", BF16, 64, sum(q_lens), len(q_lens))
+    out, lse = run_paged(problem, causal=causal)
+    check_paged(problem, out, lse, causal=causal)
 
 
 # (q_len, seq_len): decodes and short chunks (the Triton kernel's launches) around chunks of more than
