@@ -12,10 +12,10 @@ CPU install never needs nvcc. Always sm_90a, whatever GPU is present (or none).
 work tiles), False the plain ones (one CTA per work tile), None (the default) reads
 `ATTN_CUTLASS_PERSISTENT` (0, 1, or unset / `auto`). Automatic: the persistent grid for short
 sequences where it measured faster (`PERSISTENT_SHORT`), the plain one elsewhere; paged_prefill
-runs the persistent grid only where forced (it measured slower than the plain one on most batches).
-The default build holds the persistent objects of `PERSISTENT_SHORT` only; forcing the persistent
-grid builds all of them, the paged ones too (their own JIT cache folder; `ATTN_CUTLASS_PERSISTENT=1`
-at install for the prebuilt library).
+runs it for the D = 64 cluster kernels on chunks of 512+ queries (`paged_runs_persistent`), the
+plain one elsewhere (slower on most batches). The default build holds those persistent objects
+only; forcing the persistent grid builds all of them, the paged ones too (their own JIT cache
+folder; `ATTN_CUTLASS_PERSISTENT=1` at install for the prebuilt library).
 
 The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
