@@ -101,7 +101,8 @@ PAGED_CLUSTER_MAX_BOX_ROWS = 32
 # bring at least PAGED_PERSISTENT_MIN_QUERIES queries on average. H200, 16-token blocks, persistent / plain
 # (results/trial_decode_clusters_paged64_persistent_H200_20261123m.log): 4 x 512 on 2k 1.061x, 4 x 2k on 8k
 # 1.055x, 1 x 4k on 16k 1.045x (session 28's run: 1.08x, 1.07x), but 16 x 256 on 4k 0.848x (the grid's
-# static work order over many short sequences, docs/cutlass.md); at D = 128 (paged16x2) 1.00x / 0.96x.
+# static work order over many short sequences, likely: docs/cutlass.md); at D = 128 (paged16x2) 1.00x / 0.96x.
+PAGED_PERSISTENT_FAMILY = "pagedx2"
 PAGED_PERSISTENT_KERNELS = {key: e for key, e in PAGED_KERNELS.items() if key[1] == 64}
 PAGED_PERSISTENT_MIN_QUERIES = 512
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}   # AttnOutDtype
@@ -154,7 +155,7 @@ def _cutlass_version() -> str:
 
 def built_variants() -> tuple[str, ...]:
     """The kernel families a build compiles (see `kernels_of`)."""
-    paged_persistent = PAGED_FAMILIES if persistent_mode() is True else ("pagedx2",)
+    paged_persistent = PAGED_FAMILIES if persistent_mode() is True else (PAGED_PERSISTENT_FAMILY,)
     return ("plain", *PAGED_FAMILIES, "persistent", *(f"{f}_persistent" for f in paged_persistent))
 
 
@@ -163,7 +164,7 @@ def kernels_of(variant: str) -> dict:
     one for the plain grid, `PAGED_KERNELS` for the paged families, and for the persistent grid
     `PERSISTENT_SHORT`'s over contiguous K/V and `PAGED_PERSISTENT_KERNELS`, or all when that grid is forced."""
     family = variant.removesuffix("_persistent")
-    if variant == "pagedx2_persistent" and persistent_mode() is not True:
+    if variant == f"{PAGED_PERSISTENT_FAMILY}_persistent" and persistent_mode() is not True:
         return PAGED_PERSISTENT_KERNELS
     if family in ("paged", "pagedx2"):
         return PAGED_KERNELS
@@ -298,12 +299,12 @@ def runs_persistent(dtype: torch.dtype, head_dim: int, causal: bool, total_q: in
 
 def paged_runs_persistent(family: str, dtype: torch.dtype, head_dim: int, total_q: int, num_seqs: int) -> bool:
     """Whether paged_prefill on kernel family `family` runs the persistent grid: as forced
-    (`persistent_mode`), else for the cluster kernels of `PAGED_PERSISTENT_KERNELS` when the mean query
+    (`persistent_mode`), else for `PAGED_PERSISTENT_FAMILY` at `PAGED_PERSISTENT_KERNELS` when the mean query
     length is at least `PAGED_PERSISTENT_MIN_QUERIES`. From shapes only (CUDA-graph safe)."""
     mode = persistent_mode()
     if mode is not None:
         return mode
-    return (family == "pagedx2" and (dtype, head_dim) in PAGED_PERSISTENT_KERNELS
+    return (family == PAGED_PERSISTENT_FAMILY and (dtype, head_dim) in PAGED_PERSISTENT_KERNELS
             and total_q >= PAGED_PERSISTENT_MIN_QUERIES * num_seqs)
 
 
