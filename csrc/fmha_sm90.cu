@@ -855,8 +855,8 @@ struct VarlenMainloop : Base {
   // j's softmax before waiting for that product (FA3's intra-warpgroup overlap). ptxas moves the wait
   // above the softmax, though, to interleave the P conversion (which rewrites the product's operand
   // registers) with the exps: each warpgroup overlaps the other's products, not its own. Forcing the
-  // source order (a block boundary before the wait) measured 0.87-0.97x, and so did a cheaper row
-  // max (0.97-0.99x; results/trial_softmax_aa_H200_20261123m.log). As in the
+  // source order (a block boundary before the wait) measured 0.87-1.00x, and a row max in four
+  // chains 0.94-1.00x (results/trial_softmax_{overlap,max_chains}_H200_20261123m.log). As in the
   // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
   // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
   // slower, and within 1% again after the softmax got cheaper (session 15; so did 6-8 K/V stages:
