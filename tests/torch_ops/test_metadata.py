@@ -154,6 +154,8 @@ def test_token_ids_travel_with_the_metadata():
         check(md, *batch)
         assert md.token_ids.tolist() == token_ids.tolist()
         assert mb.build(*batch).token_ids is None
+    batch = random_batch(rng, 3, decode_q=1)   # a random batch may hold no new tokens: then nothing is wrong
+    token_ids = np.arange(3)
     for bad in (token_ids[:-1], token_ids.astype(np.float32)):
         with pytest.raises(ValueError, match=f"token_ids must hold {len(token_ids)} ints"):
             mb.build(*batch, token_ids=bad)
