@@ -36,3 +36,33 @@ def _fresh_seed(request):
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     request.node.add_report_section("setup", "seed", f"torch.manual_seed({seed})")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(monkeypatch):
+    """Plans are cached per call signature and read module knobs and the environment when made
+    (torch_ops/backends.py): every test starts without them, and each `monkeypatch` change, or
+    its undoing, makes the next call plan again."""
+    from torch_ops import backends
+
+    for name in ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv"):
+        change = getattr(monkeypatch, name)
+
+        def changed(*args, _change=change, **kwargs):
+            _change(*args, **kwargs)
+            backends.clear_plans()
+
+        setattr(monkeypatch, name, changed)
+    backends.clear_plans()
+    yield
+    monkeypatch.undo()
+    backends.clear_plans()
+
+
+@pytest.fixture(scope="session")
+def csrc_libraries():
+    """The CUTLASS and CUDA decode libraries, built: the automatic choice passes over unbuilt ones
+    (tests of that choice on the GPU need them, as a user's `torch_ops.warmup()` provides them)."""
+    import torch_ops
+
+    torch_ops.warmup(progress=False)

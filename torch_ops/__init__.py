@@ -4,14 +4,15 @@ Importing registers the schemas, fakes and implementations and changes no global
 """
 
 from . import ops, backends  # noqa: F401  (registration)
-from .backends import backend_for, register_backend, use_backend
+from .backends import backend_for, clear_plans, explain, register_backend, use_backend
 from .cuda_decode import CudaDecodeBackend
 from .cutlass import CutlassBackend, MixedBatchBackend
 from .kernels import TritonBackend
+from .warmup import warmup
 
 register_backend(TritonBackend())
 register_backend(CudaDecodeBackend())  # Hopper, paged_decode of small problems (torch_ops/cuda_decode.py)
 register_backend(CutlassBackend())  # Hopper, where it serves the call (docs/cutlass.md)
 register_backend(MixedBatchBackend())  # paged_prefill of several sequences: CUTLASS for the long ones
 
-__all__ = ["backend_for", "register_backend", "use_backend"]
+__all__ = ["backend_for", "clear_plans", "explain", "register_backend", "use_backend", "warmup"]

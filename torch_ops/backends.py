@@ -1,20 +1,36 @@
-"""Backends that implement the `attn::` ops, the choice among them, and their registration.
+"""The op front: which backend runs an `attn::` call, and how cheaply a call reaches it.
 
-A backend says for each call either nothing (it can run it) or the reasons it cannot. The
-default choice is the first backend, in priority order, with no reasons; `vanilla` (the
+`PRIORITY` lists, per op, the backends the automatic choice tries, fastest first; it takes the
+first whose `auto_devices` has the call's device and that neither cannot run the call (`reasons`)
+nor passes it over (`auto_declines`, where another backend measured faster). `vanilla` (the
 reference) serves everything and comes last. An explicit request (`use_backend("triton")` or
-`ATTN_BACKEND=triton`) never falls back: if that backend cannot serve a call, the call raises
-a `ValueError` listing why.
+`ATTN_BACKEND=triton`) never falls back: if that backend cannot serve a call, the call raises a
+`ValueError` listing why. `explain(op, *args, **kwargs)` says which backend runs a call and why
+the ones before it do not. Choosing compiles and builds nothing: a backend whose library is not
+built yet declines (`torch_ops.warmup()` builds them).
+
+Everything a call's launch depends on besides its tensors' data is in its *signature*: each
+tensor's dtype, shape, strides, device and 16-byte alignment, every other argument's value, and
+the requested backend. The first call of a signature validates it, chooses the backend and asks
+it to `prepare` a launch; the result (a `Plan`) is cached, so later calls cost a dictionary
+lookup, the output allocation and the backend's launch. Module knobs and environment variables
+other than `ATTN_BACKEND` and `ATTN_DEBUG` are read when a signature is first planned:
+`clear_plans()` makes the next calls see a change.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
-from typing import Protocol
+from typing import Any, Callable, Protocol
+
+import torch
 
 from . import checks, ops, reference
+
+Launch = Callable[[tuple, dict], Any]   # (args, kwargs with every schema option, out/lse included) -> result
 
 
 class Backend(Protocol):
@@ -26,6 +42,10 @@ class Backend(Protocol):
 
     # Optional: `auto_declines(op, args, kwargs) -> list[str]`, why the automatic choice passes
     # this backend over for a call it could run (another backend is faster there, measured).
+
+    # Optional: `prepare(op, args, kwargs) -> Launch`, the work that depends only on the call's
+    # signature, done once; the returned launch runs a call of that signature. Without it, every
+    # call goes through `run`.
 
     def run(self, op: str, args: tuple, kwargs: dict):
         """Run the op. Attention ops get `out`/`lse` buffers in `kwargs` and fill them."""
@@ -50,23 +70,47 @@ class VanillaBackend:
         lse.copy_(l)
 
 
-_BACKENDS: list[Backend] = [VanillaBackend()]
+# op -> backend names, tried in this order by the automatic choice (the `mixed` backend splits a
+# paged_prefill batch between the CUTLASS and Triton kernels; `cuda` is the small-batch decode kernel)
+PRIORITY: dict[str, list[str]] = {
+    "paged_decode": ["cuda", "triton", "vanilla"],
+    "paged_prefill": ["mixed", "cutlass", "triton", "vanilla"],
+    "context_attention": ["cutlass", "triton", "vanilla"],
+    "kv_cache_write": ["triton", "vanilla"],
+    "merge_states": ["triton", "vanilla"],
+    "cache_attention": ["triton", "vanilla"],
+}
+MAX_PLANS = 4096   # cached signatures per op overload; past that the cache starts over
+
+_BACKENDS: dict[str, Backend] = {"vanilla": VanillaBackend()}
+_PLANS: dict[str, dict[tuple, "Plan"]] = {}
 _requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_backend", default=None)
 
 
 def register_backend(backend: Backend) -> None:
-    """Add a backend ahead of the ones registered before it (vanilla stays last)."""
-    _BACKENDS.insert(0, backend)
+    """Add a backend. One named in `PRIORITY` takes its place there; any other is tried first for
+    every op (it declines the ops it does not serve through `reasons`)."""
+    _BACKENDS[backend.name] = backend
+    if not any(backend.name in names for names in PRIORITY.values()):
+        for names in PRIORITY.values():
+            names.insert(0, backend.name)
+    clear_plans()
 
 
 def backend_names() -> list[str]:
-    return [b.name for b in _BACKENDS]
+    return list(_BACKENDS)
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (after changing a module knob or a backend's environment)."""
+    for plans in _PLANS.values():
+        plans.clear()
 
 
 @contextlib.contextmanager
 def use_backend(name: str | None):
     """Run ops in this block on backend `name` only (None restores the automatic choice)."""
-    if name is not None and name not in backend_names():
+    if name is not None and name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {backend_names()}")
     token = _requested.set(name)
     try:
@@ -75,66 +119,168 @@ def use_backend(name: str | None):
         _requested.reset(token)
 
 
-def select(op: str, args: tuple, kwargs: dict) -> Backend:
-    requested = _requested.get() or os.environ.get("ATTN_BACKEND") or None
-    if requested is None:
-        return next(b for b in _BACKENDS if _automatic(b, op, args, kwargs))
-    backend = next((b for b in _BACKENDS if b.name == requested), None)
-    if backend is None:
-        raise ValueError(f"unknown backend {requested!r} (ATTN_BACKEND or use_backend); available: {backend_names()}")
-    why = backend.reasons(op, args, kwargs)
-    if why:
-        raise ValueError(f"backend {requested!r} cannot run attn::{op}: " + "; ".join(why))
-    return backend
+def _requested_name() -> str | None:
+    return _requested.get() or os.environ.get("ATTN_BACKEND") or None
 
 
-def _automatic(backend: Backend, op: str, args: tuple, kwargs: dict) -> bool:
-    if args[0].device.type not in backend.auto_devices or backend.reasons(op, args, kwargs):
-        return False
-    declines = getattr(backend, "auto_declines", None)
-    return not (declines and declines(op, args, kwargs))
+@dataclasses.dataclass
+class Choice:
+    """Which backend runs a call (`backend`), and why each one tried before it did not."""
+
+    op: str
+    backend: str
+    requested: bool
+    passed_over: dict[str, list[str]]
+
+    def __str__(self) -> str:
+        how = "requested" if self.requested else "automatic choice"
+        lines = [f"attn::{self.op} runs on {self.backend!r} ({how})"]
+        lines += [f"  {name} passed over: {'; '.join(why)}" for name, why in self.passed_over.items()]
+        return "\n".join(lines)
 
 
-# --- the real implementations registered for the ops -------------------------------------------
+def _choose(op: str, args: tuple, kwargs: dict) -> Choice:
+    requested = _requested_name()
+    if requested is not None:
+        backend = _BACKENDS.get(requested)
+        if backend is None:
+            raise ValueError(f"unknown backend {requested!r} (ATTN_BACKEND or use_backend); available: {backend_names()}")
+        why = backend.reasons(op, args, kwargs)
+        if why:
+            raise ValueError(f"backend {requested!r} cannot run attn::{op}: " + "; ".join(why))
+        return Choice(op, requested, True, {})
+    passed_over = {}
+    device = args[0].device.type
+    for name in PRIORITY[op]:
+        backend = _BACKENDS.get(name)
+        if backend is None:
+            continue
+        if device not in backend.auto_devices:
+            why = [f"not chosen automatically on {device}"]
+        else:
+            why = backend.reasons(op, args, kwargs)
+            declines = getattr(backend, "auto_declines", None)
+            if not why and declines is not None:
+                why = declines(op, args, kwargs)
+        if not why:
+            return Choice(op, name, False, passed_over)
+        passed_over[name] = why
+    raise AssertionError(f"no backend serves attn::{op}: {passed_over}")   # vanilla serves every call
 
 
-def _run(op: str, args: tuple, kwargs: dict):
-    ops.SPECS[op].check(*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
-    if checks.debug_checks_enabled():
-        checks.check_data(op, args, kwargs)
-    return select(op, args, kwargs).run(op, args, dict(kwargs))
+# --- the op front ---------------------------------------------------------------------------------
 
 
-def _functional_attention(op: str):
-    def impl(*args, **kwargs):
-        out, lse = ops.SPECS[op].new_outputs(args, kwargs)
-        _run(op, args, {**kwargs, "out": out, "lse": lse})
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a call's plan depends on (see the module docstring)."""
+    return (_requested_name(), tuple(map(_meta, args)), tuple([(k, _meta(v)) for k, v in kwargs.items()]))
+
+
+def _meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16
+    return x
+
+
+class _Schema:
+    """The defaults of one op overload's schema, to complete the arguments the dispatcher passes
+    (only those the caller gave)."""
+
+    def __init__(self, qualname: str):
+        name, _, overload = qualname.partition(".")
+        schema = getattr(getattr(torch.ops.attn, name), overload or "default")._schema
+        self.op, self.with_out = name, overload == "out"
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        self.positional_defaults = tuple(a.default_value for a in positional)
+        self.keyword_defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only}
+
+    def complete(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args + self.positional_defaults[len(args):], {**self.keyword_defaults, **kwargs}
+
+
+@dataclasses.dataclass
+class Plan:
+    """A call signature's validated choice and prepared launch."""
+
+    schema: _Schema
+    choice: Choice
+    launch: Launch
+    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None   # functional attention ops
+
+    def __call__(self, args: tuple, kwargs: dict):
+        args, kwargs = self.schema.complete(args, kwargs)
+        if checks.debug_checks_enabled():
+            checks.check_data(self.schema.op, args, kwargs)
+        if self.outputs is None:
+            return self.launch(args, kwargs)
+        out, lse = self.outputs()
+        kwargs["out"], kwargs["lse"] = out, lse
+        self.launch(args, kwargs)
         return out, lse
 
+
+def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
+    args, kwargs = schema.complete(args, kwargs)
+    op = schema.op
+    options = {k: v for k, v in kwargs.items() if k not in ("out", "lse")}
+    spec = ops.SPECS[op]
+    spec.check(*args, **options)
+    outputs = None
+    if schema.with_out:
+        spec.check_outputs(args, options, kwargs["out"], kwargs["lse"])
+    elif op in ops.ATTENTION_OPS:
+        query, value_dim, dtype = spec.output_spec(*args, **options)
+        t, hq = query.shape[0], query.shape[1]
+
+        def outputs(device=query.device):
+            return (torch.empty((t, hq, value_dim), dtype=dtype, device=device),
+                    torch.empty((t, hq), dtype=torch.float32, device=device))
+
+        kwargs["out"], kwargs["lse"] = outputs()
+    choice = _choose(op, args, options)
+    backend = _BACKENDS[choice.backend]
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        launch = prepare(op, args, kwargs)
+    else:
+        def launch(args, kwargs):
+            return backend.run(op, args, dict(kwargs))
+    return Plan(schema, choice, launch, outputs)
+
+
+def _front(qualname: str):
+    plans = _PLANS.setdefault(qualname, {})
+    schema = None
+
+    def impl(*args, **kwargs):
+        nonlocal schema
+        key = _signature(args, kwargs)
+        plan = plans.get(key)
+        if plan is None:
+            schema = schema or _Schema(qualname)
+            plan = _make_plan(schema, args, kwargs)
+            if len(plans) >= MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+        return plan(args, kwargs)
+
     return impl
 
 
-def _out_attention(op: str):
-    def impl(*args, out, lse, **kwargs):
-        ops.SPECS[op].check_outputs(args, kwargs, out, lse)
-        _run(op, args, {**kwargs, "out": out, "lse": lse})
-
-    return impl
-
-
-def _plain(op: str):
-    return lambda *args, **kwargs: _run(op, args, kwargs)
-
-
-_IMPLS = {"kv_cache_write": _plain("kv_cache_write"), "cache_attention": _plain("cache_attention")}
-for _op in ops.ATTENTION_OPS:
-    _IMPLS[_op] = _functional_attention(_op)
-    _IMPLS[f"{_op}.out"] = _out_attention(_op)
-for _qualname, _impl in _IMPLS.items():
+for _qualname in ops.SCHEMAS:
     for _device in ("CPU", "CUDA"):
-        ops.LIB.impl(_qualname, ops.with_schema_defaults(_qualname, _impl), _device)
+        ops.LIB.impl(_qualname, _front(_qualname), _device)
+
+
+def explain(op: str, *args, **kwargs) -> Choice:
+    """Which backend would run `torch.ops.attn.<op>(*args, **kwargs)` and why the ones before it
+    in `PRIORITY[op]` would not (`print` it). Validates the call like the op does."""
+    schema = _Schema(op)
+    args, kwargs = schema.complete(args, kwargs)
+    ops.SPECS[op].check(*args, **kwargs)
+    return _choose(op, args, kwargs)
 
 
 def backend_for(op: str, *args, **kwargs) -> str:
-    """The name of the backend that would run this call (for tests, benchmarks and docs)."""
-    return select(op, args, kwargs).name
+    """The name of the backend that would run this call."""
+    return explain(op, *args, **kwargs).backend

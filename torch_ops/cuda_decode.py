@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached_build, find_nvcc, nvcc_version, run_tool
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, on_device, run_tool
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,18 @@ def library_path() -> Path:
     return cached_build(f"decode_sm90-{build_key(nvcc)}", LIBRARY_NAME,
                         f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH}) with {nvcc}",
                         lambda target: build(target, nvcc=nvcc), log)
+
+
+def library_built() -> bool:
+    """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
+    if os.environ.get("ATTN_DECODE_LIBRARY") or PREBUILT.exists() or library_path.cache_info().currsize:
+        return True
+    nvcc = find_nvcc()
+    return nvcc is not None and cached(f"decode_sm90-{build_key(nvcc)}", LIBRARY_NAME)
+
+
+NOT_BUILT = ("the CUDA decode library is not built yet, and the automatic choice builds nothing: "
+             "torch_ops.warmup() builds it (20-30 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
 
 
 class DecodeArgs(ctypes.Structure):
@@ -298,22 +310,27 @@ def _scale_fields(k_cache, k_scale, v_scale, d: int) -> dict:
             "scale_fp32": int(k_scale.dtype == torch.float32), "quant_group": d // k_scale.shape[-1]}
 
 
-def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
-        k_scale=None, v_scale=None, **options) -> None:
+def run(*args, **kwargs) -> None:
+    prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
+            k_scale=None, v_scale=None, **options):
+    """`launch(*args, **kwargs)` for calls of this signature: the kernel's arguments are filled once
+    (`DecodeArgs`); a call copies them and sets its tensors' addresses."""
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
-        return
+        return lambda *args, **kwargs: None
     _, block_size, hkv, _ = k_cache.shape
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    if not tables.numel():
-        tables = torch.zeros(batch, 1, dtype=torch.int32, device=query.device)
+    empty_tables = not block_tables.numel()
+    tables = (torch.zeros(batch, 1, dtype=torch.int32, device=query.device) if empty_tables
+              else block_tables.to(torch.int32))   # what a call passes: its strides
     size, per_sm = _grid(query, k_cache, tables, seq_lens)[:2]
-    args = DecodeArgs(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), lse.data_ptr(),
-        query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+    template = DecodeArgs(
+        0, 0, 0, 0, 0, 0, 0,
+        query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         batch, hq, hkv, d, t // batch, block_size, DTYPES[query.dtype],
         size,
@@ -322,11 +339,27 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         **_scale_fields(k_cache, k_scale, v_scale, d),
         pdl=int(PDL), ctas_per_sm=per_sm,
     )
-    err = ctypes.create_string_buffer(512)
-    with torch.cuda.device(query.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        if _library(library_path()).attn_decode_sm90(ctypes.byref(args), stream, err, len(err)) != 0:
-            raise RuntimeError(f"CUDA paged_decode failed: {err.value.decode()}")
+    entry = _library(library_path()).attn_decode_sm90
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+
+    def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, k_scale=None, v_scale=None, **_):
+        args = DecodeArgs.from_buffer_copy(template)
+        if not empty_tables:
+            args.block_tables = (block_tables if block_tables.dtype == torch.int32
+                                 else block_tables.to(torch.int32)).data_ptr()
+        else:
+            args.block_tables = tables.data_ptr()
+        args.seq_lens = (seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)).data_ptr()
+        args.q, args.k_cache, args.v_cache = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        args.out, args.lse = out.data_ptr(), lse.data_ptr()
+        if k_scale is not None:
+            args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        err = ctypes.create_string_buffer(512)
+        with on_device(index):
+            if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(index), err, len(err)) != 0:
+                raise RuntimeError(f"CUDA paged_decode failed: {err.value.decode()}")
+
+    return launch
 
 
 class CudaDecodeBackend:
@@ -364,6 +397,8 @@ class CudaDecodeBackend:
         D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
         (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
         clauses are off there. The rest held (0.97-1.6x)."""
+        if not library_built():
+            return [NOT_BUILT]
         query, k_cache, _, block_tables, seq_lens = args[:5]
         size, _, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
@@ -382,3 +417,7 @@ class CudaDecodeBackend:
 
     def run(self, op, args, kwargs):
         run(*args, **kwargs)
+
+    def prepare(self, op, args, kwargs):
+        launch = prepare(*args, **kwargs)
+        return lambda args, kwargs: launch(*args, **kwargs)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached_build, find_nvcc
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, on_device
 from .nvcc import nvcc_version as _nvcc_version
 from .nvcc import run_tool as _run_tool
 
@@ -234,6 +234,21 @@ def library_path() -> Path:
             f"sm_{ARCH}) with {nvcc}")
     return cached_build(f"fmha_sm90-{build_key(nvcc, variants=variants)}", LIBRARY_NAME, what,
                         lambda target: build(target, nvcc=nvcc, variants=variants), log)
+
+
+def library_built() -> bool:
+    """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
+    if os.environ.get("ATTN_CUTLASS_LIBRARY") or PREBUILT.exists() or _entry.cache_info().currsize:
+        return True
+    nvcc = find_nvcc()
+    if nvcc is None or _build_unavailable():
+        return False
+    variants = built_variants()
+    return cached(f"fmha_sm90-{build_key(nvcc, variants=variants)}", LIBRARY_NAME)
+
+
+NOT_BUILT = ("the CUTLASS library is not built yet, and the automatic choice builds nothing: torch_ops.warmup() "
+             "builds it (about 105 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
 
 
 class FmhaArgs(ctypes.Structure):
@@ -452,12 +467,6 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _scale(s: torch.Tensor | None) -> tuple[int | None, int]:
-    if s is None:
-        return None, 0
-    return s.data_ptr(), 1 if s.dim() == 1 else 0
-
-
 def value_layout(dtype: torch.dtype, head_dim: int, variant: str) -> int:
     """How the kernel reads V (`AttnValueLayout` in csrc/fmha_sm90.h): token-major, except FP8 outside
     the persistent D = 128 kernels (which transpose V tiles in shared memory), where the FP8 wgmma
@@ -483,32 +492,66 @@ def value_operand(value: torch.Tensor, layout: int) -> tuple[torch.Tensor, dict]
     return v, dict(v_row_stride=0, v_head_stride=v.stride(0), v_dim_stride=v.stride(1), v_layout=layout)
 
 
-def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
-        out_scale=None, q_scale=None, k_scale=None, v_scale=None, **unused) -> None:
+def run(*args, **kwargs) -> None:
     """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` (V as `value_layout` says)."""
+    prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
+            out_scale=None, q_scale=None, k_scale=None, v_scale=None, **unused):
+    """`launch(*args, **kwargs)` for `context_attention` calls of this signature."""
     tq, hq, d = query.shape
     tk, hkv, _ = key.shape
     if tq == 0:
-        return
+        return _nothing
     num_seqs = cu_seqlens_q.shape[0] - 1
     variant = "persistent" if runs_persistent(query.dtype, d, causal, tq, num_seqs) else "plain"
+    layout = value_layout(query.dtype, d, variant)
     q, k = _tma_ready(query), _tma_ready(key)
-    v, v_args = value_operand(value, value_layout(query.dtype, d, variant))
-    cu_q = cu_seqlens_q.to(torch.int32).contiguous()
-    cu_k = cu_seqlens_k.to(torch.int32).contiguous()
-    scales = [s.contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
-    (qs, qs_stride), (ks, ks_stride), (vs, vs_stride) = map(_scale, scales)
+    copy_q, copy_k = q is not query, k is not key
+    v_fields = value_operand(value, layout)[1]
     sms = _num_sms(query.device.index)
     num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
     section = 1
     if variant == "persistent" or sectioned(causal, tq, hq, sms):
         section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
-    args = dict(
-        k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_k=cu_k.data_ptr(), q_scale=qs, k_scale=ks, v_scale=vs,
-        k_row_stride=k.stride(0), k_head_stride=k.stride(1), **v_args, total_k=tk, hkv=hkv,
-        q_scale_stride=qs_stride, k_scale_stride=ks_stride, v_scale_stride=vs_stride, num_ctas=num_ctas,
-        section_heads=section)
-    _launch("context_attention", variant, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args)
+    kernel = _launch("context_attention", variant, q, out, lse, causal, scale, q_scaling, num_seqs, dict(
+        k_row_stride=k.stride(0), k_head_stride=k.stride(1), **v_fields, total_k=tk, hkv=hkv,
+        q_scale_stride=_scale_stride(q_scale), k_scale_stride=_scale_stride(k_scale),
+        v_scale_stride=_scale_stride(v_scale), num_ctas=num_ctas, section_heads=section))
+
+    def launch(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, out_scale=None, q_scale=None,
+               k_scale=None, v_scale=None, **_):
+        q = query.contiguous() if copy_q else query
+        k = key.contiguous() if copy_k else key
+        v = value_operand(value, layout)[0]
+        q_scale, k_scale, v_scale = _contiguous(q_scale), _contiguous(k_scale), _contiguous(v_scale)
+        cu_q, cu_k = _int32(cu_seqlens_q), _int32(cu_seqlens_k)
+        kernel(out, lse, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
+               cu_seqlens_k=cu_k.data_ptr(), q_scale=_address(q_scale), k_scale=_address(k_scale),
+               v_scale=_address(v_scale), out_scale=_address(out_scale))
+
+    return launch
+
+
+def _nothing(*args, **kwargs) -> None:
+    """The launch of an empty call."""
+
+
+def _scale_stride(s: torch.Tensor | None) -> int:
+    return 1 if s is not None and s.dim() == 1 else 0
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
 
 
 def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tuple[str, int]:
@@ -533,16 +576,21 @@ def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tu
     return variant + "x2" if group % 2 == 0 and rows <= PAGED_CLUSTER_MAX_BOX_ROWS else variant, rows
 
 
-def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
-              q_scaling=1.0, out_scale=None, skip_q_len=0, **unused) -> None:
-    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache, except the rows of sequences of
-    at most `skip_q_len` queries (left for another kernel; if `out` must go through a buffer, those
-    rows get garbage and the other kernel must run after this one). The kernel reads the cache in
-    TMA boxes of tokens x the whole head dim (`paged_kernel`); int64 block tables and
-    lengths are first copied to int32 (a few KB)."""
+def paged_run(*args, **kwargs) -> None:
+    """Fill `out [Tq, Hq, D]` and `lse [Tq, Hq]` from the paged cache (see `paged_prepare`)."""
+    paged_prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def paged_prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True,
+                  scale=None, q_scaling=1.0, out_scale=None, skip_q_len=0, **unused):
+    """`launch(*args, **kwargs)` for `paged_prefill` calls of this signature: it fills `out` and
+    `lse` except the rows of sequences of at most `skip_q_len` queries (left for another kernel; if
+    `out` must go through a buffer, those rows get garbage and the other kernel must run after this
+    one). The kernel reads the cache in TMA boxes of tokens x the whole head dim (`paged_kernel`);
+    int64 block tables and lengths are first copied to int32 (a few KB)."""
     tq, hq, d = query.shape
     if tq == 0:
-        return
+        return _nothing
     num_blocks, block_size, hkv, _ = k_cache.shape
     family, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
     sms = _num_sms(query.device.index)
@@ -554,45 +602,70 @@ def paged_run(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, 
         section = section_heads(hq, hkv, block_tables.shape[1] * block_size, d, k_cache.element_size())
     if family in CLUSTER_VARIANTS and section % 2:
         section *= 2   # a cluster's CTAs run query heads 2i and 2i + 1 of one section
-    tables = block_tables.to(torch.int32)
-    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    args = dict(
-        k=k_cache.data_ptr(), v=v_cache.data_ptr(), k_row_stride=k_cache.stride(1), k_head_stride=k_cache.stride(2),
+    q = _tma_ready(query)
+    copy_q = q is not query
+    tables = _int32_rows(block_tables)
+    kernel = _launch("paged_prefill", variant, q, out, lse, causal, scale, q_scaling, cu_seqlens_q.shape[0] - 1, dict(
+        k_row_stride=k_cache.stride(1), k_head_stride=k_cache.stride(2),
         v_row_stride=v_cache.stride(1), v_head_stride=v_cache.stride(2), hkv=hkv,
-        block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), block_table_stride=tables.stride(0),
+        block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=box_rows,
-        skip_q_len=skip_q_len, section_heads=section, num_ctas=num_ctas)
-    _launch("paged_prefill", variant, _tma_ready(query), cu_seqlens_q.to(torch.int32).contiguous(), out, lse,
-            causal, scale, q_scaling, out_scale, args)
+        skip_q_len=skip_q_len, section_heads=section, num_ctas=num_ctas))
+
+    def launch(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, out_scale=None, **_):
+        q = query.contiguous() if copy_q else query
+        tables, lens, cu_q = _int32_rows(block_tables), _int32(seq_lens), _int32(cu_seqlens_q)
+        kernel(out, lse, q=q.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
+               block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), out_scale=_address(out_scale))
+
+    return launch
 
 
-def _launch(op: str, variant: str, q, cu_q, out, lse, causal, scale, q_scaling, out_scale, args: dict) -> None:
-    """Fill the query/output fields of `FmhaArgs` and run the kernel of `variant` for q's dtype and
-    head dim (through contiguous out/lse buffers if the given ones have strided last dims, or an out
-    whose base or strides are not 16-byte multiples: the epilogue writes 16-byte chunks)."""
+def _int32_rows(tables: torch.Tensor) -> torch.Tensor:
+    tables = tables.to(torch.int32)
+    return tables if tables.stride(-1) == 1 else tables.contiguous()
+
+
+def _launch(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_seqs: int, fields: dict):
+    """The kernel of `variant` for q's dtype and head dim, with the `FmhaArgs` fields that a call's
+    signature fixes (`fields`, and those of q, out and lse); `kernel(out, lse, **addresses)` runs a
+    call, given its tensors' addresses (through contiguous out/lse buffers if the given ones have
+    strided last dims, or an out whose base or strides are not 16-byte multiples: the epilogue
+    writes 16-byte chunks)."""
     tq, hq, d = q.shape
     es = out.element_size()
     aligned = out.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in out.stride()[:2])
-    target = out if aligned and out.stride(-1) == 1 and lse.stride(-1) == 1 else None
-    o, l = (out, lse) if target is not None else (torch.empty_like(out, memory_format=torch.contiguous_format),
-                                                 torch.empty_like(lse, memory_format=torch.contiguous_format))
-    fmha = FmhaArgs(
-        q=q.data_ptr(), out=o.data_ptr(), lse=l.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
-        out_scale=out_scale.data_ptr() if out_scale is not None else None,
+    direct = aligned and out.stride(-1) == 1 and lse.stride(-1) == 1
+    o, l = (out, lse) if direct else _contiguous_outputs(out, lse)
+    template = FmhaArgs(
         q_row_stride=q.stride(0), q_head_stride=q.stride(1), out_row_stride=o.stride(0), out_head_stride=o.stride(1),
-        lse_row_stride=l.stride(0), total_q=tq, num_seqs=cu_q.shape[0] - 1, hq=hq, head_dim=d, causal=int(causal),
+        lse_row_stride=l.stride(0), total_q=tq, num_seqs=num_seqs, hq=hq, head_dim=d, causal=int(causal),
         out_dtype=OUT_DTYPES[o.dtype], softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
-        **args)
-    err = ctypes.create_string_buffer(256)
-    with torch.cuda.device(q.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        if _entry(KERNELS[(q.dtype, d)], d, variant)(ctypes.byref(fmha), stream, err, len(err)) != 0:
-            raise RuntimeError(f"CUTLASS {op} failed: {err.value.decode()}")
-    if target is None:
-        out.copy_(o)
-        lse.copy_(l)
+        **fields)
+    entry = _entry(KERNELS[(q.dtype, d)], d, variant)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+
+    def kernel(out, lse, **addresses):
+        o, l = (out, lse) if direct else _contiguous_outputs(out, lse)
+        args = FmhaArgs.from_buffer_copy(template)
+        for name, address in addresses.items():
+            setattr(args, name, address)
+        args.out, args.lse = o.data_ptr(), l.data_ptr()
+        err = ctypes.create_string_buffer(256)
+        with on_device(index):
+            if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(index), err, len(err)) != 0:
+                raise RuntimeError(f"CUTLASS {op} failed: {err.value.decode()}")
+        if not direct:
+            out.copy_(o)
+            lse.copy_(l)
+
+    return kernel
+
+
+def _contiguous_outputs(out, lse):
+    return (torch.empty_like(out, memory_format=torch.contiguous_format),
+            torch.empty_like(lse, memory_format=torch.contiguous_format))
 
 
 class CutlassBackend:
@@ -610,6 +683,8 @@ class CutlassBackend:
         return self._OPS[op][0](*args, **options)
 
     def auto_declines(self, op, args, kwargs):
+        if not library_built():
+            return [NOT_BUILT]
         if op != "paged_prefill":
             return []
         query, seq_lens = args[0], args[5]
@@ -621,6 +696,10 @@ class CutlassBackend:
 
     def run(self, op, args, kwargs):
         self._OPS[op][1](*args, **kwargs)
+
+    def prepare(self, op, args, kwargs):
+        launch = (prepare if op == "context_attention" else paged_prepare)(*args, **kwargs)
+        return lambda args, kwargs: launch(*args, **kwargs)
 
 
 def _small_boxes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
@@ -653,6 +732,8 @@ class MixedBatchBackend:
         return [why for backend in self._parts for why in backend.reasons(op, args, kwargs)]
 
     def auto_declines(self, op, args, kwargs):
+        if not library_built():
+            return [NOT_BUILT]
         query, cu_seqlens_q = args[0], args[4]
         why = _small_boxes(*args[:3])
         if cu_seqlens_q.shape[0] <= 2:
@@ -662,6 +743,16 @@ class MixedBatchBackend:
         return why
 
     def run(self, op, args, kwargs):
+        self.prepare(op, args, kwargs)(args, kwargs)
+
+    def prepare(self, op, args, kwargs):
         from .kernels import paged_prefill
-        paged_run(*args, **kwargs, skip_q_len=PAGED_MIN_QUERIES)   # first: it may write garbage to the others' rows
-        paged_prefill.run(*args, **kwargs, max_queries=PAGED_MIN_QUERIES)
+        # CUTLASS first: it may write garbage to the other sequences' rows
+        launches = (paged_prepare(*args, **kwargs, skip_q_len=PAGED_MIN_QUERIES),
+                    paged_prefill.prepare(*args, **kwargs, max_queries=PAGED_MIN_QUERIES))
+
+        def launch(args, kwargs):
+            for part in launches:
+                part(*args, **kwargs)
+
+        return launch

@@ -1,9 +1,11 @@
 """What the CUDA libraries built from csrc/ share: finding nvcc, running it, and the on-disk
-cache of just-in-time builds (`torch_ops.cutlass`, `torch_ops.cuda_decode`). No torch import."""
+cache of just-in-time builds (`torch_ops.cutlass`, `torch_ops.cuda_decode`), and the device guard
+of their launches. Torch is imported only by that guard."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -14,6 +16,18 @@ from typing import Callable
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ARCH = "90a"
+
+
+@contextlib.contextmanager
+def on_device(index: int):
+    """Make CUDA device `index` current for the block, if it is not already (cheaply)."""
+    import torch
+
+    if torch.cuda.current_device() == index:
+        yield
+    else:
+        with torch.cuda.device(index):
+            yield
 
 
 def find_nvcc() -> str | None:
@@ -28,6 +42,7 @@ def find_nvcc() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
+@functools.cache
 def nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
 
@@ -53,6 +68,11 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached(folder: str, library_name: str) -> bool:
+    """Whether `cached_build(folder, library_name, ...)` would find the library built."""
+    return (cache_dir() / folder / library_name).exists()
 
 
 def cached_build(folder: str, library_name: str, what: str, build: Callable[[Path], object],

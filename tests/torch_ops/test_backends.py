@@ -1,4 +1,4 @@
-"""The backend registry (torch_ops/backends.py): automatic choice, declines, explicit requests."""
+"""The op front (torch_ops/backends.py): automatic choice, declines, explicit requests, plans."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ class _Fake:
     def __init__(self, name, reasons=(), declines=()):
         self.name, self.auto_devices = name, ("cpu",)
         self._reasons, self._declines = list(reasons), list(declines)
+        self.prepared = self.runs = 0
 
     def reasons(self, op, args, kwargs):
         return self._reasons
@@ -18,18 +19,83 @@ class _Fake:
     def auto_declines(self, op, args, kwargs):
         return self._declines
 
+    def prepare(self, op, args, kwargs):
+        self.prepared += 1
+
+        def launch(args, kwargs):
+            self.runs += 1
+            kwargs["out"].copy_(args[0])
+            kwargs["lse"].copy_(args[1])
+
+        return launch
+
 
 @pytest.fixture
 def registry(monkeypatch):
-    monkeypatch.setattr(backends, "_BACKENDS", list(backends._BACKENDS))
-    return backends._BACKENDS
+    """A private copy of the registry: fakes registered in a test leave with it."""
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
+    monkeypatch.setattr(backends, "PRIORITY", {op: list(names) for op, names in backends.PRIORITY.items()})
+    backends.clear_plans()
+    yield
+    backends.clear_plans()
+
+
+def _states(tokens=2):
+    q = torch.randn(tokens, 2, 8)
+    return q, q[..., 0].contiguous(), q, q[..., 0].contiguous()
 
 
 def test_automatic_choice_skips_backends_that_cannot_serve_or_decline(registry):
-    q = torch.randn(2, 2, 8)
-    registry[:0] = [_Fake("slow_here", declines=["measured slower"]), _Fake("broken", reasons=["no kernel"])]
-    assert torch_ops.backend_for("merge_states", q, q[..., 0], q, q[..., 0]) == registry[-1].name
+    torch_ops.register_backend(_Fake("slow_here", declines=["measured slower"]))
+    torch_ops.register_backend(_Fake("broken", reasons=["no kernel"]))
+    assert backends.PRIORITY["merge_states"][:2] == ["broken", "slow_here"]   # registered last: tried first
+    choice = torch_ops.explain("merge_states", *_states())
+    assert choice.backend == "vanilla" and not choice.requested
+    assert choice.passed_over == {"broken": ["no kernel"], "slow_here": ["measured slower"],
+                                  "triton": ["not chosen automatically on cpu"]}
+    assert "slow_here passed over: measured slower" in str(choice)
     with torch_ops.use_backend("slow_here"):   # a decline only affects the automatic choice
-        assert torch_ops.backend_for("merge_states", q, q[..., 0], q, q[..., 0]) == "slow_here"
+        assert torch_ops.backend_for("merge_states", *_states()) == "slow_here"
     with torch_ops.use_backend("broken"), pytest.raises(ValueError, match="'broken' cannot run attn::merge_states: no kernel"):
-        torch_ops.backend_for("merge_states", q, q[..., 0], q, q[..., 0])
+        torch_ops.backend_for("merge_states", *_states())
+
+
+def test_priority_is_explicit_for_every_op():
+    assert set(backends.PRIORITY) == set(torch_ops.ops.SPECS)
+    for names in backends.PRIORITY.values():
+        assert names[-1] == "vanilla" and set(names) <= set(backends.backend_names())
+
+
+def test_a_signature_is_planned_once(registry):
+    fake = _Fake("fast")
+    torch_ops.register_backend(fake)
+    for _ in range(3):
+        a, la, b, lb = _states()
+        out, lse = torch.ops.attn.merge_states(a, la, b, lb)
+        assert torch.equal(out, a) and torch.equal(lse, la)   # the fake's launch ran on this call's tensors
+    assert (fake.prepared, fake.runs) == (1, 3)
+    torch.ops.attn.merge_states(*_states(tokens=3))   # another shape: another plan
+    assert (fake.prepared, fake.runs) == (2, 4)
+    with torch_ops.use_backend("vanilla"):   # the requested backend is part of the signature
+        torch.ops.attn.merge_states(*_states(tokens=3))
+    assert (fake.prepared, fake.runs) == (2, 4)
+
+
+def test_bad_input_is_rejected_on_every_call(registry):
+    a, la, b, lb = _states()
+    torch.ops.attn.merge_states(a, la, b, lb)
+    for _ in range(2):   # a failed validation caches nothing
+        with pytest.raises(ValueError, match="lse_b"):
+            torch.ops.attn.merge_states(a, la, b, lb[:1])
+
+
+def test_plans_follow_the_requested_backend_from_the_environment(registry, monkeypatch):
+    fake = _Fake("fast")
+    torch_ops.register_backend(fake)
+    torch.ops.attn.merge_states(*_states())
+    monkeypatch.setenv("ATTN_BACKEND", "vanilla")
+    torch.ops.attn.merge_states(*_states())
+    assert fake.runs == 1
+    monkeypatch.setenv("ATTN_BACKEND", "nonesuch")
+    with pytest.raises(ValueError, match="unknown backend 'nonesuch'"):
+        torch.ops.attn.merge_states(*_states())

@@ -95,6 +95,19 @@ def test_compile_command():
     assert str(CSRC / "decode_sm90.cu") in cmd and "-DATTN_DECODE_STAGES=3" in cmd and cmd[-2:] == ["-o", "/tmp/lib.so"]
 
 
+@pytest.fixture
+def built(monkeypatch):
+    """The library counts as built: the choice rule is what these tests check."""
+    monkeypatch.setattr(cd, "library_built", lambda: True)
+
+
+def test_the_automatic_choice_builds_nothing(monkeypatch):
+    monkeypatch.setattr(cd, "library_built", lambda: False)
+    monkeypatch.setattr(cd, "_grid", lambda *a: pytest.fail("the choice looked at the library"))
+    q, k, v, bt, sl = _problem()
+    assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {}) == [cd.NOT_BUILT]
+
+
 @pytest.mark.parametrize("keys,size,ctas,cache_dtype,declined", [
     (1024, 2, 64, None, False), (4096, 1, 128, None, False), (4096, 2, 64, None, True), (16384, 8, 64, None, False),
     (16384, 16, 64, None, True), (16384, 1, 128, None, True), (65536, 8, 64, None, True),
@@ -103,7 +116,7 @@ def test_compile_command():
     (16384, 16, 64, torch.int8, True), (32768, 16, 64, torch.float8_e4m3fn, True), (16384, 8, 64, torch.uint8, True),
     (65536, 16, 64, torch.uint8, True),
 ])
-def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, declined):
+def test_automatic_choice_rule(monkeypatch, built, keys, size, ctas, cache_dtype, declined):
     q, k, v, _, sl = _problem(cache_dtype=cache_dtype)
     bt = torch.zeros(sl.shape[0], keys // 16, dtype=torch.int32)
     monkeypatch.setattr(cd, "_grid", lambda *a: (size, 1, ctas, 132, 132))
@@ -112,7 +125,7 @@ def test_automatic_choice_rule(monkeypatch, keys, size, ctas, cache_dtype, decli
     assert cd.CudaDecodeBackend().auto_declines("paged_decode", (q, k, v, bt, sl), {})
 
 
-def test_long_tables_in_clusters_only_plain_at_d128(monkeypatch):
+def test_long_tables_in_clusters_only_plain_at_d128(monkeypatch, built):
     for size, cache_dtype, d, declined in ((8, None, 128, False), (8, None, 64, True), (16, torch.int8, 128, True),
                                            (8, torch.float8_e4m3fn, 128, True)):
         monkeypatch.setattr(cd, "_grid", lambda *a, size=size: (size, 1, 64, 132, 132))
@@ -127,7 +140,7 @@ def test_long_tables_in_clusters_only_plain_at_d128(monkeypatch):
     (torch.uint8, 128, 16, 16384, False), (torch.uint8, 128, 256, 4096, False), (torch.uint8, 64, 256, 4096, False),
     (torch.uint8, 64, 64, 1024, True), (torch.float8_e4m3fn, 128, 16, 16384, True),
 ])
-def test_grouped_caches_on_many_pairs(monkeypatch, cache_dtype, d, batch, keys, declined):
+def test_grouped_caches_on_many_pairs(monkeypatch, built, cache_dtype, d, batch, keys, declined):
     q, k, v, _, _ = _problem(t=batch, d=d, cache_dtype=cache_dtype)          # 8 KV heads: 8 x batch pairs
     bt, sl = torch.zeros(batch, keys // 16, dtype=torch.int32), torch.full((batch,), 5, dtype=torch.int32)
     monkeypatch.setattr(cd, "_grid", lambda *a: (1, 1, 8 * batch, 132, 132))
@@ -287,7 +300,7 @@ def test_chained_calls_read_the_previous_output(kernel_device, monkeypatch, pdl)
 
 
 @pytest.mark.gpu
-def test_automatic_choice_on_the_gpu(kernel_device):
+def test_automatic_choice_on_the_gpu(kernel_device, csrc_libraries):
     small = tp.make_problem(kernel_device, lens=[512] * 4, hq=32, hkv=8, d=128, bs=16)
     large = tp.make_problem(kernel_device, lens=[16] * 512, hq=32, hkv=8, d=128, bs=16)
     small_int8 = tp.make_problem(kernel_device, lens=[512] * 4, hq=32, hkv=8, d=128, bs=16, cache_dtype=torch.int8,

@@ -298,7 +298,7 @@ def test_sections_only_for_causal_grids_of_few_waves():
 def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     """The lengths are on the device: the sections assume every sequence fills its table row."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
     tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
@@ -321,7 +321,7 @@ def test_paged_persistent_grid_where_forced_or_chosen(monkeypatch):
     heads, even ones for the cluster kernels), or where `paged_runs_persistent` picks it (D = 64), the
     plain one otherwise."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
 
@@ -353,7 +353,7 @@ def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_s
     blocks padded by a token; K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor are one).
     An even number of query heads per KV head takes the family's cluster kernels."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size, hq=hq, hkv=2)
     if layout == "halves":
@@ -392,7 +392,7 @@ def test_paged_stage_layouts_match_the_tma_boxes(tmp_path, check, define):
 def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
     """Causal launches of few waves run in sections sized at the mean key length; the rest head by head."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]))
+    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q = torch.randn(4096, 32, 128).to(BF16)       # 2k queries per sequence: the plain grid
     kv = torch.randn(2 * 8192, 32, 128).to(BF16)   # two sequences of 8k keys: 4 MiB of K/V per head
@@ -420,8 +420,9 @@ def _problem(device="cpu", *, dtype=BF16, d=128, tq=5, tk=7, hq=4, hkv=2):
 
 
 def test_backend_is_chosen_ahead_of_triton_on_cuda():
-    names = torch_ops.backends.backend_names()
-    assert names.index("cutlass") < names.index("triton")
+    for op in ("context_attention", "paged_prefill"):
+        names = torch_ops.backends.PRIORITY[op]
+        assert names.index("cutlass") < names.index("triton")
     assert cutlass.CutlassBackend.auto_devices == ("cuda",)
 
 
@@ -463,6 +464,10 @@ def test_empty_keys_are_not_served():
     assert cutlass.problem_reasons(q, k) == ["key is empty (total_k == 0)"]
 
 
+def _no_launch(*args, **kwargs) -> None:
+    """A spied `_launch`'s kernel: the tests read what it was prepared with."""
+
+
 def _paged_problem_cpu(*, dtype=BF16, cache_dtype=None, d=128, block_size=16, hq=4, hkv=2, tq=300, seqs=2):
     q = torch.randn(tq, hq, d).to(dtype)
     k_cache = torch.zeros(8, block_size, hkv, d, dtype=cache_dtype or dtype)
@@ -492,7 +497,8 @@ def test_paged_prefill_reasons():
     assert "16-byte aligned" in cutlass.paged_problem_reasons(q, padded, v, tables)[0]
 
 
-def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks():
+def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks(monkeypatch):
+    monkeypatch.setattr(cutlass, "library_built", lambda: True)
     backend = cutlass.CutlassBackend()
     prefill = _paged_problem_cpu(tq=300, seqs=2, block_size=16)
     assert backend.auto_declines("paged_prefill", prefill, {}) == []
@@ -506,8 +512,9 @@ def test_paged_prefill_goes_to_triton_for_decode_heavy_batches_and_small_blocks(
     assert torch_ops.backend_for("paged_prefill", *prefill) != "cutlass"   # CPU tensors
 
 
-def test_mixed_backend_is_first_and_serves_batches_that_may_hold_a_long_sequence():
-    names = torch_ops.backends.backend_names()
+def test_mixed_backend_is_first_and_serves_batches_that_may_hold_a_long_sequence(monkeypatch):
+    monkeypatch.setattr(cutlass, "library_built", lambda: True)
+    names = torch_ops.backends.PRIORITY["paged_prefill"]
     assert names.index("mixed") < names.index("cutlass") < names.index("triton")
     backend = cutlass.MixedBatchBackend()
     assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=100, seqs=64, block_size=16), {}) == []
@@ -843,7 +850,7 @@ MIXED_SEQS = [(1, 900), (300, 700), (64, 64), (1, 33), (65, 1000), (0, 5), (3, 3
 @pytest.mark.parametrize("dtype,d,hq,hkv", [(BF16, 128, 8, 2), (FP16, 64, 8, 8), (BF16, 128, 32, 4)])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mixed_backend(dtype, d, hq, hkv, block_size, causal):
+def test_mixed_backend(csrc_libraries, dtype, d, hq, hkv, block_size, causal):
     seqs = random.sample(MIXED_SEQS, len(MIXED_SEQS))
     problem = paged_problem([q for q, _ in seqs], [k for _, k in seqs], dtype=dtype, d=d, hq=hq, hkv=hkv,
                             block_size=block_size)
@@ -939,3 +946,11 @@ def test_paged_prefill_cuda_graph_replay_follows_new_tables_and_lengths(backend,
 
     assert_replays_match_eager(call, fill, [out, lse], lambda o, l: check_paged(problem, o, l))
 
+
+
+def test_the_automatic_choice_builds_nothing(monkeypatch):
+    """An unbuilt library is passed over, with the way to build it; an explicit request builds it."""
+    monkeypatch.setattr(cutlass, "library_built", lambda: False)
+    for backend in (cutlass.CutlassBackend(), cutlass.MixedBatchBackend()):
+        assert backend.auto_declines("paged_prefill", _paged_problem_cpu(tq=300, seqs=2), {}) == [cutlass.NOT_BUILT]
+    assert "torch_ops.warmup()" in cutlass.NOT_BUILT

@@ -2,7 +2,9 @@
 
 Each op has a module exposing `unsupported(*args, **kwargs) -> list[str]` (reasons it cannot run
 a call; empty if it can) and `run(*args, **kwargs)` with the op's arguments (attention ops also
-get their `out`/`lse` buffers to fill). Ops that share a kernel family keep thin op modules over
+get their `out`/`lse` buffers to fill); most also have `prepare(*args, **kwargs) -> launch`, the
+work that depends only on the call's signature, after which `launch(*args, **kwargs)` runs a
+call of that signature (`launcher.TritonLaunch`). Ops that share a kernel family keep thin op modules over
 one family file (`prefill_attention.py`). Modules are imported on first use, so
 `import torch_ops` does not import Triton.
 """
@@ -41,6 +43,13 @@ class TritonBackend:
 
     def run(self, op, args, kwargs):
         return self._module(op).run(*args, **kwargs)
+
+    def prepare(self, op, args, kwargs):
+        module = self._module(op)
+        if not hasattr(module, "prepare"):
+            return lambda args, kwargs: module.run(*args, **kwargs)
+        launch = module.prepare(*args, **kwargs)
+        return lambda args, kwargs: launch(*args, **kwargs)
 
     @staticmethod
     def _module(op):

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import interpreting, prefill_attention
 from .interpreter import exact_cast
+from .launcher import TritonLaunch
 
 ROPE_TOKENS = 16   # tokens per RoPE program
 
@@ -69,27 +70,53 @@ def _rope_kernel(X, Out, Pos, CosSin, num_tokens, max_position, stride_xt, strid
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool) -> torch.Tensor:
     """`x [T, H, D]` rotated at `positions [T]` by `cos_sin_cache [max_position, rotary_dim]`
     (docs/ops.md, `kv_cache_write`'s RoPE); a new contiguous tensor of `x`'s dtype."""
+    return prepare_rope(x, cos_sin_cache, neox)(x, positions, cos_sin_cache)
+
+
+def prepare_rope(x: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool):
+    """`rope` for tensors of these signatures: `launch(x, positions, cos_sin_cache) -> rotated x`."""
     t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t == 0 or h == 0:
-        return out
-    _rope_kernel[(triton.cdiv(t, ROPE_TOKENS), h)](
-        x, out, positions, cos_sin_cache, t, cos_sin_cache.shape[0], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+    kernel = TritonLaunch(_rope_kernel, (triton.cdiv(t, ROPE_TOKENS), h), (
+        t, cos_sin_cache.shape[0], x.stride(0), x.stride(1), h * d, d,
         cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), ROT=cos_sin_cache.shape[1], NEOX=bool(neox),
-        TOKENS=ROPE_TOKENS, INTERPRETED=interpreting(), num_warps=4, enable_fp_fusion=False)
-    return out
+    ), dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), ROT=cos_sin_cache.shape[1], NEOX=bool(neox),
+            TOKENS=ROPE_TOKENS, INTERPRETED=interpreting(), num_warps=4, enable_fp_fusion=False))
+
+    def launch(x, positions, cos_sin_cache):
+        out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+        if t and h:
+            kernel(x, out, positions, cos_sin_cache)
+        return out
+
+    return launch
 
 
-def run(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
-        alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
-        q_scale=None, k_scale=None, v_scale=None, out_dtype=None, positions=None, cos_sin_cache=None,
-        rope_neox=True) -> None:
-    """`out_dtype` only chose the dtype of `out`, which the kernel writes in whatever dtype it has."""
+def run(*args, **kwargs) -> None:
+    prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
+            alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
+            q_scale=None, k_scale=None, v_scale=None, out_dtype=None, positions=None, cos_sin_cache=None,
+            rope_neox=True):
+    """`launch(*args, **kwargs)` for calls of this signature. `out_dtype` only chose the dtype of
+    `out`, which the kernel writes in whatever dtype it has."""
+    rotate = None
     if positions is not None:
-        query, key = (rope(x, positions, cos_sin_cache, rope_neox) for x in (query, key))
-    prefill_attention.forward(
+        rotate = prepare_rope(query, cos_sin_cache, rope_neox), prepare_rope(key, cos_sin_cache, rope_neox)
+        query, key = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (query, key))
+    forward = prefill_attention.prepare(
         query, key, value, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, causal=causal,
         scale=scale, q_scaling=q_scaling, alibi_slopes=alibi_slopes, window_left=window_left,
         sink_tokens=sink_tokens, sinks=sinks, softcap=softcap, out_scale=out_scale, q_scale=q_scale,
         k_scale=k_scale, v_scale=v_scale)
+
+    def launch(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, alibi_slopes=None, sinks=None,
+               out_scale=None, q_scale=None, k_scale=None, v_scale=None, positions=None, cos_sin_cache=None, **_):
+        if rotate is not None:
+            query, key = rotate[0](query, positions, cos_sin_cache), rotate[1](key, positions, cos_sin_cache)
+        forward(query, key, value, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                alibi_slopes=alibi_slopes, sinks=sinks, out_scale=out_scale, q_scale=q_scale, k_scale=k_scale,
+                v_scale=v_scale)
+
+    return launch

@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .launcher import TritonLaunch
 from .interpreter import exact_cast
 
 NUM_WARPS = 4
@@ -442,14 +443,18 @@ def unsupported(key, value, k_cache, v_cache, slot_mapping, **options) -> list[s
     return why
 
 
-def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
-        positions=None, cos_sin_cache=None, rope_neox=True) -> torch.Tensor:
+def run(*args, **kwargs) -> torch.Tensor:
     """Write `key`/`value [T, Hkv, D]` at `slot_mapping [T]` into the caches (and INT8/INT4 scale
     caches); returns the rotated query (new, like `query [T, Hq, D]`) or an empty tensor."""
+    return prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
+            positions=None, cos_sin_cache=None, rope_neox=True):
+    """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read)."""
     t, hkv, d = key.shape
-    rotated = torch.empty_like(query) if query is not None else key.new_empty(0)
     if t == 0:
-        return rotated
+        return _no_tokens
     fmt = _FMT[k_cache.dtype]
     split = split_halves(d, k_cache, positions, cos_sin_cache, rope_neox)
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
@@ -465,33 +470,26 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
 
     if fmt == FMT_FP8:
-        ks, vs = k_scale, v_scale
         k_sstrides = (0, 0, k_scale.stride(0) if k_scale.dim() else 0, 0)
         v_sstrides = (0, 0, v_scale.stride(0) if v_scale.dim() else 0, 0)
     elif fmt in (FMT_INT8, FMT_INT4):
-        ks, vs = k_scale, v_scale
         k_sstrides, v_sstrides = k_scale.stride(), v_scale.stride()
     else:
-        ks, vs = k_cache, v_cache    # unused
         k_sstrides = v_sstrides = (0, 0, 0, 0)
     stream = t >= STREAM_MIN_TOKENS
     rope = positions is not None
-    pos = positions if rope else slot_mapping
     cs = cos_sin_cache if rope else key
-    q = query if query is not None else key
-    qo = rotated if query is not None else key
-    q_strides = q.stride() if query is not None else (0, 0, 0)
-    o_strides = qo.stride() if query is not None else (0, 0, 0)
-
-    _kv_cache_write_kernel[(n_kv + n_q,)](
-        key, value, k_cache, v_cache, ks, vs, slot_mapping, pos, cs, q, qo,
+    kernel = TritonLaunch(_kv_cache_write_kernel, (n_kv + n_q,), (
         t, k_cache.shape[0] * k_cache.shape[1], cs.shape[0] if rope else 0, n_kv,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *k_sstrides, *v_sstrides,
-        slot_mapping.stride(0), pos.stride(0), cs.stride(0) if rope else 0, cs.stride(1) if rope else 0,
-        *q_strides, *o_strides,
+        slot_mapping.stride(0), (positions if rope else slot_mapping).stride(0),
+        cs.stride(0) if rope else 0, cs.stride(1) if rope else 0,
+        *(query.stride() if query is not None else (0, 0, 0)),
+        *(torch.empty_like(query).stride() if query is not None else (0, 0, 0)),   # the rotated query's
+    ), dict(
         NUM_KV_HEADS=hkv, NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
         FMT=fmt, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fmt == FMT_FP8 else 0.0,
         QMAX=_QMAX.get(fmt, 0.0), QMAX_RCP=_QMAX_RCP.get(fmt, 0.0),
@@ -503,5 +501,20 @@ def run(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",
         num_warps=NUM_WARPS, enable_fp_fusion=False,
         **({"maxnreg": GROUP_MAX_REGISTERS} if fmt in (FMT_INT8, FMT_INT4) and not interpreting() else {}),
-    )
-    return rotated
+    ))
+    scaled = fmt != FMT_PLAIN
+
+    def launch(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
+               positions=None, cos_sin_cache=None, **_):
+        rotated = torch.empty_like(query) if query is not None else None
+        kernel(key, value, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache,
+               slot_mapping, slot_mapping if positions is None else positions,
+               key if cos_sin_cache is None else cos_sin_cache, key if query is None else query,
+               key if rotated is None else rotated)
+        return rotated if rotated is not None else key.new_empty(0)
+
+    return launch
+
+
+def _no_tokens(key, value, k_cache, v_cache, slot_mapping, *, query=None, **_) -> torch.Tensor:
+    return torch.empty_like(query) if query is not None else key.new_empty(0)

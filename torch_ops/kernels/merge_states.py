@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .launcher import TritonLaunch
 from .interpreter import exact_cast
 
 
@@ -51,20 +52,27 @@ def unsupported(out_a, lse_a, out_b, lse_b, **buffers) -> list[str]:
     return []
 
 
-def run(out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
+def run(*args, **kwargs) -> None:
     """Fill `out [T, H, D]` and `lse [T, H]` from the two states."""
+    prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(out_a, lse_a, out_b, lse_b, *, out, lse):
+    """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read)."""
     t, h, d = out_a.shape
     if t == 0 or h == 0:
-        return
+        return lambda *args, **kwargs: None
     block_d = max(16, triton.next_power_of_2(d))
     block_h = max(1, min(triton.next_power_of_2(h), 2048 // block_d))
     interpreted = interpreting()
     if interpreted:
         block_h = min(block_h, 4)
-    _merge_states_kernel[(t, triton.cdiv(h, block_h))](
-        out_a, lse_a, out_b, lse_b, out, lse,
+    kernel = TritonLaunch(_merge_states_kernel, (t, triton.cdiv(h, block_h)), (
         *out_a.stride(), *out_b.stride(), *out.stride(),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        INTERPRETED=interpreted, num_warps=4,
-    )
+    ), dict(NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, INTERPRETED=interpreted, num_warps=4))
+
+    def launch(out_a, lse_a, out_b, lse_b, *, out, lse):
+        kernel(out_a, lse_a, out_b, lse_b, out, lse)
+
+    return launch

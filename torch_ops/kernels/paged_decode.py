@@ -94,6 +94,7 @@ import triton.language as tl
 
 from . import interpreting
 from .interpreter import exact_cast
+from .launcher import TritonLaunch
 
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
@@ -875,14 +876,20 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> l
     return why
 
 
-def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
-        alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
-        k_scale=None, v_scale=None) -> None:
+def run(*args, **kwargs) -> None:
     """Fill `out [T, Hq, D]` and `lse [T, Hq]` (see the module docstring)."""
+    prepare(*args, **kwargs)(*args, **kwargs)
+
+
+def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
+            alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
+            k_scale=None, v_scale=None):
+    """The launch of a call of this signature (`run`'s arguments; only their metadata is read):
+    `launch(*args, **kwargs)` fills `out`/`lse` of a call with the same signature."""
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
-        return
+        return _nothing
     _, page, hkv, _ = k_cache.shape
     fmt = _FMT[k_cache.dtype]
     e5m2 = k_cache.dtype == torch.float8_e5m2
@@ -930,29 +937,29 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
     chunk = replicas * block_n      # keys per loop step
     min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
 
-    dummy = lse
-    kc, vc = k_cache, v_cache
+    kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
     ng, ngp, gw, qgroup, per_grp = 1, 1, block_dw, d, True
-    ks = vs = dummy
     ks_strides = vs_strides = (0, 0, 0)
     fp8_stride = 0
     svec = 1
+    scales = "none"   # how a call passes its scales: as given, or per-head copies / contiguous copies
     if fmt != FMT_PLAIN:
         kc, vc = _word_view(k_cache), _word_view(v_cache)
         ng, ngp, gw, qgroup, per_grp = _group_layout(d, fmt, k_scale)
-        ks, vs = k_scale, v_scale
+        scales = "given"
     if fmt == FMT_FP8:
         fp8_stride = 1 if k_scale.dim() == 1 else 0
         if v_scale.dim() != k_scale.dim():
             # per-head K scale with a 0-d V scale (or the reverse): one stride serves both
-            ks, vs, fp8_stride = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous(), 1
+            scales, fp8_stride = "per_head", 1
     elif fmt in (FMT_INT8, FMT_INT4):
         if (k_scale.shape[-1] > 1 and k_scale.stride(-1) != 1) or (v_scale.shape[-1] > 1 and v_scale.stride(-1) != 1):
-            ks, vs = k_scale.contiguous(), v_scale.contiguous()   # rare: scale caches with a strided last dim
+            ks, vs, scales = k_scale.contiguous(), v_scale.contiguous(), "contiguous"   # rare: strided last dim
         ks_strides, vs_strides = ks.stride()[:3], vs.stride()[:3]
         if per_grp:
-            # the largest power of two (<= the groups per row) dividing every scale-row offset
-            vals = [*ks_strides, *vs_strides, ks.data_ptr() // ks.element_size(), vs.data_ptr() // vs.element_size()]
+            # the largest power of two (<= the groups per row) dividing every scale-row offset (of
+            # the base address, only what the call's signature fixes: its alignment up to 16 bytes)
+            vals = [*ks_strides, *vs_strides, *(_alignment(x) // x.element_size() for x in (ks, vs))]
             while svec * 2 <= ng and all(v % (svec * 2) == 0 for v in vals):
                 svec *= 2
     asm = False
@@ -961,17 +968,16 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
-    bt = block_tables if block_tables.numel() else torch.zeros(1, 1, dtype=torch.int32, device=query.device)
+    empty_tables = not block_tables.numel()
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=query.device) if empty_tables else block_tables
     one_page = page_span % block_n == 0
     # single-page tiles may address their rows with 32-bit offsets from the tile's first row
     rows32 = (one_page and cfg.get("rows32", False) and (replicas > 1 or num_splits > 1)
               and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:
-        pout, plse = split_workspace(num_splits, t, hq, d, query.device)
-        p_strides = (pout.stride(0), pout.stride(1), pout.stride(2), plse.stride(0), plse.stride(1))
+        p_strides = (t * hq * d, hq * d, d, t * hq, hq)   # split_workspace's contiguous partials
     else:
-        pout, plse = dummy, dummy
         p_strides = (0, 0, 0, 0, 0)
 
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
@@ -983,13 +989,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         per = max(min_split, _cdiv(_cdiv(cap, num_splits), chunk) * chunk)
         max_iters = max(1, _cdiv(min(per, cap), chunk) + 1
                         + (_cdiv(min(sink_tokens, cap), chunk) if has_window else 0))
-    grid = (batch * hkv * m_tiles, num_splits)
-    global LAST_KERNEL, LAST_NUM_SPLITS
-    LAST_NUM_SPLITS = num_splits
-    LAST_KERNEL = _paged_decode_kernel[grid](
-        query, kc, vc, ks, vs, bt, seq_lens,
-        sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
-        out_scale if out_scale is not None else dummy, out, lse, pout, plse,
+    main = TritonLaunch(_paged_decode_kernel, (batch * hkv * m_tiles, num_splits), (
         float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
         query.stride(0), query.stride(1), query.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -998,6 +998,7 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides,
+    ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
         FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
@@ -1006,22 +1007,55 @@ def run(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
         DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
-        SCALE_F16=ks.dtype == vs.dtype == torch.float16,
+        SCALE_F16=ks is not None and vs is not None and ks.dtype == vs.dtype == torch.float16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    ))
+    merge = None
     if split:
         # tiles of <= MERGE_TILE partials: heads while they fit, then head-dim blocks
         ns_p = _pow2(num_splits)
         block_h = min(_pow2(hq), max(1, MERGE_TILE // (ns_p * block_d)))
         merge_d = min(block_d, max(16, MERGE_TILE // ns_p))
-        _merge_kernel[(t, -(-hq // block_h), block_d // merge_d)](
-            pout, plse, out, lse, seq_lens, sinks if sinks is not None else dummy,
-            out_scale if out_scale is not None else dummy,
-            int(window_left), num_splits, min_split,
-            *p_strides,
+        merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
+            int(window_left), num_splits, min_split, *p_strides,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        ), dict(
             NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=merge_d,
             NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=has_window,
             HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
             num_warps=4,
-        )
+        ))
+    word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt != FMT_PLAIN else None
+
+    def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
+               out_scale=None, k_scale=None, v_scale=None, **_):
+        global LAST_KERNEL, LAST_NUM_SPLITS
+        kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
+        if word is not None:
+            kc, vc = k_cache.view(word), v_cache.view(word)
+        if scales == "none":
+            ks = vs = lse
+        elif scales == "per_head":
+            ks, vs = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
+        elif scales == "contiguous":
+            ks, vs = k_scale.contiguous(), v_scale.contiguous()
+        pout, plse = split_workspace(num_splits, t, hq, d, query.device) if split else (lse, lse)
+        sinks_ = lse if sinks is None else sinks
+        out_scale_ = lse if out_scale is None else out_scale
+        main(query, kc, vc, ks, vs, bt if empty_tables else block_tables, seq_lens, sinks_,
+             lse if alibi_slopes is None else alibi_slopes, out_scale_, out, lse, pout, plse)
+        if merge is not None:
+            merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
+        LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits
+
+    return launch
+
+
+def _alignment(x: torch.Tensor) -> int:
+    """The largest power of two, up to 16, that divides `x`'s address in bytes."""
+    a = x.data_ptr() % 16
+    return a & -a if a else 16
+
+
+def _nothing(*args, **kwargs) -> None:
+    """The launch of an empty call."""

@@ -66,10 +66,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from . import interpreting
 from .interpreter import exact_cast, round_to_bf16
+from .launcher import TritonLaunch
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
@@ -484,11 +484,13 @@ def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
     return why
 
 
-def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
+def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
             causal, scale, q_scaling, alibi_slopes, window_left, sink_tokens, sinks, softcap, out_scale,
-            q_scale=None, k_scale=None, v_scale=None, max_queries=None) -> None:
-    """Fill `out [T, Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries`
-    queries, if given: the caller serves the others).
+            q_scale=None, k_scale=None, v_scale=None, max_queries=None):
+    """The launch of a call of this signature (only the arguments' metadata is read): `launch(query,
+    k, v, out, lse, **tensors)`, with the tensor arguments of `prepare` by keyword, fills `out [T,
+    Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries` queries, if
+    given: the caller serves the others).
 
     `query [T, Hq, D]`, `cu_seqlens_q [B + 1]`. Packed K/V (`cu_seqlens_k` given): `k/v [Tk, Hkv,
     D]`. Paged (`block_tables`, `seq_lens` given): `k/v [num_blocks, block_size, Hkv, D]` views.
@@ -497,7 +499,7 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     t, hq, d = query.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if t == 0 or num_seqs <= 0:
-        return
+        return _nothing
     paged = block_tables is not None
     hkv = k.shape[-2]
     group = hq // hkv
@@ -518,40 +520,30 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
 
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
     qk_scale = scale_eff / softcap if softcap > 0 else scale_eff * LOG2E
-    dummy = lse
     stride_ks, group_strides, qgroup = 0, (0,) * 6, 1
+    scales = "none"   # how a call passes its K/V scales: as given, or per-head copies / contiguous copies
     if kv_fmt in (1, 2):
+        scales = "given"
         if k_scale.dim() != v_scale.dim():   # one stride serves both: expand the 0-d one
-            k_scale, v_scale = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
-        stride_ks = 1 if k_scale.dim() == 1 else 0
-        k, v = k.view(torch.uint8), v.view(torch.uint8)
+            scales = "per_head"
+        stride_ks = 1 if max(k_scale.dim(), v_scale.dim()) == 1 else 0
     elif kv_fmt in (3, 4):
+        scales = "given"
         if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:   # rare: a strided last dim
-            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+            k_scale, v_scale, scales = k_scale.contiguous(), v_scale.contiguous(), "contiguous"
         group_strides = (*k_scale.stride()[:3], *v_scale.stride()[:3])
         qgroup = d // k_scale.shape[-1]
-    else:
-        k_scale = v_scale = dummy
     stride_qs = 1 if q_fp8 and q_scale.dim() == 1 else 0
-    if q_fp8:
-        query = query.view(torch.uint8)
     if paged:
         page = k.shape[1]
         kv_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
         bt_strides = (block_tables.stride(0), block_tables.stride(1))
-        kv_lens = seq_lens
     else:
         page = 1
         kv_strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
-        block_tables, bt_strides = dummy, (0, 0)
-        kv_lens = cu_seqlens_k
+        bt_strides = (0, 0)
 
-    args = (
-        query, k, v, out, lse,
-        cu_seqlens_q, kv_lens, block_tables,
-        q_scale if q_fp8 else dummy, k_scale, v_scale,
-        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
-        out_scale if out_scale is not None else dummy,
+    scalars = (
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
         SHORT_BLOCK_M // group if short_cfg else 0,
         2**31 - 1 if max_queries is None else max_queries,   # None: a constant, one kernel specialization
@@ -569,9 +561,37 @@ def forward(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
         ROUND_P_BF16=round_p_bf16, INTERPRET=interpret,
     )
-    _launch(args, constants, cfg, t, num_seqs, hkv, short=False, device=query.device, max_queries=max_queries)
+    kernels = [_kernel(scalars, constants, cfg, t, num_seqs, hkv, short=False, device=query.device,
+                       max_queries=max_queries)]
     if short_cfg:
-        _launch(args, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device)
+        kernels.append(_kernel(scalars, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device))
+
+    def launch(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
+               alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None, **_):
+        global LAST_KERNEL
+        if kv_fmt in (1, 2):
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        if q_fp8:
+            query = query.view(torch.uint8)
+        if scales == "none":
+            k_scale = v_scale = lse
+        elif scales == "per_head":
+            k_scale, v_scale = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
+        elif scales == "contiguous":
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+        tensors = (query, k, v, out, lse, cu_seqlens_q, seq_lens if paged else cu_seqlens_k,
+                   block_tables if paged else lse, q_scale if q_fp8 else lse, k_scale, v_scale,
+                   lse if alibi_slopes is None else alibi_slopes, lse if sinks is None else sinks,
+                   lse if out_scale is None else out_scale)
+        for kernel in kernels:
+            kernel(*tensors)
+        LAST_KERNEL = kernels[0].kernel
+
+    return launch
+
+
+def _nothing(*args, **kwargs) -> None:
+    """The launch of an empty call."""
 
 
 def work_slots(t: int, num_seqs: int, tok: int, max_queries: int | None) -> tuple[int, int]:
@@ -583,27 +603,26 @@ def work_slots(t: int, num_seqs: int, tok: int, max_queries: int | None) -> tupl
     return (num_seqs * per_seq, per_seq) if 0 < per_seq and num_seqs * per_seq < shared else (shared, 0)
 
 
-def _launch(args, constants, cfg, t, num_seqs, hkv, *, short, device, max_queries=None) -> None:
-    """One launch of the kernel with tile config `cfg`: over the work list (`short=False`), or one
-    program per sequence and head for the sequences that fit one tile (`short=True`)."""
+def _kernel(scalars, constants, cfg, t, num_seqs, hkv, *, short, device, max_queries=None) -> TritonLaunch:
+    """The kernel with tile config `cfg`: over the work list (`short=False`), or one program per
+    sequence and head for the sequences that fit one tile (`short=True`)."""
     block_m = cfg["BLOCK_M"]
     hpt = min(constants["GROUP"], block_m)
     head_chunks = -(-constants["GROUP"] // hpt)
     slots, seq_slots = (num_seqs, 0) if short else work_slots(t, num_seqs, block_m // hpt, max_queries)
     constants = dict(constants, HPT=hpt, HEAD_CHUNKS=head_chunks, BLOCK_M=block_m, SHORT=short, SEQ_SLOTS=seq_slots)
-    requested = cfg
-    if _FITTED:
-        cfg = _FITTED.get(_launch_key(constants, requested, device), cfg)
-    global LAST_KERNEL
-    while True:
-        try:
-            LAST_KERNEL = _prefill_kernel[(slots * hkv * head_chunks,)](
-                *args, **constants, BLOCK_N=cfg["BLOCK_N"],
-                ONE_PAGE=constants["PAGED"] and constants["PAGE"] % cfg["BLOCK_N"] == 0,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            return
-        except OutOfResources:
-            cfg = _smaller(cfg)
-            if cfg is None:
-                raise
-            _FITTED[_launch_key(constants, requested, device)] = cfg
+    key = _launch_key(constants, cfg, device)
+    fitted = _FITTED.get(key, cfg)
+
+    def meta(c: dict) -> dict:
+        return dict(constants, BLOCK_N=c["BLOCK_N"], ONE_PAGE=constants["PAGED"] and constants["PAGE"] % c["BLOCK_N"] == 0,
+                    num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    def shrink(m: dict) -> dict | None:
+        smaller = _smaller({name: m[name] for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
+        if smaller is None:
+            return None
+        _FITTED[key] = smaller
+        return meta(smaller)
+
+    return TritonLaunch(_prefill_kernel, (slots * hkv * head_chunks,), scalars, meta(fitted), shrink=shrink)

@@ -156,8 +156,8 @@ def test_paged_mixed_batch_two_launches(kernel_device, monkeypatch):
     # 32-row tiles for the work list, 16-row tiles for sequences of at most 16 // group tokens
     monkeypatch.setattr(pa, "CONFIG_OVERRIDE", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     launches = []
-    launch = pa._launch
-    monkeypatch.setattr(pa, "_launch", lambda *a, **kw: launches.append(kw["short"]) or launch(*a, **kw))
+    kernel = pa._kernel
+    monkeypatch.setattr(pa, "_kernel", lambda *a, **kw: launches.append(kw["short"]) or kernel(*a, **kw))
     problem = make_paged(kernel_device, q_lens=[1, 20, 8, 0, 9, 3], seq_lens=[40, 20, 31, 5, 9, 3],
                          hq=4, hkv=2, d=32, bs=8)
     check_paged(problem, *run_paged(problem))
