@@ -331,6 +331,29 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([line([h for _, h, _ in COLUMNS])] + [line(c) for c in cells])
 
 
+def profile(names: list[str], sh: Shape, calls: int = 2000) -> int:
+    """Print the functions that take the host time of each named row's calls (Python and C calls)."""
+    import cProfile
+    import pstats
+
+    for name in names:
+        op, variant, *pin = name.split(":")
+        call = ours(op, variant, sh)()()
+        with torch_ops.use_backend(pin[0] if pin else None):
+            for _ in range(20):
+                call()
+            _sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                call()
+            prof.disable()
+            _sync()
+        print(f"# {name}: {calls} calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
@@ -339,11 +362,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, help="calls per timed loop (default 200, --quick 50)")
     p.add_argument("--batch", type=int, default=Shape.batch)
     p.add_argument("--ctx", type=int, default=Shape.ctx)
+    p.add_argument("--profile", nargs="*", metavar="OP:VARIANT[:BACKEND]",
+                   help="instead of the table: cProfile 2000 calls of each row named (e.g. paged_decode:bf16:cuda)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_host needs a CUDA GPU")
         return 1
-    warmup_s = torch_ops.warmup()   # the libraries the automatic choice uses once built
+    warmup_s = torch_ops.warmup()
+    if args.profile is not None:
+        return profile(args.profile, Shape(batch=args.batch, ctx=args.ctx))   # the libraries the automatic choice uses once built
     sh = Shape(batch=args.batch, ctx=args.ctx)
     cfg = Config(iters=args.iters or (50 if args.quick else 200), repeats=3 if args.quick else 5,
                  replays=5 if args.quick else 15)
