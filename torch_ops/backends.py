@@ -14,8 +14,8 @@ tensor's dtype, shape, strides, device and 16-byte alignment, every other argume
 the requested backend. The first call of a signature validates it, chooses the backend and asks
 it to `prepare` a launch; the result (a `Plan`) is cached, so later calls cost a dictionary
 lookup, the output allocation and the backend's launch. Module knobs and environment variables
-other than `ATTN_BACKEND` and `ATTN_DEBUG` are read when a signature is first planned:
-`clear_plans()` makes the next calls see a change.
+(`ATTN_BACKEND`, `ATTN_DEBUG` and the backends' own) are read when a signature is first planned,
+or at import: `clear_plans()` makes the next calls see a change.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from . import checks, ops, reference
 
-Launch = Callable[[tuple, dict], Any]   # (args, kwargs with every schema option, out/lse included) -> result
+Launch = Callable[..., Any]   # (*args, **kwargs with every schema option, out/lse included) -> result
 
 
 class Backend(Protocol):
@@ -44,8 +44,8 @@ class Backend(Protocol):
     # this backend over for a call it could run (another backend is faster there, measured).
 
     # Optional: `prepare(op, args, kwargs) -> Launch`, the work that depends only on the call's
-    # signature, done once; the returned launch runs a call of that signature. Without it, every
-    # call goes through `run`.
+    # signature, done once; `launch(*args, **kwargs)` then runs a call of that signature. Without
+    # it, every call goes through `run`.
 
     def run(self, op: str, args: tuple, kwargs: dict):
         """Run the op. Attention ops get `out`/`lse` buffers in `kwargs` and fill them."""
@@ -85,6 +85,7 @@ MAX_PLANS = 4096   # cached signatures per op overload; past that the cache star
 _BACKENDS: dict[str, Backend] = {"vanilla": VanillaBackend()}
 _PLANS: dict[str, dict[tuple, "Plan"]] = {}
 _requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_backend", default=None)
+_environment = {"backend": os.environ.get("ATTN_BACKEND") or None, "debug": checks.debug_checks_enabled()}
 
 
 def register_backend(backend: Backend) -> None:
@@ -102,9 +103,11 @@ def backend_names() -> list[str]:
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (after changing a module knob or a backend's environment)."""
+    """Forget every cached plan and read the environment again (after changing a module knob or
+    an environment variable)."""
     for plans in _PLANS.values():
         plans.clear()
+    _environment.update(backend=os.environ.get("ATTN_BACKEND") or None, debug=checks.debug_checks_enabled())
 
 
 @contextlib.contextmanager
@@ -120,7 +123,7 @@ def use_backend(name: str | None):
 
 
 def _requested_name() -> str | None:
-    return _requested.get() or os.environ.get("ATTN_BACKEND") or None
+    return _requested.get() or _environment["backend"]
 
 
 @dataclasses.dataclass
@@ -209,13 +212,12 @@ class Plan:
 
     def __call__(self, args: tuple, kwargs: dict):
         args, kwargs = self.schema.complete(args, kwargs)
-        if checks.debug_checks_enabled():
+        if _environment["debug"]:
             checks.check_data(self.schema.op, args, kwargs)
         if self.outputs is None:
-            return self.launch(args, kwargs)
+            return self.launch(*args, **kwargs)
         out, lse = self.outputs()
-        kwargs["out"], kwargs["lse"] = out, lse
-        self.launch(args, kwargs)
+        self.launch(*args, **kwargs, out=out, lse=lse)
         return out, lse
 
 
@@ -243,8 +245,8 @@ def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
     if prepare is not None:
         launch = prepare(op, args, kwargs)
     else:
-        def launch(args, kwargs):
-            return backend.run(op, args, dict(kwargs))
+        def launch(*args, **kwargs):
+            return backend.run(op, args, kwargs)
     return Plan(schema, choice, launch, outputs)
 
 

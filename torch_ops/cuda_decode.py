@@ -344,12 +344,10 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, k_scale=None, v_scale=None, **_):
         args = DecodeArgs.from_buffer_copy(template)
-        if not empty_tables:
-            args.block_tables = (block_tables if block_tables.dtype == torch.int32
-                                 else block_tables.to(torch.int32)).data_ptr()
-        else:
-            args.block_tables = tables.data_ptr()
-        args.seq_lens = (seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)).data_ptr()
+        # int32 copies stay referenced until the launch: freed earlier, their memory could be reused
+        lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+        rows = tables if empty_tables else block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        args.block_tables, args.seq_lens = rows.data_ptr(), lens.data_ptr()
         args.q, args.k_cache, args.v_cache = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         args.out, args.lse = out.data_ptr(), lse.data_ptr()
         if k_scale is not None:
@@ -419,5 +417,4 @@ class CudaDecodeBackend:
         run(*args, **kwargs)
 
     def prepare(self, op, args, kwargs):
-        launch = prepare(*args, **kwargs)
-        return lambda args, kwargs: launch(*args, **kwargs)
+        return prepare(*args, **kwargs)

@@ -698,8 +698,7 @@ class CutlassBackend:
         self._OPS[op][1](*args, **kwargs)
 
     def prepare(self, op, args, kwargs):
-        launch = (prepare if op == "context_attention" else paged_prepare)(*args, **kwargs)
-        return lambda args, kwargs: launch(*args, **kwargs)
+        return (prepare if op == "context_attention" else paged_prepare)(*args, **kwargs)
 
 
 def _small_boxes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
@@ -743,7 +742,7 @@ class MixedBatchBackend:
         return why
 
     def run(self, op, args, kwargs):
-        self.prepare(op, args, kwargs)(args, kwargs)
+        self.prepare(op, args, kwargs)(*args, **kwargs)
 
     def prepare(self, op, args, kwargs):
         from .kernels import paged_prefill
@@ -751,7 +750,7 @@ class MixedBatchBackend:
         launches = (paged_prepare(*args, **kwargs, skip_q_len=PAGED_MIN_QUERIES),
                     paged_prefill.prepare(*args, **kwargs, max_queries=PAGED_MIN_QUERIES))
 
-        def launch(args, kwargs):
+        def launch(*args, **kwargs):
             for part in launches:
                 part(*args, **kwargs)
 

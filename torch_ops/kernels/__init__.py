@@ -46,10 +46,7 @@ class TritonBackend:
 
     def prepare(self, op, args, kwargs):
         module = self._module(op)
-        if not hasattr(module, "prepare"):
-            return lambda args, kwargs: module.run(*args, **kwargs)
-        launch = module.prepare(*args, **kwargs)
-        return lambda args, kwargs: launch(*args, **kwargs)
+        return module.prepare(*args, **kwargs) if hasattr(module, "prepare") else module.run
 
     @staticmethod
     def _module(op):

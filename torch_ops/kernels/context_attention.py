@@ -29,7 +29,7 @@ def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, **options) -> lis
     return prefill_attention.unsupported(query, key.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(X, Out, Pos, CosSin, num_tokens, max_position, stride_xt, stride_xh, stride_ot, stride_oh,
                  stride_cs, stride_csd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr,
                  NEOX: tl.constexpr, TOKENS: tl.constexpr, INTERPRETED: tl.constexpr):

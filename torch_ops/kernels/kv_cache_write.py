@@ -263,7 +263,7 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
                 tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2), cache_modifier=STORE_CM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_kv_programs"])   # per-step values: one compiled kernel
 def _kv_cache_write_kernel(
     Key, Value, KCache, VCache, KScale, VScale, Slots, Positions, CosSin, Query, QOut,
     num_tokens, num_slots, max_position, num_kv_programs,

@@ -462,7 +462,7 @@ def _load_q(q_rows, row_ok, stride_qd, lane: tl.constexpr, STEP: tl.constexpr,
     return tl.load(q_rows[:, None] + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "min_split"])   # they follow the batch size
 def _paged_decode_kernel(
     Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse,
     scale_eff, softcap, window_left, sink_tokens, num_splits, min_split,
@@ -639,7 +639,7 @@ def _paged_decode_kernel(
         tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _merge_kernel(
     POut, PLse, Out, Lse, SeqLens, Sinks, OutScale,
     window_left, num_splits, min_split,
