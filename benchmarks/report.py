@@ -243,11 +243,37 @@ def serving_section(data: dict, name: str) -> list[str]:
     return lines
 
 
+def host_section(data: dict, name: str) -> list[str]:
+    sh = data["shape"]
+    lines = _header(data, "host time per eager call", name) + [
+        f"µs of host time per call (back-to-back calls, median of {data['repeats']} loops of {data['iters']}; "
+        f"`benchmarks/bench_host.py`): B = {sh['batch']} sequences of {sh['ctx']} keys, {sh['hq']}/{sh['hkv']} heads, "
+        f"D = {sh['d']}, {sh['page']}-token pages; prefill {sh['prefill_seqs']} x {sh['prefill_q']} queries. Tiny problems: "
+        "every row is bound by the host, not the GPU (`device µs`: the same call replayed in a CUDA graph). "
+        "`auto` is the automatic choice (the backend it took in parentheses), `pinned` the fastest backend pinned with "
+        "`use_backend`; `first ms` is the first call of the row in the process (planning, and compiling or loading "
+        "kernels not compiled for an earlier row). Peers ran in the same process on the same shapes.", "",
+        "| op | variant | auto µs | pinned µs | device µs | first ms | FlashInfer µs | SDPA µs |",
+        "|---|---|---|---|---|---|---|---|"]
+    cases: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in data["rows"]:
+        if "host_us" in r:
+            cases.setdefault((r["op"], r["variant"]), {})[r["backend"]] = r
+    for (op, variant), by in cases.items():
+        auto = by.get("auto", {})
+        pinned = [(r["host_us"], b) for b, r in by.items() if b not in ("auto", "flashinfer", "sdpa")]
+        best = f"{min(pinned)[0]:.1f} ({min(pinned)[1]})" if pinned else "-"
+        peers = [f"{by[p]['host_us']:.1f}" if p in by else "-" for p in ("flashinfer", "sdpa")]
+        lines.append(f"| {op} | {variant} | {auto.get('host_us', 0):.1f} ({auto.get('chosen', '-')}) | {best} | "
+                     f"{auto.get('device_us', 0):.1f} | {auto.get('first_ms', 0):.0f} | " + " | ".join(peers) + " |")
+    return lines + [""]
+
+
 SECTIONS = {"e2e_compile": e2e_compile_section, "decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
             "fp8": fp8_section,
             "cascade": cascade_section, "cache_attention": cache_attention_section, "serving": serving_section,
-            "serving_grid": serving_section, "serving_metadata": serving_metadata_section}
-NEWEST_ONLY = ("serving", "serving_grid", "serving_metadata")  # later runs supersede earlier ones
+            "serving_grid": serving_section, "serving_metadata": serving_metadata_section, "bench_host": host_section}
+NEWEST_ONLY = ("serving", "serving_grid", "serving_metadata", "bench_host")  # later runs supersede earlier ones
 
 
 def _date(data: dict) -> datetime.datetime:
