@@ -2,8 +2,9 @@
 
 Requests with different prompt and output lengths arrive over time and finish; each step packs
 decodes and prefill chunks into one batch (mixed batches through attn::paged_prefill); on a GPU,
-steps made only of decodes replay a CUDA graph per batch-size bucket. Prints tokens/s, the CPU
-time per step spent building metadata and the GPU time per step. On CPU a tiny model runs
+steps made only of decodes replay a CUDA graph per batch-size bucket. Prints the warm-up time
+(libraries, graphs, kernels), then tokens/s, the CPU time per step spent building metadata and
+the GPU time per step. On CPU a tiny model runs
 through the reference backend.
 
     python examples/serve.py                       # GPU: triton backend, CUDA graphs
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-import torch_ops  # noqa: F401  (registers torch.ops.attn)
+import torch_ops
 from torch_ops.serving.attention import get_backend
 from torch_ops.serving.cache_manager import KVCacheManager
 from torch_ops.serving.engine import Engine, Request, generate
@@ -107,7 +108,12 @@ def main():
     config = GPU_MODEL if cuda and not args.tiny else CPU_MODEL
     graphs = cuda and not args.no_graphs and get_backend(args.backend).graph_safe
 
+    start = time.perf_counter()
     engine = build(config, args.backend, device, dtype, args, graphs)
+    torch_ops.warmup(progress=False)
+    engine.warmup(progress=False)
+    print(f"warm-up: {time.perf_counter() - start:.1f} s (engine with its CUDA graphs, CUDA libraries, the "
+          "kernels of every prefill size)")
     requests, arrivals = make_requests(args, config.vocab_size)
     progress = Progress(sum(r.max_new_tokens for r in requests))
     start = time.perf_counter()

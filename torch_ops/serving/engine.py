@@ -110,6 +110,29 @@ class Engine:
         if self.buckets:
             self._capture_graphs()
 
+    @torch.no_grad()
+    def warmup(self, *, progress: bool = True) -> float:
+        """Compile, before serving, the kernels that steps outside the CUDA graphs need (the
+        graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
+        `max_num_tokens` tokens, each alone then split in two sequences (mixed batches), and decode
+        two tokens; they finish and free their blocks. Returns the seconds taken; `progress`
+        prints a line per size."""
+        if self.has_work:
+            raise RuntimeError("warmup runs before any request is added")
+        start = time.perf_counter()
+        sizes = sorted({1 << k for k in range(self.max_num_tokens.bit_length() - 1)} | {self.max_num_tokens})
+        ids = itertools.count(-1, -1)   # ids no caller uses
+        for n in sizes:
+            for batch in ([n], [n - n // 2, n // 2] if n > 1 else []):
+                if batch:
+                    generate(self, [Request(next(ids), [0] * length, 2) for length in batch])
+            if progress:
+                print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
+        self.finished = {i: r for i, r in self.finished.items() if i >= 0}
+        if self.kv.caches[0].k.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 

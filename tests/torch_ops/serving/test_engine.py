@@ -78,3 +78,15 @@ def test_outputs_changed_feeds_the_new_last_token():
     engine.step()
     forced = req.prompt + req.output[:1]
     assert req.output[1] == dense_greedy(engine.model, forced, 1)[0]
+
+
+def test_warmup_leaves_the_engine_as_it_found_it():
+    rng = fresh_rng()
+    engine = build_engine(max_num_tokens=12)
+    assert engine.warmup(progress=False) > 0
+    assert not engine.has_work and not engine.finished
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+    check_against_dense(engine, random_requests(rng, 4, CONFIG.vocab_size, max_prompt=20), rng)
+    with pytest.raises(RuntimeError, match="before any request"):
+        engine.add_request(Request(0, [1, 2], 1))
+        engine.warmup(progress=False)
