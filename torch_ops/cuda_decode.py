@@ -323,9 +323,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if t == 0 or batch == 0:
         return lambda *args, **kwargs: None
     _, block_size, hkv, _ = k_cache.shape
-    empty_tables = not block_tables.numel()
-    tables = (torch.zeros(batch, 1, dtype=torch.int32, device=query.device) if empty_tables
-              else block_tables.to(torch.int32))   # what a call passes: its strides
+    no_tables = torch.zeros(batch, 1, dtype=torch.int32, device=query.device) if not block_tables.numel() else None
+    tables = block_tables.to(torch.int32) if no_tables is None else no_tables   # what a call passes: its strides
     size, per_sm = _grid(query, k_cache, tables, seq_lens)[:2]
     template = DecodeArgs(
         0, 0, 0, 0, 0, 0, 0,
@@ -345,8 +344,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, k_scale=None, v_scale=None, **_):
         args = DecodeArgs.from_buffer_copy(template)
         # int32 copies stay referenced until the launch: freed earlier, their memory could be reused
-        lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-        rows = tables if empty_tables else block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        lens = seq_lens.to(torch.int32)
+        rows = no_tables if no_tables is not None else block_tables.to(torch.int32)
         args.block_tables, args.seq_lens = rows.data_ptr(), lens.data_ptr()
         args.q, args.k_cache, args.v_cache = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         args.out, args.lse = out.data_ptr(), lse.data_ptr()

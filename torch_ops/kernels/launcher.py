@@ -73,3 +73,16 @@ class TritonLaunch:
         params = self.fn.params[len(tensors) + len(self.scalars):]
         self._tail = (*self.scalars, *(self.meta.get(p.name, p.default) for p in params))
         self._direct = compiled
+
+
+def scale_operands(mode: str, k_scale, v_scale, num_kv_heads: int, absent):
+    """A call's K/V scale operands, the way its plan decided (`mode`): "none" passes `absent` for
+    both; "given" the scales themselves; "per_head" a 0-d one expanded to `[num_kv_heads]` beside a
+    per-head one (one stride serves both); "contiguous" copies of scale caches with strided last dims."""
+    if mode == "none":
+        return absent, absent
+    if mode == "per_head":
+        return k_scale.expand(num_kv_heads).contiguous(), v_scale.expand(num_kv_heads).contiguous()
+    if mode == "contiguous":
+        return k_scale.contiguous(), v_scale.contiguous()
+    return k_scale, v_scale

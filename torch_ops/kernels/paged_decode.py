@@ -94,7 +94,7 @@ import triton.language as tl
 
 from . import interpreting
 from .interpreter import exact_cast
-from .launcher import TritonLaunch
+from .launcher import TritonLaunch, scale_operands
 
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
@@ -942,7 +942,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     ks_strides = vs_strides = (0, 0, 0)
     fp8_stride = 0
     svec = 1
-    scales = "none"   # how a call passes its scales: as given, or per-head copies / contiguous copies
+    scales = "none"   # how a call passes its scales (`scale_operands`)
     if fmt != FMT_PLAIN:
         kc, vc = _word_view(k_cache), _word_view(v_cache)
         ng, ngp, gw, qgroup, per_grp = _group_layout(d, fmt, k_scale)
@@ -968,8 +968,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
-    empty_tables = not block_tables.numel()
-    bt = torch.zeros(1, 1, dtype=torch.int32, device=query.device) if empty_tables else block_tables
+    no_tables = torch.zeros(1, 1, dtype=torch.int32, device=query.device) if not block_tables.numel() else None
+    bt = block_tables if no_tables is None else no_tables
     one_page = page_span % block_n == 0
     # single-page tiles may address their rows with 32-bit offsets from the tile's first row
     rows32 = (one_page and cfg.get("rows32", False) and (replicas > 1 or num_splits > 1)
@@ -1030,19 +1030,12 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
                out_scale=None, k_scale=None, v_scale=None, **_):
         global LAST_KERNEL, LAST_NUM_SPLITS
-        kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
-        if word is not None:
-            kc, vc = k_cache.view(word), v_cache.view(word)
-        if scales == "none":
-            ks = vs = lse
-        elif scales == "per_head":
-            ks, vs = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
-        elif scales == "contiguous":
-            ks, vs = k_scale.contiguous(), v_scale.contiguous()
+        kc, vc = (k_cache, v_cache) if word is None else (k_cache.view(word), v_cache.view(word))
+        ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
         pout, plse = split_workspace(num_splits, t, hq, d, query.device) if split else (lse, lse)
         sinks_ = lse if sinks is None else sinks
         out_scale_ = lse if out_scale is None else out_scale
-        main(query, kc, vc, ks, vs, bt if empty_tables else block_tables, seq_lens, sinks_,
+        main(query, kc, vc, ks, vs, block_tables if no_tables is None else no_tables, seq_lens, sinks_,
              lse if alibi_slopes is None else alibi_slopes, out_scale_, out, lse, pout, plse)
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)

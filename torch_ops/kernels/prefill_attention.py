@@ -69,7 +69,7 @@ import triton.language as tl
 
 from . import interpreting
 from .interpreter import exact_cast, round_to_bf16
-from .launcher import TritonLaunch
+from .launcher import TritonLaunch, scale_operands
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
@@ -521,7 +521,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
     qk_scale = scale_eff / softcap if softcap > 0 else scale_eff * LOG2E
     stride_ks, group_strides, qgroup = 0, (0,) * 6, 1
-    scales = "none"   # how a call passes its K/V scales: as given, or per-head copies / contiguous copies
+    scales = "none"   # how a call passes its K/V scales (`scale_operands`)
     if kv_fmt in (1, 2):
         scales = "given"
         if k_scale.dim() != v_scale.dim():   # one stride serves both: expand the 0-d one
@@ -573,12 +573,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         if q_fp8:
             query = query.view(torch.uint8)
-        if scales == "none":
-            k_scale = v_scale = lse
-        elif scales == "per_head":
-            k_scale, v_scale = k_scale.expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
-        elif scales == "contiguous":
-            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+        k_scale, v_scale = scale_operands(scales, k_scale, v_scale, hkv, lse)
         tensors = (query, k, v, out, lse, cu_seqlens_q, seq_lens if paged else cu_seqlens_k,
                    block_tables if paged else lse, q_scale if q_fp8 else lse, k_scale, v_scale,
                    lse if alibi_slopes is None else alibi_slopes, lse if sinks is None else sinks,
