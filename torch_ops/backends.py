@@ -252,14 +252,12 @@ def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
 
 def _front(qualname: str):
     plans = _PLANS.setdefault(qualname, {})
-    schema = None
+    schema = _Schema(qualname)
 
     def impl(*args, **kwargs):
-        nonlocal schema
         key = _signature(args, kwargs)
         plan = plans.get(key)
         if plan is None:
-            schema = schema or _Schema(qualname)
             plan = _make_plan(schema, args, kwargs)
             if len(plans) >= MAX_PLANS:
                 plans.clear()

@@ -44,16 +44,18 @@ class TritonLaunch:
         self.shrink = shrink
         self.kernel = None      # the compiled kernel, once launched on a GPU (resources, for reports)
         self._direct = None     # the same, when later calls may go straight to its launcher
+        self._device = None
         self._tail: tuple = ()
 
     def __call__(self, *tensors) -> None:
         compiled = self._direct
         if compiled is not None and not _launch_hooks_set():
-            g0, g1, g2 = self.grid
-            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-            compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *tensors, *self._tail)
-            return
+            device = torch.cuda.current_device()
+            if device == self._device:   # the device whose context loaded the kernel
+                g0, g1, g2 = self.grid
+                compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                             compiled.packed_metadata, None, None, None, *tensors, *self._tail)
+                return
         self._jit(tensors)
 
     def _jit(self, tensors: tuple) -> None:
@@ -72,7 +74,7 @@ class TritonLaunch:
         compiled.run   # noqa: B018  (loads the module: its launcher exists from here on)
         params = self.fn.params[len(tensors) + len(self.scalars):]
         self._tail = (*self.scalars, *(self.meta.get(p.name, p.default) for p in params))
-        self._direct = compiled
+        self._direct, self._device = compiled, torch.cuda.current_device()
 
 
 def scale_operands(mode: str, k_scale, v_scale, num_kv_heads: int, absent):
