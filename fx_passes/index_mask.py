@@ -85,15 +85,28 @@ _COMPARE = {"le": (-1, 0), "lt": (-1, -1), "ge": (1, 0), "gt": (1, -1)}  # x op 
 def is_causal(mask: fx.Node, nodes: list | None = None) -> bool:
     """Whether bool `mask [..., Sq, Sk]` is true exactly where `k <= q`, whatever the leading
     indices; collects the nodes it read into `nodes`."""
+    return causal_window(mask, nodes) == -1
+
+
+def causal_window(mask: fx.Node, nodes: list | None = None) -> int | None:
+    """For bool `mask [..., Sq, Sk]` true exactly where `q - w <= k <= q` whatever the leading
+    indices (a sliding window: the query's own key and the `w` before it), `w`; -1 for the plain
+    causal mask (`k <= q`); None for any other mask. Collects the nodes it read into `nodes`."""
     if not is_tensor(mask) or value(mask).dtype != torch.bool or value(mask).dim() < 2:
-        return False
+        return None
     result = analyze(mask, nodes if nodes is not None else [])
     if not isinstance(result, Conj):
-        return False
+        return None
     n = value(mask).dim()
-    causal = (0,) * (n - 2) + (1, -1)
+    causal, window = (0,) * (n - 2) + (1, -1), (0,) * (n - 2) + (-1, 1)   # q - k + c >= 0, k - q + c >= 0
     left = _nontrivial(result, n)
-    return bool(left) and all(a.coef == causal and known_equal(a.const, 0) and not a.runtime for a in left)
+    if any(a.runtime or a.coef not in (causal, window) or not isinstance(a.const, int) for a in left):
+        return None
+    upper = [a.const for a in left if a.coef == causal]
+    lower = [a.const for a in left if a.coef == window]
+    if not upper or min(upper) != 0 or (lower and min(lower) < 0):
+        return None
+    return min(lower) if lower else -1
 
 
 def is_key_prefix(mask: fx.Node, nodes: list | None = None) -> bool:

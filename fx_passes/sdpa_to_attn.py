@@ -4,13 +4,13 @@ Recognized spellings, in Dynamo's torch-level graph:
 
 * `F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` without
   dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
-  Face's compiled causal mask);
+  Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`);
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
   scalings by constants (`*`, `/`; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
   (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
-  `+ where(mask, 0, -inf or finfo.min)` with a provably causal mask (Hugging Face's eager
-  spelling); float casts around the softmax (fp32 softmax) and eval-mode dropout are allowed.
+  `+ where(mask, 0, -inf or finfo.min)` with a provably causal or sliding-window mask (Hugging
+  Face's eager spelling); float casts around the softmax (fp32 softmax) and eval-mode dropout are allowed.
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -24,7 +24,7 @@ read with `.item()`) multiply the query instead (`q_factor`; RoPE, which the op 
 linear, so scaling before it is the same), and the op's `scale` keeps the constant part.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
-other mask (padding, sliding window, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
+other mask (padding, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
 attention that autograd records (the op has no autograd formula: compile under no_grad),
 one query over many keys (a decode step over a `[B, H, S, D]` cache: the op would repack the
 cache every call; on an H200 that made a 1B Llama decode step 2.3x slower than stock compile),
@@ -74,6 +74,7 @@ class Attention:
     scale: float | None
     nodes: list[fx.Node]
     q_factors: list[tuple[fx.Node, bool]] = dataclasses.field(default_factory=list)  # (factor, divides)
+    window_left: int = -1   # causal with a sliding window: the keys q - window_left .. q
 
 
 def apply(graph: fx.Graph) -> int:
@@ -112,17 +113,22 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
         if causal or not is_tensor(mask) or not is_tensor(q) or not is_tensor(k):
             raise Decline("attn_mask is given with is_causal=True or is not a tensor")
         check_mask_shape(mask, (*q.shape[:-1], k.shape[-2]))
-        if not index_mask.is_causal(mask, mask_nodes):
+        window = index_mask.causal_window(mask, mask_nodes)
+        if window is None:
             raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
-                          "(only is_causal and a bool mask provably equal to k <= q are served)")
+                          "(only is_causal and a bool mask provably equal to k <= q, or to q - w <= k <= q, "
+                          "are served)")
         causal = True
+    else:
+        window = -1
     factors = []
     if is_scalar_node(scale):
         factors, scale = [(scale, False)], 1.0
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline(f"scale {scale} is not a number")
     return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
-                      scale=None if scale is None else float(scale), nodes=[node, *mask_nodes], q_factors=factors)
+                      scale=None if scale is None else float(scale), nodes=[node, *mask_nodes], q_factors=factors,
+                      window_left=window)
 
 
 def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
@@ -138,7 +144,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     chain.append(x)
     if cx.arg(1, "dim") not in (-1, 3):
         raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
-    scale, causal, mask_nodes, factors = 1.0, False, [], []
+    scale, causal, window, mask_nodes, factors = 1.0, False, -1, [], []
     x = cx.input
     while (cx := call(x)) is not None and cx.name != "matmul":
         chain.append(x)
@@ -153,7 +159,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         elif cx.name == "masked_fill" and not causal:
             x, causal = _causal_fill(cx, mask_nodes), True
         elif cx.name == "add" and not causal:
-            x, causal = _causal_bias(cx, mask_nodes), True
+            (x, window), causal = _causal_bias(cx, mask_nodes), True
         else:
             raise Decline(f"the scores pass through {cx.name} (understood: constant scaling, casts, "
                           "one causal masked_fill or causal additive mask)")
@@ -167,13 +173,13 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         raise Decline(f"scale {scale} is not positive")
     kt = cx.arg(1, "other")
     return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
-                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors)
+                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window)
 
 
 _MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
 
 
-def _attention(node, q, k, v, *, causal, scale, nodes, q_factors) -> Attention:
+def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -201,7 +207,7 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors) -> Attention:
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
         raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
                       "aligns the mask top-left, context_attention bottom-right")
-    return Attention(node, q, k, v, causal, scale, nodes, q_factors)
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
@@ -214,7 +220,8 @@ def _example_output(attention: Attention) -> torch.Tensor:
         factor = term if factor is None else factor * term
     try:
         with args[0].fake_mode:
-            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor)
+            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
+                                          window_left=a.window_left)
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
@@ -227,7 +234,8 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
         factor = term if factor is None else insert_call(graph, a.node, operator.mul, (factor, term))
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
-                                  {"causal": a.causal, "scale": a.scale, "q_factor": factor})
+                                  {"causal": a.causal, "scale": a.scale, "q_factor": factor,
+                                   "window_left": a.window_left})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example
     a.node.replace_all_uses_with(new)
@@ -279,9 +287,10 @@ def _causal_fill(c: Call, nodes: list) -> fx.Node:
     return scores
 
 
-def _causal_bias(c: Call, nodes: list) -> fx.Node:
-    """The scores of `scores + where(mask, 0, -inf or finfo.min)` (Hugging Face's eager
-    spelling), where `mask` is provably `k <= q`; collects the bias's nodes into `nodes`."""
+def _causal_bias(c: Call, nodes: list) -> tuple[fx.Node, int]:
+    """(scores, window_left) of `scores + where(mask, 0, -inf or finfo.min)` (Hugging Face's eager
+    spelling), where `mask` is provably `k <= q` (window -1) or `q - w <= k <= q` (window w);
+    collects the bias's nodes into `nodes`."""
     scores, bias = c.input, c.arg(1, "other")
     if call(scores) is not None and call(scores).name == "where":
         scores, bias = bias, scores
@@ -295,12 +304,13 @@ def _causal_bias(c: Call, nodes: list) -> fx.Node:
         raise Decline(f"additive mask where({mask}, {getattr(keep, 'name', keep)}, {fill}) is not "
                       "where(mask, 0, -inf)")
     check_mask_shape(bias, value(scores).shape)
-    if not index_mask.is_causal(mask, nodes):
-        raise Decline(f"additive mask from {getattr(mask, 'name', mask)}, not recognized as causal")
+    window = index_mask.causal_window(mask, nodes)
+    if window is None:
+        raise Decline(f"additive mask from {getattr(mask, 'name', mask)}, not recognized as causal or a sliding window")
     nodes.append(bias)
     if isinstance(keep, fx.Node):
         nodes.append(keep)
-    return scores
+    return scores, window
 
 
 def _is_zeros(x) -> bool:

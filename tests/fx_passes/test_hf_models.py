@@ -38,6 +38,14 @@ def llama(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
+def mistral(impl):
+    """Sliding windows of 4 keys: the test's sequences (5-9 tokens) are longer."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
 def gpt_neox(impl):
     config = transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -94,8 +102,10 @@ def passes_then_eager(ops):
                 cos = node.kwargs.get("cos")
                 rope = f" rope={_style(node.kwargs['rope_neox'])}/{cos.meta['example_value'].shape[-1]}" if cos else ""
                 factor = " q_factor" if node.kwargs["q_factor"] is not None else ""
+                window = node.kwargs.get("window_left", -1)
+                window = f" window_left={window}" if window >= 0 else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
-                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{rope}")
+                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
             elif node.target is paged_decode_bhsd:
                 q, k = (a.meta["example_value"] for a in node.args[:2])
                 mask = "prefix" if node.args[3] is not None else "none"
@@ -152,6 +162,16 @@ attn.context_attention.default q[*, 4, 16] k[*, 2, 16] causal=True scale=0.25 ro
         self.assertExpectedInline(self.compile_and_check(llama("eager")), """\
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
+
+    def test_mistral_sdpa_sliding_window(self):
+        self.assertExpectedInline(self.compile_and_check(mistral("sdpa")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16""")
+
+    def test_mistral_eager_sliding_window(self):
+        self.assertExpectedInline(self.compile_and_check(mistral("eager")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\

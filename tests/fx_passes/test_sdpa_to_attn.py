@@ -117,11 +117,23 @@ def matmul_hf_additive_mask(q, k, v):
     return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.25 + bias, dim=-1) @ v
 
 
+def sdpa_hf_sliding_window(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_index_mask(q.shape[0], q.shape[2], q.device, 3))
+
+
+def matmul_hf_additive_sliding_window(q, k, v):
+    bias = torch.where(hf_index_mask(q.shape[0], q.shape[2], q.device, 2), torch.zeros((), dtype=q.dtype, device=q.device),
+                       torch.finfo(q.dtype).min)
+    return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.25 + bias, dim=-1) @ v
+
+
 # Declined spellings.
 
 
-def sdpa_hf_sliding_window(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_index_mask(q.shape[0], q.shape[2], q.device, 3))
+def sdpa_band_mask(q, k, v):
+    """A window on both sides of the query (not causal)."""
+    i = torch.arange(q.shape[2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None, :] > i[:, None] - 3) & (i[None, :] < i[:, None] + 3))
 
 
 def sdpa_tril_mask(q, k, v):
@@ -209,7 +221,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(sdpa, dict(requires_grad=True), "autograd records it", id="requires_grad"),
     pytest.param(matmul_returns_weights, {}, "used outside the attention", id="returns_weights"),
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
-    pytest.param(sdpa_hf_sliding_window, {}, "not recognized as the causal mask", id="sliding_window_mask"),
+    pytest.param(sdpa_band_mask, {}, "not recognized as the causal mask", id="band_mask"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
     pytest.param(sdpa, dict(sq=1, sk=9), "a decode step", id="decode_step_over_cache"),
 ])
@@ -250,6 +262,24 @@ def test_more_spellings_without_inductor(fn, shapes):
     out, rewrites, targets = run_pass_without_inductor(fn, inputs)
     assert rewrites == 1 and context_attention_bhsd in targets
     assert not {"softmax", torch.softmax, torch.matmul, F.scaled_dot_product_attention} & targets
+    check_close(fn, inputs, out)
+
+
+@pytest.mark.parametrize("fn, window_left", [(sdpa_hf_sliding_window, 2), (matmul_hf_additive_sliding_window, 1)],
+                         ids=["sdpa", "additive"])
+def test_sliding_window_masks_become_window_left(fn, window_left):
+    """Hugging Face's sliding-window mask (`k > q - W`, with causal) is the op's `window_left = W - 1`."""
+    inputs = qkv()
+    seen = []
+
+    def backend(gm, example_inputs):
+        sdpa_to_attn.apply(gm.graph)
+        gm.recompile()
+        seen.extend(n.kwargs.get("window_left") for n in gm.graph.nodes if n.target is context_attention_bhsd)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    assert seen == [window_left] and inputs[0].shape[2] > window_left + 1   # the window cuts keys
     check_close(fn, inputs, out)
 
 
