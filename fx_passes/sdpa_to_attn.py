@@ -10,7 +10,10 @@ Recognized spellings, in Dynamo's torch-level graph:
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
   (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
   `+ where(mask, 0, -inf or finfo.min)` with a provably causal or sliding-window mask (Hugging
-  Face's eager spelling); float casts around the softmax (fp32 softmax) and eval-mode dropout are allowed.
+  Face's eager spelling), and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
+  (`softcap=c`; Gemma 2's spelling, whose cap Dynamo lifts to a graph input under
+  `dynamic=True`: then declined); float casts around the softmax (fp32 softmax) and eval-mode
+  dropout are allowed.
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -75,6 +78,7 @@ class Attention:
     nodes: list[fx.Node]
     q_factors: list[tuple[fx.Node, bool]] = dataclasses.field(default_factory=list)  # (factor, divides)
     window_left: int = -1   # causal with a sliding window: the keys q - window_left .. q
+    softcap: float = 0.0    # soft-capped scores: softcap * tanh(s / softcap)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -144,7 +148,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     chain.append(x)
     if cx.arg(1, "dim") not in (-1, 3):
         raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
-    scale, causal, window, mask_nodes, factors = 1.0, False, -1, [], []
+    scale, causal, window, softcap, mask_nodes, factors = 1.0, False, -1, 0.0, [], []
     x = cx.input
     while (cx := call(x)) is not None and cx.name != "matmul":
         chain.append(x)
@@ -156,13 +160,18 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
                 factors.append((factor, cx.name == "div"))
             else:
                 scale = scale * factor if cx.name == "mul" else scale / factor
-        elif cx.name == "masked_fill" and not causal:
+        elif cx.name == "tanh" and not softcap:
+            # soft-capping `c * tanh(s / c)`: the scaling seen so far (after the tanh) is c
+            if factors or scale <= 0:
+                raise Decline("tanh of the scores not under one constant positive factor (soft-capping c * tanh(s / c))")
+            x, softcap, scale = cx.input, scale, scale
+        elif cx.name == "masked_fill" and not causal and not softcap:
             x, causal = _causal_fill(cx, mask_nodes), True
-        elif cx.name == "add" and not causal:
+        elif cx.name == "add" and not causal and not softcap:
             (x, window), causal = _causal_bias(cx, mask_nodes), True
         else:
             raise Decline(f"the scores pass through {cx.name} (understood: constant scaling, casts, "
-                          "one causal masked_fill or causal additive mask)")
+                          "one causal masked_fill or causal additive mask, soft-capping before the mask)")
     if cx is None:
         raise Decline("the scores are not q @ k^T")
     chain.append(x)
@@ -173,13 +182,13 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         raise Decline(f"scale {scale} is not positive")
     kt = cx.arg(1, "other")
     return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
-                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window)
+                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window, softcap=softcap)
 
 
 _MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
 
 
-def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1) -> Attention:
+def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -207,7 +216,7 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
         raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
                       "aligns the mask top-left, context_attention bottom-right")
-    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left)
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
@@ -221,7 +230,7 @@ def _example_output(attention: Attention) -> torch.Tensor:
     try:
         with args[0].fake_mode:
             return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
-                                          window_left=a.window_left)
+                                          window_left=a.window_left, softcap=a.softcap)
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
@@ -235,7 +244,7 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
-                                   "window_left": a.window_left})
+                                   "window_left": a.window_left, "softcap": a.softcap})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example
     a.node.replace_all_uses_with(new)

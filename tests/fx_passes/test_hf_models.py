@@ -1,6 +1,7 @@
 """Hugging Face models (transformers >= 5) built from tiny random configs, compiled with a plain
 `torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
-attention layer is rewritten onto `attn::context_attention`, one graph serves three sequence
+attention layer (Llama, GPT-NeoX, GPT-J, and the sliding windows of Mistral and Gemma 3's local
+layers as `window_left`) is rewritten onto `attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
 
 Models run with `use_cache=False` (prefill without a KV cache), so RoPE moves into
@@ -43,6 +44,15 @@ def mistral(impl):
     config = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+def gemma3(impl):
+    """A local layer (sliding window of 4 keys) and a global one."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"])
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
@@ -172,6 +182,16 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_fac
         self.assertExpectedInline(self.compile_and_check(mistral("eager")), """\
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16""")
+
+    def test_gemma3_sdpa_local_and_global_layers(self):
+        self.assertExpectedInline(self.compile_and_check(gemma3("sdpa")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
+
+    def test_gemma3_eager_local_and_global_layers(self):
+        self.assertExpectedInline(self.compile_and_check(gemma3("eager")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\

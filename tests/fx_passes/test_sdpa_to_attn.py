@@ -127,7 +127,24 @@ def matmul_hf_additive_sliding_window(q, k, v):
     return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.25 + bias, dim=-1) @ v
 
 
+def matmul_softcap_causal(q, k, v):
+    """Gemma 2's eager spelling with a constant soft-cap of 5: scale, `c * tanh(s / c)`, then the mask."""
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    scores = torch.tanh(scores / 5.0) * 5.0
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), diagonal=1)
+    return torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype) @ v
+
+
 # Declined spellings.
+
+
+def matmul_mask_under_tanh(q, k, v):
+    """A mask inside the soft-cap: tanh(-inf) is -1, nothing is masked."""
+    s = q.shape[2]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), diagonal=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)).masked_fill(mask, float("-inf")) / 5.0) * 5.0
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def sdpa_band_mask(q, k, v):
@@ -222,6 +239,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(matmul_returns_weights, {}, "used outside the attention", id="returns_weights"),
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
     pytest.param(sdpa_band_mask, {}, "not recognized as the causal mask", id="band_mask"),
+    pytest.param(matmul_mask_under_tanh, {}, "soft-capping before the mask", id="mask_under_tanh"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
     pytest.param(sdpa, dict(sq=1, sk=9), "a decode step", id="decode_step_over_cache"),
 ])
@@ -360,3 +378,19 @@ def test_symbolic_scale_multiplies_the_query(spelling):
         out = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*inputs)
     assert len(factors) == 1   # torch 2.13 lifts the attribute (a q_factor); a version that specializes it, not
     check_close(model, inputs, out)
+
+
+def test_soft_capping_becomes_softcap():
+    inputs = qkv()
+    seen = []
+
+    def backend(gm, example_inputs):
+        sdpa_to_attn.apply(gm.graph)
+        gm.recompile()
+        seen.extend((n.kwargs["scale"], n.kwargs["softcap"], n.kwargs["causal"]) for n in gm.graph.nodes
+                    if n.target is context_attention_bhsd)
+        return gm.forward
+
+    out = torch.compile(matmul_softcap_causal, backend=backend, fullgraph=True)(*inputs)
+    assert seen == [(0.25, 5.0, True)]
+    check_close(matmul_softcap_causal, inputs, out)
