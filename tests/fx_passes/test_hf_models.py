@@ -1,7 +1,8 @@
 """Hugging Face models (transformers >= 5) built from tiny random configs, compiled with a plain
 `torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
-attention layer (Llama, GPT-NeoX, GPT-J, and the sliding windows of Mistral and Gemma 3's local
-layers as `window_left`) is rewritten onto `attn::context_attention`, one graph serves three sequence
+attention layer (Llama, GPT-NeoX, GPT-J, Qwen3, Phi-3, GPT-2, OPT, Falcon, and the sliding windows
+of Mistral, Starcoder2 and Gemma 3's local layers as `window_left`) is rewritten onto
+`attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
 
 Models run with `use_cache=False` (prefill without a KV cache), so RoPE moves into
@@ -53,6 +54,24 @@ def gemma3(impl):
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention"])
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+def tiny(name, impl):
+    """Tiny configs of more families: 2 layers, 4 query heads of 16 dims."""
+    t, small = transformers, dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4)
+    config = {
+        "qwen3": lambda: t.Qwen3Config(**small, num_key_value_heads=2, head_dim=16, max_position_embeddings=64),
+        "phi3": lambda: t.Phi3Config(**small, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0),
+        "starcoder2": lambda: t.Starcoder2Config(**small, num_key_value_heads=2, max_position_embeddings=64,
+                                                 sliding_window=4),
+        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64),
+        "falcon": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         new_decoder_architecture=False, multi_query=True),
+    }[name]()
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
@@ -133,7 +152,7 @@ class TestHFModels(expecttest.TestCase):
         super().setUp()
         torch.manual_seed(0)
 
-    def compile_and_check(self, model, *, inductor=False):
+    def compile_and_check(self, model, *, inductor=False, rope=True):
         """Compiles `model` once (`fullgraph=True, dynamic=True`), runs it on three sequence
         lengths, checks the logits and counters; returns its attention ops, one per line:
         Inductor's lowered graph's if `inductor`, else the rewritten Dynamo graph's.
@@ -159,7 +178,7 @@ class TestHFModels(expecttest.TestCase):
         # the model twice (it restarts after specializing the float attributes it lifted), and
         # the passes run (and count) on the discarded trace too.
         lines = recorder.ops if inductor else ops
-        self.assertEqual(sum("context_attention" in line and "rope=" in line for line in lines),
+        self.assertEqual(sum("context_attention" in line and ("rope=" in line or not rope) for line in lines),
                          model.config.num_hidden_layers)
         return "\n".join(lines)
 
@@ -192,6 +211,44 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_fac
         self.assertExpectedInline(self.compile_and_check(gemma3("eager")), """\
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
+
+    def test_qwen3_sdpa(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("qwen3", "sdpa")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
+
+    def test_phi3_eager(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("phi3", "eager")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor rope=neox/16""")
+
+    def test_starcoder2_sdpa_sliding_window(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("starcoder2", "sdpa")), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 rope=neox/16""")
+
+    def test_gpt2_eager(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("gpt2", "eager"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor""")
+
+    def test_opt_sdpa(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("opt", "sdpa"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0""")
+
+    def test_falcon_sdpa_multi_query(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("falcon", "sdpa")), """\
+matmul
+context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=None rope=neox/16
+matmul
+matmul
+matmul
+matmul
+context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=None rope=neox/16
+matmul
+matmul
+matmul""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\
