@@ -6,7 +6,7 @@ Recognized spellings, in Dynamo's torch-level graph:
   dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
   Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`);
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
-  scalings by constants (`*`, `/`; none means scale 1) and at most one causal
+  scalings by constants (`*`, `/`, also in place; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
   (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
   `+ where(mask, 0, -inf or finfo.min)` with a provably causal or sliding-window mask (Hugging
@@ -63,6 +63,8 @@ NAME = "sdpa_to_attn"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEVICES = ("cpu", "cuda")
 _CASTS = {"to", "type", "type_as", "float", "half", "bfloat16", "contiguous"}
+# scalings of the scores; the in-place ones (`scores /= c`) act on scores nothing else reads
+_SCALINGS = {"mul": "mul", "div": "div", "imul": "mul", "itruediv": "div", "mul_": "mul", "div_": "div"}
 
 
 @dataclasses.dataclass
@@ -154,12 +156,13 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         chain.append(x)
         if _is_float_cast(x, cx):
             x = cx.input
-        elif cx.name in ("mul", "div"):
+        elif cx.name in _SCALINGS:
             x, factor = _scaling(cx)
+            divides = _SCALINGS[cx.name] == "div"
             if isinstance(factor, fx.Node):
-                factors.append((factor, cx.name == "div"))
+                factors.append((factor, divides))
             else:
-                scale = scale * factor if cx.name == "mul" else scale / factor
+                scale = scale / factor if divides else scale * factor
         elif cx.name == "tanh" and not softcap:
             # soft-capping `c * tanh(s / c)`: the scaling seen so far (after the tanh) is c
             if factors or scale <= 0:
@@ -267,7 +270,7 @@ def _scaling(c: Call) -> tuple[fx.Node, float | fx.Node]:
     """(scores, factor) of `scores * factor`, `factor * scores` or `scores / factor`; the factor
     is a number or a node of a symbolic number."""
     a, b = c.input, c.arg(1, "other")
-    if c.name == "mul" and not is_tensor(a):
+    if _SCALINGS[c.name] == "mul" and not is_tensor(a):
         a, b = b, a
     if is_scalar_node(b) and c.kwargs.get("rounding_mode") is None:
         return a, b

@@ -1,6 +1,6 @@
 """Hugging Face models (transformers >= 5) built from tiny random configs, compiled with a plain
 `torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
-attention layer (Llama, GPT-NeoX, GPT-J, Qwen3, Phi-3, GPT-2, OPT, Falcon, and the sliding windows
+attention layer (Llama, GPT-NeoX, GPT-J, Qwen3, Phi-3, GPT-2, OPT, Falcon (both spellings), and the sliding windows
 of Mistral, Starcoder2 and Gemma 3's local layers as `window_left`) is rewritten onto
 `attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
@@ -249,6 +249,11 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=None rope
 matmul
 matmul
 matmul""")
+
+    def test_falcon_eager_inplace_scaling(self):
+        lines = self.compile_and_check(tiny("falcon", "eager")).splitlines()
+        self.assertEqual([line for line in lines if "context_attention" in line], [
+            "context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=0.25 rope=neox/16"] * 2)
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\

@@ -127,6 +127,15 @@ def matmul_hf_additive_sliding_window(q, k, v):
     return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.25 + bias, dim=-1) @ v
 
 
+def matmul_inplace_div_additive_mask(q, k, v):
+    """Falcon's eager spelling: `scores /= sqrt(D)` in place, then the additive causal mask."""
+    scores = q @ k.transpose(-1, -2)
+    scores /= math.sqrt(q.shape[-1])
+    bias = torch.where(hf_index_mask(q.shape[0], q.shape[2], q.device), torch.zeros((), dtype=q.dtype, device=q.device),
+                       torch.finfo(q.dtype).min)
+    return torch.softmax(scores + bias, dim=-1) @ v
+
+
 def matmul_softcap_causal(q, k, v):
     """Gemma 2's eager spelling with a constant soft-cap of 5: scale, `c * tanh(s / c)`, then the mask."""
     s = q.shape[2]
@@ -274,7 +283,8 @@ def run_pass_without_inductor(fn, inputs):
     (matmul_logical_not, {}),
     (sdpa_hf_index_mask, {}),
     (matmul_hf_additive_mask, {}),
-], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask"])
+    (matmul_inplace_div_additive_mask, {}),
+], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask", "inplace_div"])
 def test_more_spellings_without_inductor(fn, shapes):
     inputs = qkv(**shapes)
     out, rewrites, targets = run_pass_without_inductor(fn, inputs)
