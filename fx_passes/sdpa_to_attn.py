@@ -13,7 +13,9 @@ Recognized spellings, in Dynamo's torch-level graph:
   Face's eager spelling), and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
   (`softcap=c`; Gemma 2's spelling, whose cap Dynamo lifts to a graph input under
   `dynamic=True`: then declined); float casts around the softmax (fp32 softmax) and eval-mode
-  dropout are allowed.
+  dropout are allowed; learned sinks: the softmax over `cat([scores, sinks.reshape(1, -1, 1,
+  1).expand(...)], -1)` (minus its row max or not) with the last probability column dropped
+  before `@ v` (`sinks=`; gpt-oss's spelling).
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -81,6 +83,7 @@ class Attention:
     q_factors: list[tuple[fx.Node, bool]] = dataclasses.field(default_factory=list)  # (factor, divides)
     window_left: int = -1   # causal with a sliding window: the keys q - window_left .. q
     softcap: float = 0.0    # soft-capped scores: softcap * tanh(s / softcap)
+    sinks: fx.Node | None = None   # learned sink logits [Hq]: one more softmax column without a value
 
 
 def apply(graph: fx.Graph) -> int:
@@ -145,13 +148,20 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         _check_eval_dropout(cx)
         chain.append(x)
         x = cx.input
+    sink_dropped = cx is not None and cx.name == "getitem" and _drops_last_key(cx)
+    if sink_dropped:
+        chain.append(x)
+        x = cx.input
+        cx = call(x)
     if cx is None or cx.name != "softmax":
         return None
     chain.append(x)
     if cx.arg(1, "dim") not in (-1, 3):
         raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
     scale, causal, window, softcap, mask_nodes, factors = 1.0, False, -1, 0.0, [], []
-    x = cx.input
+    x, sinks = cx.input, None
+    if sink_dropped:
+        x, sinks = _split_sinks(x, mask_nodes)
     while (cx := call(x)) is not None and cx.name != "matmul":
         chain.append(x)
         if _is_float_cast(x, cx):
@@ -185,13 +195,15 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
         raise Decline(f"scale {scale} is not positive")
     kt = cx.arg(1, "other")
     return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
-                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window, softcap=softcap)
+                      nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window, softcap=softcap,
+                      sinks=sinks)
 
 
 _MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
 
 
-def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0) -> Attention:
+def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0,
+               sinks=None) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -219,7 +231,9 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
         raise Decline(f"causal with Sq={qv.shape[2]}, Sk={kv.shape[2]} not known equal: the source "
                       "aligns the mask top-left, context_attention bottom-right")
-    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap)
+    if sinks is not None and not known_equal(value(sinks).shape, (qv.shape[1],)):
+        raise Decline(f"sink logits of shape {tuple(value(sinks).shape)}, not one per query head ({qv.shape[1]})")
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
@@ -233,7 +247,7 @@ def _example_output(attention: Attention) -> torch.Tensor:
     try:
         with args[0].fake_mode:
             return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
-                                          window_left=a.window_left, softcap=a.softcap)
+                                          window_left=a.window_left, softcap=a.softcap, sinks=value(a.sinks))
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
@@ -247,7 +261,7 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
-                                   "window_left": a.window_left, "softcap": a.softcap})
+                                   "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example
     a.node.replace_all_uses_with(new)
@@ -323,6 +337,48 @@ def _causal_bias(c: Call, nodes: list) -> tuple[fx.Node, int]:
     if isinstance(keep, fx.Node):
         nodes.append(keep)
     return scores, window
+
+
+def _drops_last_key(c: Call) -> bool:
+    """`probs[..., :-1]`: the probabilities without their last column (a sink's)."""
+    index = c.args[1] if len(c.args) > 1 else None
+    return (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis
+            and index[1] == slice(None, -1, None))
+
+
+def _split_sinks(x, nodes: list) -> tuple[fx.Node, fx.Node]:
+    """(scores, sinks [H]) of the softmax input `cat([scores, sinks.reshape(1, -1, 1, 1).expand(B,
+    -1, Sq, -1)], -1)`, possibly minus its row max (the same softmax; gpt-oss's spelling);
+    collects the nodes that go with the rewrite into `nodes`."""
+    c = call(x)
+    if c is not None and c.name == "sub":
+        combined, row_max = c.input, c.arg(1, "other")
+        if not _is_row_max(row_max, combined):
+            raise Decline(f"the softmax input {x.name} subtracts {getattr(row_max, 'name', row_max)}, not its row max")
+        nodes += [x, row_max, row_max.args[0] if call(row_max).name == "getitem" else row_max]
+        x, c = combined, call(combined)
+    if c is None or c.name != "cat" or c.arg(1, "dim", 0) not in (-1, 3) or len(c.input) != 2:
+        raise Decline(f"the softmax input {x.name} is not cat([scores, sink logits], -1) (its last column is dropped)")
+    scores, column = c.input
+    nodes.append(x)
+    while (cc := call(column)) is not None and cc.name in ("expand", "reshape", "view"):
+        nodes.append(column)
+        column = cc.input
+    if not is_tensor(column) or value(column).dim() != 1 or not known_equal(value(x).shape[-1], value(scores).shape[-1] + 1):
+        raise Decline(f"the column appended to the scores is not one sink logit per head: {column.name}")
+    return scores, column
+
+
+def _is_row_max(m, x) -> bool:
+    """`m` is `x.max(-1, keepdim=True).values` or `x.amax(-1, keepdim=True)`."""
+    c = call(m)
+    if c is not None and c.name == "getitem" and c.args[1] == 0:
+        c = call(c.input)
+        if c is None or c.name != "max":
+            return False
+    elif c is None or c.name != "amax":
+        return False
+    return c.input is x and c.arg(1, "dim") in (-1, 3, [-1], [3], (-1,), (3,)) and c.arg(2, "keepdim", False) is True
 
 
 def _is_zeros(x) -> bool:

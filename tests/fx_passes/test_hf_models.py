@@ -1,7 +1,8 @@
 """Hugging Face models (transformers >= 5) built from tiny random configs, compiled with a plain
 `torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
 attention layer (Llama, GPT-NeoX, GPT-J, Qwen3, Phi-3, GPT-2, OPT, Falcon (both spellings), and the sliding windows
-of Mistral, Starcoder2 and Gemma 3's local layers as `window_left`) is rewritten onto
+of Mistral, Starcoder2, Gemma 3's local layers and gpt-oss as `window_left`, with gpt-oss's
+learned sinks) is rewritten onto
 `attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
 
@@ -69,6 +70,9 @@ def tiny(name, impl):
         "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64),
         "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64),
+        "gpt_oss": lambda: t.GptOssConfig(**{**small, "intermediate_size": 64}, num_key_value_heads=2, head_dim=16,
+                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                          max_position_embeddings=64),
         "falcon": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          new_decoder_architecture=False, multi_query=True),
     }[name]()
@@ -133,6 +137,7 @@ def passes_then_eager(ops):
                 factor = " q_factor" if node.kwargs["q_factor"] is not None else ""
                 window = node.kwargs.get("window_left", -1)
                 window = f" window_left={window}" if window >= 0 else ""
+                window += " sinks" if node.kwargs.get("sinks") is not None else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
                            f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
             elif node.target is paged_decode_bhsd:
@@ -161,7 +166,10 @@ class TestHFModels(expecttest.TestCase):
         `scaling`, GPT-J's `scale_attn`) to graph inputs read with `.item()`: such a scale is
         folded into the query (`q_factor` in the lines, op scale 1.0)."""
         model = model.eval()
-        model64 = copy.deepcopy(model).double()
+        model64 = copy.deepcopy(model)
+        if model.config.model_type == "gpt_oss":
+            model64.set_experts_implementation("eager")   # its grouped_mm experts take no float64
+        model64 = model64.double()
         ops = []
         recorder = AttnOpRecorder()
         backend = "inductor" if inductor else passes_then_eager(ops)
@@ -254,6 +262,15 @@ matmul""")
         lines = self.compile_and_check(tiny("falcon", "eager")).splitlines()
         self.assertEqual([line for line in lines if "context_attention" in line], [
             "context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=0.25 rope=neox/16"] * 2)
+
+    def test_gpt_oss_eager_sinks_and_sliding_window(self):
+        """Learned sinks (a softmax column without a value) on every layer; a window on every other
+        (`softmax`: the MoE router's)."""
+        self.assertExpectedInline(self.compile_and_check(tiny("gpt_oss", "eager"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor window_left=3 sinks
+softmax
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor sinks
+softmax""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\

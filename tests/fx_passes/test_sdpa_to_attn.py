@@ -145,7 +145,29 @@ def matmul_softcap_causal(q, k, v):
     return torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype) @ v
 
 
+SINKS = torch.randn(4)
+
+
+def matmul_sinks(q, k, v):
+    """gpt-oss's eager spelling: a sink logit per head joins each row of scores, the row max is
+    subtracted, and the sink's probability column is dropped before `@ v`."""
+    s = q.shape[2]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), diagonal=1)
+    scores = (q @ k.transpose(2, 3) * 0.25).masked_fill(mask, float("-inf"))
+    sinks = SINKS.to(q.device).reshape(1, -1, 1, 1).expand(q.shape[0], -1, s, -1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
 # Declined spellings.
+
+
+def matmul_sinks_kept(q, k, v):
+    """A sink column whose probability is not dropped: not the op's sinks."""
+    sinks = SINKS.to(q.device).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+    probs = torch.softmax(torch.cat([q @ k.transpose(2, 3), sinks], dim=-1), dim=-1)
+    return probs @ torch.cat([v, v[:, :, :1]], dim=2)
 
 
 def matmul_mask_under_tanh(q, k, v):
@@ -249,6 +271,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
     pytest.param(sdpa_band_mask, {}, "not recognized as the causal mask", id="band_mask"),
     pytest.param(matmul_mask_under_tanh, {}, "soft-capping before the mask", id="mask_under_tanh"),
+    pytest.param(matmul_sinks_kept, {}, "the scores pass through cat", id="sink_column_kept"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
     pytest.param(sdpa, dict(sq=1, sk=9), "a decode step", id="decode_step_over_cache"),
 ])
@@ -284,7 +307,9 @@ def run_pass_without_inductor(fn, inputs):
     (sdpa_hf_index_mask, {}),
     (matmul_hf_additive_mask, {}),
     (matmul_inplace_div_additive_mask, {}),
-], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask", "inplace_div"])
+    (matmul_sinks, {}),
+], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask", "inplace_div",
+        "sinks"])
 def test_more_spellings_without_inductor(fn, shapes):
     inputs = qkv(**shapes)
     out, rewrites, targets = run_pass_without_inductor(fn, inputs)
