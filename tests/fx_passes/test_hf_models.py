@@ -138,6 +138,7 @@ def passes_then_eager(ops):
                 window = node.kwargs.get("window_left", -1)
                 window = f" window_left={window}" if window >= 0 else ""
                 window += " sinks" if node.kwargs.get("sinks") is not None else ""
+                window += f" softcap={node.kwargs['softcap']}" if node.kwargs.get("softcap") else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
                            f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
             elif node.target is paged_decode_bhsd:
@@ -271,6 +272,26 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_fac
 softmax
 context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=1.0 q_factor sinks
 softmax""")
+
+    def test_gemma2_eager_soft_capping_under_default_compile(self):
+        """Gemma 2's soft-cap is a float attribute: `dynamic=True` lifts it to a graph input (then
+        declined), the default `torch.compile` keeps it a constant, which the op takes."""
+        config = transformers.Gemma2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+            attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        model64 = copy.deepcopy(model).double()
+        ops = []
+        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
+        with fx_passes.enabled(), torch.no_grad():
+            for s in SEQ_LENS:
+                ids = torch.randint(0, VOCAB, (2, s))
+                assert_error_ratio(compiled(ids, use_cache=False).logits, model64(ids, use_cache=False).logits,
+                                   model(ids, use_cache=False).logits, name=f"logits (S={s})")
+        self.assertExpectedInline("\n".join(sorted(set(ops))), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25 softcap=5.0 rope=neox/16
+context_attention_bhsd q[*, 4, *, 16] k[*, 2, *, 16] causal=True scale=0.25 window_left=3 softcap=5.0 rope=neox/16""")
 
     def test_gpt_neox_sdpa_partial_rotary(self):
         self.assertExpectedInline(self.compile_and_check(gpt_neox("sdpa")), """\
