@@ -7,6 +7,7 @@ fast path never synchronizes with the device. Errors name the argument and the e
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -79,16 +80,16 @@ def check_options(
 ) -> None:
     """The options shared by the attention ops (see docs/ops.md, "Common keyword options")."""
     hq, dev = query.shape[1], query.device
-    if not (scale is None or scale > 0):
-        raise ValueError(f"scale must be > 0 or None, got {scale}")
-    if not q_scaling > 0:
-        raise ValueError(f"q_scaling must be > 0, got {q_scaling}")
+    if not (scale is None or 0 < scale < math.inf):
+        raise ValueError(f"scale must be finite and > 0, or None, got {scale}")
+    if not 0 < q_scaling < math.inf:
+        raise ValueError(f"q_scaling must be finite and > 0, got {q_scaling}")
     if not window_left >= -1:
         raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
     if not sink_tokens >= 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
-    if not softcap >= 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
     if alibi_slopes is not None:
         check_vector(alibi_slopes, "alibi_slopes", hq, dev, (torch.float32,), "[Hq]")
     if sinks is not None:
@@ -451,7 +452,9 @@ def check_paged_data(k_cache, block_tables, seq_lens, q_lens: torch.Tensor | Non
 def check_data(op: str, args: tuple, kwargs: dict) -> None:
     """The data-dependent checks of `op` (ATTN_DEBUG=1 only: they synchronize with the device)."""
     if op == "paged_decode":
-        check_paged_data(args[1], args[3], args[4])
+        seq_lens = args[4]
+        new_tokens = args[0].shape[0] // max(1, seq_lens.shape[0])
+        check_paged_data(args[1], args[3], seq_lens, torch.full(seq_lens.shape, new_tokens))
     elif op == "paged_prefill":
         q_lens = _check_cu_seqlens(args[4], "cu_seqlens_q", args[0].shape[0])
         check_paged_data(args[1], args[3], args[5], q_lens)
@@ -462,10 +465,27 @@ def check_data(op: str, args: tuple, kwargs: dict) -> None:
             raise ValueError("RoPE (positions) is for self-attention: cu_seqlens_q must equal cu_seqlens_k")
     elif op == "kv_cache_write":
         capacity = args[2].shape[0] * args[2].shape[1]
-        if not bool((args[4].cpu() < capacity).all()):
+        slots = args[4].cpu()
+        if not bool((slots < capacity).all()):
             raise ValueError(f"slot_mapping entries must be < num_blocks * block_size = {capacity}")
+        written = slots[slots >= 0]
+        if written.unique().numel() != written.numel():
+            raise ValueError("slot_mapping must not repeat a slot (which token's write would win is undefined)")
+    elif op == "merge_states":
+        for name, lse in (("lse_a", args[1]), ("lse_b", args[3])):
+            if bool((lse.isnan() | (lse == math.inf)).any()):
+                raise ValueError(f"{name} must be finite or -inf (an empty state), got NaN or +inf")
     elif op == "cache_attention":
         _check_cache_attention_data(*args, **kwargs)
+    if kwargs.get("positions") is not None and kwargs.get("cos_sin_cache") is not None:
+        positions, rows = kwargs["positions"].cpu(), kwargs["cos_sin_cache"].shape[0]
+        if not bool(((positions >= 0) & (positions < rows)).all()):
+            raise ValueError(f"positions must be in 0..{rows - 1} (the rows of cos_sin_cache)")
+    if kwargs.get("out_scale") is not None and not 0 < float(kwargs["out_scale"]) < math.inf:
+        raise ValueError(f"out_scale must be finite and > 0, got {float(kwargs['out_scale'])}")
+    for name in ("sinks", "alibi_slopes"):
+        if kwargs.get(name) is not None and not bool(kwargs[name].isfinite().all()):
+            raise ValueError(f"{name} must be finite")
 
 
 def _check_cache_attention_data(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,

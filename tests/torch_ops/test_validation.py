@@ -1,6 +1,8 @@
 """Bad input gets a ValueError/TypeError naming the argument, eagerly and at trace time; the
 data-dependent checks run under ATTN_DEBUG=1."""
 
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -76,7 +78,10 @@ BAD = [
     ("paged_decode", "gqa", _set("softcap", -1.0), ValueError, "softcap"),
     ("paged_decode", "gqa", _set("alibi_slopes", torch.ones(3)), ValueError, "alibi_slopes must have shape"),
     ("paged_decode", "gqa", _set("sinks", torch.ones(4, dtype=torch.float16)), TypeError, "sinks must have dtype"),
-    ("paged_decode", "gqa", _set("scale", 0.0), ValueError, "scale must be > 0"),
+    ("paged_decode", "gqa", _set("scale", 0.0), ValueError, "scale must be finite and > 0"),
+    ("paged_decode", "gqa", _set("scale", math.inf), ValueError, "scale must be finite and > 0"),
+    ("paged_decode", "gqa", _set("q_scaling", math.nan), ValueError, "q_scaling must be finite"),
+    ("context_attention", "causal", _set("softcap", math.inf), ValueError, "softcap must be finite"),
     ("context_attention", "causal", _set("out_dtype", torch.int8), TypeError, "out_dtype"),
     ("kv_cache_write", "rope", _set("positions", None), ValueError, "RoPE needs both"),
     ("kv_cache_write", "rope", _set("cos_sin_cache", lambda c: c[:, :3]), ValueError, "rotary_dim"),
@@ -156,6 +161,14 @@ DATA_BAD = [
     ("cache_attention", "offset", _set(7, torch.tensor([2])), "decoding_batches"),
     ("cache_attention", "paged", _set(5, lambda c: c + 1000), "cachestarts must address rows"),
     ("cache_attention", "int4", _set(12, lambda m: m[:, :5]), "attn_mask last dim"),
+    ("paged_decode", "int8", _set(4, lambda s: s.clamp(max=1)), "query lengths"),   # 2 new tokens in 1 key
+    ("kv_cache_write", "rope", _set("positions", lambda p: p + 32), "positions must be in 0..31"),
+    ("kv_cache_write", "int4", _set("positions", lambda p: p - 40), "positions must be in"),
+    ("kv_cache_write", "bf16", _set(4, lambda s: torch.cat([s[:1], s[:1], s[2:]])), "must not repeat a slot"),
+    ("paged_decode", "fp8", _set("out_scale", torch.tensor(0.0)), "out_scale must be finite and > 0"),
+    ("paged_decode", "features", _set("sinks", lambda s: s / 0), "sinks must be finite"),
+    ("merge_states", "plain", _set(1, lambda lse: lse.clamp(max=math.inf).index_fill(0, torch.tensor([1]), math.inf)),
+     "lse_a must be finite or -inf"),
 ]
 
 
