@@ -87,9 +87,12 @@ def attend(
     if sinks is not None:
         sink = sinks.to(softmax_dtype).view(hq, 1, 1).expand(hq, lq, 1)
         terms = torch.cat([s, sink], dim=-1)
-    lse = torch.logsumexp(terms, dim=-1)                                       # [Hq, Lq]
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(s - safe_lse.unsqueeze(-1))                              # 0 where masked
+    # normalized by the row max, not by lse: exp(s - lse) loses the precision of a large lse
+    row_max = terms.amax(dim=-1, keepdim=True) if terms.shape[-1] else terms.new_zeros((*terms.shape[:-1], 1))
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)   # rows that see nothing
+    denom = torch.exp(terms - row_max).sum(dim=-1, keepdim=True)
+    probs = torch.exp(s - row_max) / torch.where(denom == 0, torch.ones_like(denom), denom)   # 0 where masked
+    lse = (row_max + denom.log()).squeeze(-1)                                  # [Hq, Lq]; -inf: nothing seen
     out = probs.to(compute_dtype) @ vc                                         # [Hq, Lq, D]
     return out.to(softmax_dtype).transpose(0, 1), lse.transpose(0, 1)
 
@@ -173,11 +176,13 @@ def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=F
 
 def merge_states(out_a, lse_a, out_b, lse_b):
     """Merge two partial states over disjoint keys; returns `(out, lse)`."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    wa = torch.exp(lse_a - safe).unsqueeze(-1)
-    wb = torch.exp(lse_b - safe).unsqueeze(-1)
-    out = wa * out_a.float() + wb * out_b.float()
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)   # both empty
+    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)            # weights relative to the larger state
+    total = wa + wb
+    lse = top + total.log()
+    total = torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+    out = (wa.unsqueeze(-1) * out_a.float() + wb.unsqueeze(-1) * out_b.float()) / total
     return out.to(out_a.dtype), lse
 
 

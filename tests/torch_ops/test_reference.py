@@ -410,6 +410,27 @@ def test_softcap(causal):
     check_attention("context_attention", *context_inputs(CROSS_Q, CROSS_K, 4, 2, causal=causal, scale=1.0, softcap=1.5))
 
 
+def test_extreme_logits_keep_the_softmax_exact():
+    """Logits near 46,000 (FlashInfer's extreme-logits regression): with all values 1 the exact
+    output is 1, which an fp32 softmax normalized by the row max keeps to rounding; normalizing by
+    an fp32 lse would be off by up to exp(ulp(46000)) - 1, 0.2%."""
+    d = 64
+    q = torch.full((3, 2, d), 1.0)
+    k = torch.randn(40, 2, d) * 0.01 + 5750.0   # <q, k> / sqrt(D) around 46,000
+    v = torch.ones(40, 2, d)
+    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32)
+    out, lse = reference.context_attention(q, k, v, cu_q, cu_k, compute_dtype=torch.float32)
+    assert (lse > 45_000).all() and (out - 1).abs().max() < 1e-5
+
+
+def test_merge_states_at_extreme_lse_keeps_the_weights_exact():
+    lse_a, lse_b = torch.full((4, 2), 46000.25), torch.full((4, 2), 46000.0) + torch.rand(4, 2)
+    ones = torch.ones(4, 2, 8)
+    out, lse = reference.merge_states(ones, lse_a, ones, lse_b)
+    assert (out - 1).abs().max() < 1e-6
+    assert torch.allclose(lse.double(), torch.logaddexp(lse_a.double(), lse_b.double()), rtol=0, atol=0.01)
+
+
 @pytest.mark.parametrize("scale,q_scaling", [(None, 1.0), (0.37, 1.0), (None, 2.5), (0.9, 0.6)])
 def test_scale_and_q_scaling(scale, q_scaling):
     """Logits are scaled by `(scale or 1/sqrt(D)) / q_scaling`."""
