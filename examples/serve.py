@@ -10,6 +10,7 @@ through the reference backend.
     python examples/serve.py                       # GPU: triton backend, CUDA graphs
     python examples/serve.py --backend vanilla     # the reference ops
     python examples/serve.py --check               # greedy outputs vs the vanilla backend
+    TRITON_INTERPRET=1 python examples/serve.py --backend triton --check   # the same on CPU
 """
 
 import argparse
@@ -83,26 +84,35 @@ class Progress:
 def arg_parser(cuda: bool, description: str) -> argparse.ArgumentParser:
     """The workload and engine options (also those of examples/serve_tp.py)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--backend", default="triton" if cuda else "vanilla")
-    parser.add_argument("--num-requests", type=int, default=256 if cuda else 12)
-    parser.add_argument("--max-prompt", type=int, default=1024 if cuda else 24)
-    parser.add_argument("--max-new", type=int, default=256 if cuda else 12)
-    parser.add_argument("--arrival-steps", type=int, default=200 if cuda else 10)
-    parser.add_argument("--max-num-seqs", type=int, default=128 if cuda else 8)
-    parser.add_argument("--max-num-tokens", type=int, default=2048 if cuda else 32)
-    parser.add_argument("--num-blocks", type=int, default=16384 if cuda else 128)
-    parser.add_argument("--block-size", type=int, default=16 if cuda else 4)
-    parser.add_argument("--prefix-caching", action="store_true")
-    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--backend", default="triton" if cuda else "vanilla",
+                        help="attention backend: triton, vanilla (the reference ops) or flashinfer")
+    parser.add_argument("--num-requests", type=int, default=256 if cuda else 12, help="requests in the run")
+    parser.add_argument("--max-prompt", type=int, default=1024 if cuda else 24,
+                        help="prompt lengths are drawn from 1..max-prompt")
+    parser.add_argument("--max-new", type=int, default=256 if cuda else 12,
+                        help="tokens to generate per request are drawn from 1..max-new")
+    parser.add_argument("--arrival-steps", type=int, default=200 if cuda else 10,
+                        help="requests arrive at steps drawn from 0..arrival-steps")
+    parser.add_argument("--max-num-seqs", type=int, default=128 if cuda else 8, help="sequences per step")
+    parser.add_argument("--max-num-tokens", type=int, default=2048 if cuda else 32,
+                        help="new tokens per step (longer prompts are prefilled in chunks)")
+    parser.add_argument("--num-blocks", type=int, default=16384 if cuda else 128, help="KV-cache blocks")
+    parser.add_argument("--block-size", type=int, default=16 if cuda else 4, help="tokens per KV-cache block")
+    parser.add_argument("--prefix-caching", action="store_true", help="share the blocks of common prompt prefixes")
+    parser.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly, without CUDA graphs")
     parser.add_argument("--tiny", action="store_true", help="the CPU model size on any device")
-    parser.add_argument("--check", action="store_true", help="rerun on the vanilla backend and compare outputs")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true",
+                        help="rerun on the vanilla backend and compare greedy outputs (with another --backend)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     return parser
 
 
 def main():
     cuda = torch.cuda.is_available()
     args = arg_parser(cuda, __doc__.splitlines()[0]).parse_args()
+    if args.check and args.backend == "vanilla":
+        raise SystemExit("--check compares a backend with vanilla: pass --backend triton "
+                         "(on CPU with TRITON_INTERPRET=1, Triton's interpreter)")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = GPU_MODEL if cuda and not args.tiny else CPU_MODEL
