@@ -43,9 +43,10 @@ class Backend(Protocol):
     # Optional: `auto_declines(op, args, kwargs) -> list[str]`, why the automatic choice passes
     # this backend over for a call it could run (another backend is faster there, measured).
 
-    # Optional: `prepare(op, args, kwargs) -> Launch`, the work that depends only on the call's
-    # signature, done once; `launch(*args, **kwargs)` then runs a call of that signature. Without
-    # it, every call goes through `run`.
+    # Optional: `prepare(op, args, kwargs) -> Launch | None`, the work that depends only on the
+    # call's signature, done once; `launch(*args, **kwargs)` then runs a call of that signature,
+    # given the arguments as the caller passed them (its defaults are the schema's). Without it,
+    # or where it returns None, every call goes through `run` with every argument.
 
     def run(self, op: str, args: tuple, kwargs: dict):
         """Run the op. Attention ops get `out`/`lse` buffers in `kwargs` and fill them."""
@@ -203,17 +204,20 @@ class _Schema:
 
 @dataclasses.dataclass
 class Plan:
-    """A call signature's validated choice and prepared launch."""
+    """A call signature's validated choice and prepared launch. A prepared launch takes the
+    arguments as the caller gave them (its defaults are the schema's); `run` gets them all."""
 
     schema: _Schema
     choice: Choice
     launch: Launch
     outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None   # functional attention ops
+    complete: bool   # the launch needs every argument
 
     def __call__(self, args: tuple, kwargs: dict):
-        args, kwargs = self.schema.complete(args, kwargs)
         if _environment["debug"]:
-            checks.check_data(self.schema.op, args, kwargs)
+            checks.check_data(self.schema.op, *self.schema.complete(args, kwargs))
+        if self.complete:
+            args, kwargs = self.schema.complete(args, kwargs)
         if self.outputs is None:
             return self.launch(*args, **kwargs)
         out, lse = self.outputs()
@@ -242,12 +246,14 @@ def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
     choice = _choose(op, args, options)
     backend = _BACKENDS[choice.backend]
     prepare = getattr(backend, "prepare", None)
-    if prepare is not None:
-        launch = prepare(op, args, kwargs)
-    else:
-        def launch(*args, **kwargs):
-            return backend.run(op, args, kwargs)
-    return Plan(schema, choice, launch, outputs)
+    launch = prepare(op, args, kwargs) if prepare is not None else None
+    if launch is not None:
+        return Plan(schema, choice, launch, outputs, complete=False)
+
+    def launch(*args, **kwargs):
+        return backend.run(op, args, kwargs)
+
+    return Plan(schema, choice, launch, outputs, complete=True)
 
 
 def _front(qualname: str):

@@ -46,7 +46,7 @@ class TritonBackend:
 
     def prepare(self, op, args, kwargs):
         module = self._module(op)
-        return module.prepare(*args, **kwargs) if hasattr(module, "prepare") else module.run
+        return module.prepare(*args, **kwargs) if hasattr(module, "prepare") else None
 
     @staticmethod
     def _module(op):
