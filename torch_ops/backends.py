@@ -135,10 +135,12 @@ class Choice:
     backend: str
     requested: bool
     passed_over: dict[str, list[str]]
+    kernel: str = ""   # the backend's description of its launch (`explain` fills it)
 
     def __str__(self) -> str:
         how = "requested" if self.requested else "automatic choice"
         lines = [f"attn::{self.op} runs on {self.backend!r} ({how})"]
+        lines += [f"  kernel: {self.kernel}"] if self.kernel else []
         lines += [f"  {name} passed over: {'; '.join(why)}" for name, why in self.passed_over.items()]
         return "\n".join(lines)
 
@@ -225,6 +227,15 @@ class Plan:
         return out, lse
 
 
+def _allocator(spec: ops.OpSpec, args: tuple, options: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """What allocates a functional attention op's `out [T, Hq, value_dim]` and `lse [T, Hq]` for
+    calls of this signature."""
+    query, value_dim, dtype = spec.output_spec(*args, **options)
+    rows, device = (query.shape[0], query.shape[1]), query.device
+    return lambda: (torch.empty((*rows, value_dim), dtype=dtype, device=device),
+                    torch.empty(rows, dtype=torch.float32, device=device))
+
+
 def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
     args, kwargs = schema.complete(args, kwargs)
     op = schema.op
@@ -235,13 +246,7 @@ def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
     if schema.with_out:
         spec.check_outputs(args, options, kwargs["out"], kwargs["lse"])
     elif op in ops.ATTENTION_OPS:
-        query, value_dim, dtype = spec.output_spec(*args, **options)
-        t, hq = query.shape[0], query.shape[1]
-
-        def outputs(device=query.device):
-            return (torch.empty((t, hq, value_dim), dtype=dtype, device=device),
-                    torch.empty((t, hq), dtype=torch.float32, device=device))
-
+        outputs = _allocator(spec, args, options)
         kwargs["out"], kwargs["lse"] = outputs()
     choice = _choose(op, args, options)
     backend = _BACKENDS[choice.backend]
@@ -279,14 +284,16 @@ for _qualname in ops.SCHEMAS:
 
 
 def explain(op: str, *args, **kwargs) -> Choice:
-    """Which backend would run `torch.ops.attn.<op>(*args, **kwargs)` and why the ones before it
-    in `PRIORITY[op]` would not (`print` it). Validates the call like the op does."""
-    schema = _Schema(op)
-    args, kwargs = schema.complete(args, kwargs)
-    ops.SPECS[op].check(*args, **kwargs)
-    return _choose(op, args, kwargs)
+    """Which backend and kernel would run `torch.ops.attn.<op>(*args, **kwargs)`, and why the
+    backends before it in `PRIORITY[op]` would not (`print` it). Validates and plans the call like
+    the op does (planning may build a backend's library: the one the choice fell on)."""
+    plan = _make_plan(_Schema(op), args, kwargs)
+    return dataclasses.replace(plan.choice, kernel=getattr(plan.launch, "describe", ""))
 
 
 def backend_for(op: str, *args, **kwargs) -> str:
-    """The name of the backend that would run this call."""
-    return explain(op, *args, **kwargs).backend
+    """The name of the backend that would run this call (validated, not planned)."""
+    schema = _Schema(op)
+    args, kwargs = schema.complete(args, kwargs)
+    ops.SPECS[op].check(*args, **kwargs)
+    return _choose(op, args, kwargs).backend

@@ -356,6 +356,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(index), err, len(err)) != 0:
                 raise RuntimeError(f"CUDA paged_decode failed: {err.value.decode()}")
 
+    launch.describe = (f"CUDA decode (csrc/decode_sm90.cu): a cluster of {size} CTA(s) per (sequence, KV head), "
+                       f"the build for {per_sm} CTA(s) per SM")
     return launch
 
 

@@ -531,6 +531,7 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
                cu_seqlens_k=cu_k.data_ptr(), q_scale=_address(q_scale), k_scale=_address(k_scale),
                v_scale=_address(v_scale), out_scale=_address(out_scale))
 
+    launch.describe = kernel.describe
     return launch
 
 
@@ -619,6 +620,7 @@ def paged_prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         kernel(out, lse, q=q.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
                block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), out_scale=_address(out_scale))
 
+    launch.describe = kernel.describe
     return launch
 
 
@@ -660,6 +662,8 @@ def _launch(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_se
             out.copy_(o)
             lse.copy_(l)
 
+    ctas = fields.get("num_ctas")
+    kernel.describe = f"CUTLASS {KERNELS[(q.dtype, d)]} D {d}, the {variant} kernel" + (f" on {ctas} CTAs" if ctas else "")
     return kernel
 
 
@@ -754,4 +758,5 @@ class MixedBatchBackend:
             for part in launches:
                 part(*args, **kwargs)
 
+        launch.describe = " for the long sequences, then ".join(getattr(part, "describe", "") for part in launches)
         return launch

@@ -99,3 +99,13 @@ def test_plans_follow_the_requested_backend_from_the_environment(registry, monke
     monkeypatch.setenv("ATTN_BACKEND", "nonesuch")
     with pytest.raises(ValueError, match="unknown backend 'nonesuch'"):
         torch.ops.attn.merge_states(*_states())
+
+
+def test_explain_names_the_kernel():
+    from . import samples
+
+    args, kwargs = samples.sample("paged_decode", "gqa")
+    with torch_ops.use_backend("triton"):
+        choice = torch_ops.explain("paged_decode", *args, **kwargs)
+    assert choice.backend == "triton" and choice.requested
+    assert choice.kernel.startswith("Triton paged_decode, grid ") and "kernel: Triton" in str(choice)

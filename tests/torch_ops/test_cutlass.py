@@ -468,6 +468,9 @@ def _no_launch(*args, **kwargs) -> None:
     """A spied `_launch`'s kernel: the tests read what it was prepared with."""
 
 
+_no_launch.describe = "a spy"
+
+
 def _paged_problem_cpu(*, dtype=BF16, cache_dtype=None, d=128, block_size=16, hq=4, hkv=2, tq=300, seqs=2):
     q = torch.randn(tq, hq, d).to(dtype)
     k_cache = torch.zeros(8, block_size, hkv, d, dtype=cache_dtype or dtype)

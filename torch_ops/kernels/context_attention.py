@@ -119,4 +119,5 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
                 alibi_slopes=alibi_slopes, sinks=sinks, out_scale=out_scale, q_scale=q_scale, k_scale=k_scale,
                 v_scale=v_scale)
 
+    launch.describe = ("Triton RoPE of q and k, then " if rotate else "") + getattr(forward, "describe", "")
     return launch

@@ -1041,6 +1041,10 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
         LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits
 
+    launch.describe = (f"Triton paged_decode, grid {batch * hkv * m_tiles} x {num_splits} split(s)"
+                       f"{' + merge' if split else ''}: {block_m} query rows x {block_n}-key tiles"
+                       f"{f' ({replicas} per step)' if replicas > 1 else ''}, {cfg['num_warps']} warps, "
+                       f"{cfg['num_stages']} stages")
     return launch
 
 

@@ -31,4 +31,5 @@ def prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, ou
                 seq_lens=seq_lens, alibi_slopes=alibi_slopes, sinks=sinks, out_scale=out_scale, k_scale=k_scale,
                 v_scale=v_scale)
 
+    launch.describe = getattr(forward, "describe", "")
     return launch

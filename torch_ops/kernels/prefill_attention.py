@@ -582,6 +582,9 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
             kernel(*tensors)
         LAST_KERNEL = kernels[0].kernel
 
+    launch.describe = "Triton prefill, " + " + ".join(
+        f"grid {k.grid[0]}: {k.meta['BLOCK_M']} x {k.meta['BLOCK_N']} tiles, {k.meta['num_warps']} warps, "
+        f"{k.meta['num_stages']} stages{' (sequences of one tile)' if k.meta['SHORT'] else ''}" for k in kernels)
     return launch
 
 
