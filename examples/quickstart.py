@@ -1,12 +1,14 @@
 """Quickstart: a paged KV cache, a prefill, cache writes and decode steps through torch.ops.attn.*.
 
-Runs on CPU (reference backend) or on a GPU (Triton kernels where they exist). Each step is
-checked against the float64 reference on the same cache; a table of errors is printed last.
+Runs on CPU (reference backend) or on a GPU (Triton kernels where they exist). Each cache write
+is checked against the reference's write (the same stored values), each attention step against
+the float64 reference on the same cache; a table of errors is printed last.
 
     python examples/quickstart.py [--kv-dtype bf16|e4m3|int8|int4] [--steps 4]
 """
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -16,6 +18,7 @@ from torch_ops.kv_cache import BlockAllocator, BlockTables, PagedKVCache, random
 from torch_ops.metadata import MetadataBuilder
 from torch_ops.testing import max_error
 
+SCALED_FIELDS = ("k", "v", "k_scale", "v_scale")   # what a cache write changes
 KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}
 
 
@@ -49,7 +52,14 @@ def main():
         q = torch.randn(t, num_q_heads, head_dim, device=device, dtype=dtype)
         k = torch.randn(t, num_kv_heads, head_dim, device=device, dtype=dtype)
         v = torch.randn(t, num_kv_heads, head_dim, device=device, dtype=dtype)
+        expected = dataclasses.replace(cache, **{name: getattr(cache, name).clone() for name in SCALED_FIELDS
+                                                 if getattr(cache, name) is not None})
+        reference.kv_cache_write(k, v, expected.k, expected.v, meta.slot_mapping, **expected.scale_kwargs())
         torch.ops.attn.kv_cache_write(k, v, cache.k, cache.v, meta.slot_mapping, **cache.scale_kwargs())
+        write_backend = torch_ops.backend_for("kv_cache_write", k, v, cache.k, cache.v, meta.slot_mapping,
+                                              **cache.scale_kwargs())
+        rows.append(("write", "kv_cache_write", write_backend, t, max(meta.seq_lens.tolist()),
+                     max(max_error(ours, ref) for ours, ref in zip(cache.dequantized(), expected.dequantized()))))
         attn_args = (q, cache.k, cache.v, meta.block_tables)
         if name == "decode":
             op, args_ = "paged_decode", attn_args + (meta.seq_lens,)
