@@ -1,5 +1,6 @@
 """The examples run as documented."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +10,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "e4m3", "int4"])
-def test_quickstart(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,backend", [("bf16", None), ("e4m3", None), ("int4", None), ("int8", "triton")])
+def test_quickstart(kv_dtype, backend):
+    """The example checks itself (it exits non-zero on a large error); with `triton` on CPU, the
+    kernels run through the interpreter."""
+    env = {**os.environ, **({"ATTN_BACKEND": backend, "TRITON_INTERPRET": "1"} if backend else {})}
     result = subprocess.run([sys.executable, "examples/quickstart.py", "--kv-dtype", kv_dtype, "--steps", "2"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert "paged_decode" in result.stdout and "paged_prefill" in result.stdout
+    assert "paged_decode" in result.stdout and "paged_prefill" in result.stdout and "kv_cache_write" in result.stdout
 
 
 def test_llama_paged():
