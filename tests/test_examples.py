@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quickstart(kv_dtype, backend):
     """The example checks itself (it exits non-zero on a large error); with `triton` on CPU, the
     kernels run through the interpreter."""
-    env = {**os.environ, **({"ATTN_BACKEND": backend, "TRITON_INTERPRET": "1"} if backend else {})}
+    cpu_triton = {"ATTN_BACKEND": backend, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **(cpu_triton if backend else {})}
     result = subprocess.run([sys.executable, "examples/quickstart.py", "--kv-dtype", kv_dtype, "--steps", "2"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
