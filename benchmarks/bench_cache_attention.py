@@ -268,4 +268,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import torch_ops
+
+    torch_ops.warmup()   # the CUTLASS and CUDA decode libraries, which the automatic choice uses once built
     sys.exit(main())

@@ -429,10 +429,12 @@ def tune_jobs(formats) -> list[tuple]:
 def _compile_job(job) -> str:
     """Worker: run one variant once so that its kernels land in Triton's on-disk cache."""
     shape, fmt, name, knobs = job
+    from torch_ops import clear_plans
     from torch_ops.kernels import paged_decode as pd
 
     for k, v in knobs.items():
         setattr(pd, k, v)
+    clear_plans()   # plans read the knobs
     try:
         case = Case(*shape, fmt)
         case.ours(0)()
@@ -458,6 +460,7 @@ def precompile(jobs, workers: int = 12) -> None:
 
 def tune(runner: Runner, bw) -> list[dict]:
     """Sweep our kernel's tile configs and split knobs on a few shapes (results in the JSON)."""
+    import torch_ops
     from torch_ops.kernels import paged_decode as pd
 
     jobs = tune_jobs(runner.args.formats)
@@ -483,6 +486,7 @@ def tune(runner: Runner, bw) -> list[dict]:
         try:
             for k, v in knobs.items():
                 setattr(pd, k, v)
+            torch_ops.clear_plans()   # plans read the knobs
             t, _ = common.time_us(fns, calls=10, replays=7)
             res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
                        kernel=kernel_report())
@@ -491,6 +495,7 @@ def tune(runner: Runner, bw) -> list[dict]:
         finally:
             for k, v in saved.items():
                 setattr(pd, k, v)
+            torch_ops.clear_plans()
         out.append(res)
         k = res.get("kernel", {})
         print(f"tune {shape} {fmt:5} {name:14} " + (f"{res['us']:8.2f} us {res['pct_copy']:5.1f}% splits={k.get('num_splits')} "
@@ -635,4 +640,7 @@ def summary(rows, bw) -> str:
 
 
 if __name__ == "__main__":
+    import torch_ops
+
+    torch_ops.warmup()   # the CUTLASS and CUDA decode libraries, which the automatic choice uses once built
     sys.exit(main())

@@ -247,4 +247,7 @@ def main():
 
 
 if __name__ == "__main__":
+    import torch_ops
+
+    torch_ops.warmup()   # the CUTLASS and CUDA decode libraries, which the automatic choice uses once built
     main()

@@ -511,6 +511,7 @@ class Runner:
 
     def tune(self) -> list[dict]:
         """Our kernel under each candidate config (S = 8k uniform context, both masks; one paged case)."""
+        from torch_ops import clear_plans
         from torch_ops.kernels import prefill_attention as pa
 
         out = []
@@ -526,6 +527,7 @@ class Runner:
                 res = {"kind": kind, "d": d, "causal": causal,
                        "config": "default" if cfg is None else dict(zip(names, cfg))}
                 pa.CONFIG_OVERRIDE = None if cfg is None else res["config"]
+                clear_plans()   # plans read the knob
                 try:
                     us, _ = time_us(case.ours())
                     res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report())
@@ -533,6 +535,7 @@ class Runner:
                     res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 finally:
                     pa.CONFIG_OVERRIDE = None
+                    clear_plans()
                 out.append(res)
                 k = res.get("kernel", {})
                 print(f"tune {kind:7} d{d:<3} causal={causal!s:5} {str(res['config']):70} "
@@ -660,4 +663,7 @@ def summary(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
+    import torch_ops
+
+    torch_ops.warmup()   # the CUTLASS and CUDA decode libraries, which the automatic choice uses once built
     sys.exit(main())

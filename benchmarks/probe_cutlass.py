@@ -100,7 +100,9 @@ class Runner:
         self.lse = torch.empty(args[0].shape[:2], device="cuda")
 
     def __call__(self):
-        cutlass.PERSISTENT = self.persistent
+        if cutlass.PERSISTENT is not self.persistent:
+            cutlass.PERSISTENT = self.persistent
+            torch_ops.clear_plans()   # plans read the knob
         with torch_ops.use_backend("cutlass"):
             torch.ops.attn.context_attention.out(*self.args, causal=self.case.causal, out=self.out, lse=self.lse,
                                                  **self.scales)

@@ -47,10 +47,12 @@ def run_decode():
         # two long splits: replicated rows in the quantized formats
         q, cache, tables, seq_lens = paged_case(fmt, 16, [2001, 1500, 5, 0])
         pd.FORCE_NUM_SPLITS = 2
+        torch_ops.clear_plans()   # plans read the knob
         try:
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
         finally:
             pd.FORCE_NUM_SPLITS = None
+            torch_ops.clear_plans()
     print("paged_decode: ok")
 
 
@@ -110,6 +112,7 @@ def run_cutlass():
     with torch_ops.use_backend("cutlass"):
         for grid, (dtype, d) in itertools.product((False, None), kernels):
             cutlass.PERSISTENT = grid   # None: the automatic choice (persistent here at D = 128)
+            torch_ops.clear_plans()
             q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             scales = {}
@@ -119,6 +122,7 @@ def run_cutlass():
             for causal in (False, True):
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
     cutlass.PERSISTENT = None
+    torch_ops.clear_plans()
     print("context_attention (cutlass, plain and automatic grids): ok")
     # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor (32-token boxes
     # over one line of tokens), blocks padded by a token (16-token boxes of paged16, 8-token ones apart;

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from torch_ops import clear_plans  # noqa: E402
 from torch_ops.kernels import paged_decode as pd  # noqa: E402
 
 SETS = {
@@ -172,6 +173,7 @@ def main() -> None:
                                           "replicas": replicas}
                     pd.PROGRAMS_PER_SM = per_sm
                     pd.FORCE_NUM_SPLITS = splits
+                    clear_plans()   # plans read the knobs
                     calls = sets if callable(sets[0]) else [
                         lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
                     try:
@@ -185,6 +187,7 @@ def main() -> None:
             mb = 2 * b * hkv * ctx * d * {"int4": 0.5, "int8": 1, "fp8": 1}.get(layout, 2) / 1e6
             print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
     pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = pd.PROGRAMS_PER_SM = None
+    clear_plans()
     for (name, d, layout), (regs, smem) in sorted(resources.items()):
         print(f"config {name} D={d} {layout}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 
