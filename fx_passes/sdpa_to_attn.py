@@ -177,7 +177,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
             # soft-capping `c * tanh(s / c)`: the scaling seen so far (after the tanh) is c
             if factors or scale <= 0:
                 raise Decline("tanh of the scores not under one constant positive factor (soft-capping c * tanh(s / c))")
-            x, softcap, scale = cx.input, scale, scale
+            x, softcap = cx.input, scale   # the factors before the tanh keep multiplying `scale`
         elif cx.name == "masked_fill" and not causal and not softcap:
             x, causal = _causal_fill(cx, mask_nodes), True
         elif cx.name == "add" and not causal and not softcap:
@@ -355,7 +355,7 @@ def _split_sinks(x, nodes: list) -> tuple[fx.Node, fx.Node]:
         combined, row_max = c.input, c.arg(1, "other")
         if not _is_row_max(row_max, combined):
             raise Decline(f"the softmax input {x.name} subtracts {getattr(row_max, 'name', row_max)}, not its row max")
-        nodes += [x, row_max, row_max.args[0] if call(row_max).name == "getitem" else row_max]
+        nodes += [x, row_max, *([row_max.args[0]] if call(row_max).name == "getitem" else [])]
         x, c = combined, call(combined)
     if c is None or c.name != "cat" or c.arg(1, "dim", 0) not in (-1, 3) or len(c.input) != 2:
         raise Decline(f"the softmax input {x.name} is not cat([scores, sink logits], -1) (its last column is dropped)")

@@ -515,7 +515,7 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
     section = 1
     if variant == "persistent" or sectioned(causal, tq, hq, sms):
         section = section_heads(hq, hkv, -(-tk // num_seqs), d, query.element_size())   # at the mean key length
-    kernel = _launch("context_attention", variant, q, out, lse, causal, scale, q_scaling, num_seqs, dict(
+    kernel = _kernel("context_attention", variant, q, out, lse, causal, scale, q_scaling, num_seqs, dict(
         k_row_stride=k.stride(0), k_head_stride=k.stride(1), **v_fields, total_k=tk, hkv=hkv,
         q_scale_stride=_scale_stride(q_scale), k_scale_stride=_scale_stride(k_scale),
         v_scale_stride=_scale_stride(v_scale), num_ctas=num_ctas, section_heads=section))
@@ -606,7 +606,7 @@ def paged_prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     q = _tma_ready(query)
     copy_q = q is not query
     tables = _int32_rows(block_tables)
-    kernel = _launch("paged_prefill", variant, q, out, lse, causal, scale, q_scaling, cu_seqlens_q.shape[0] - 1, dict(
+    kernel = _kernel("paged_prefill", variant, q, out, lse, causal, scale, q_scaling, cu_seqlens_q.shape[0] - 1, dict(
         k_row_stride=k_cache.stride(1), k_head_stride=k_cache.stride(2),
         v_row_stride=v_cache.stride(1), v_head_stride=v_cache.stride(2), hkv=hkv,
         block_table_stride=tables.stride(0),
@@ -629,7 +629,7 @@ def _int32_rows(tables: torch.Tensor) -> torch.Tensor:
     return tables if tables.stride(-1) == 1 else tables.contiguous()
 
 
-def _launch(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_seqs: int, fields: dict):
+def _kernel(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_seqs: int, fields: dict):
     """The kernel of `variant` for q's dtype and head dim, with the `FmhaArgs` fields that a call's
     signature fixes (`fields`, and those of q, out and lse); `kernel(out, lse, **addresses)` runs a
     call, given its tensors' addresses (through contiguous out/lse buffers if the given ones have

@@ -38,8 +38,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
     calls = list(calls)
     for i, call in enumerate(calls):
         call()
-        if progress:
-            say(f"call {i + 1}/{len(calls)}")
+        say(f"call {i + 1}/{len(calls)}")
     if calls and torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - start

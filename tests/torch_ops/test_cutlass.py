@@ -298,7 +298,7 @@ def test_sections_only_for_causal_grids_of_few_waves():
 def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     """The lengths are on the device: the sections assume every sequence fills its table row."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
+    monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
     tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
@@ -321,7 +321,7 @@ def test_paged_persistent_grid_where_forced_or_chosen(monkeypatch):
     heads, even ones for the cluster kernels), or where `paged_runs_persistent` picks it (D = 64), the
     plain one otherwise."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
+    monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
 
@@ -353,7 +353,7 @@ def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_s
     blocks padded by a token; K and V as halves of one [blocks, 2, block_size, Hkv, D] tensor are one).
     An even number of query heads per KV head takes the family's cluster kernels."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
+    monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size, hq=hq, hkv=2)
     if layout == "halves":
@@ -392,7 +392,7 @@ def test_paged_stage_layouts_match_the_tma_boxes(tmp_path, check, define):
 def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
     """Causal launches of few waves run in sections sized at the mean key length; the rest head by head."""
     seen = {}
-    monkeypatch.setattr(cutlass, "_launch", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
+    monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
     monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
     q = torch.randn(4096, 32, 128).to(BF16)       # 2k queries per sequence: the plain grid
     kv = torch.randn(2 * 8192, 32, 128).to(BF16)   # two sequences of 8k keys: 4 MiB of K/V per head
@@ -465,7 +465,7 @@ def test_empty_keys_are_not_served():
 
 
 def _no_launch(*args, **kwargs) -> None:
-    """A spied `_launch`'s kernel: the tests read what it was prepared with."""
+    """A spied `_kernel`: the tests read what it was prepared with."""
 
 
 _no_launch.describe = "a spy"

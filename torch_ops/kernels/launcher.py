@@ -77,6 +77,10 @@ class TritonLaunch:
         self._direct, self._device = compiled, torch.cuda.current_device()
 
 
+def no_launch(*args, **kwargs) -> None:
+    """The launch of a call with nothing to compute (no tokens, no sequences)."""
+
+
 def scale_operands(mode: str, k_scale, v_scale, num_kv_heads: int, absent):
     """A call's K/V scale operands, the way its plan decided (`mode`): "none" passes `absent` for
     both; "given" the scales themselves; "per_head" a 0-d one expanded to `[num_kv_heads]` beside a

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .launcher import TritonLaunch
+from .launcher import TritonLaunch, no_launch
 from .interpreter import exact_cast
 
 
@@ -61,7 +61,7 @@ def prepare(out_a, lse_a, out_b, lse_b, *, out, lse):
     """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read)."""
     t, h, d = out_a.shape
     if t == 0 or h == 0:
-        return lambda *args, **kwargs: None
+        return no_launch
     block_d = max(16, triton.next_power_of_2(d))
     block_h = max(1, min(triton.next_power_of_2(h), 2048 // block_d))
     interpreted = interpreting()

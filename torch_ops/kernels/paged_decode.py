@@ -94,7 +94,7 @@ import triton.language as tl
 
 from . import interpreting
 from .interpreter import exact_cast
-from .launcher import TritonLaunch, scale_operands
+from .launcher import TritonLaunch, no_launch, scale_operands
 
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
@@ -889,7 +889,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
-        return _nothing
+        return no_launch
     _, page, hkv, _ = k_cache.shape
     fmt = _FMT[k_cache.dtype]
     e5m2 = k_cache.dtype == torch.float8_e5m2
@@ -1052,7 +1052,3 @@ def _alignment(x: torch.Tensor) -> int:
     """The largest power of two, up to 16, that divides `x`'s address in bytes."""
     a = x.data_ptr() % 16
     return a & -a if a else 16
-
-
-def _nothing(*args, **kwargs) -> None:
-    """The launch of an empty call."""

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from . import interpreting
 from .interpreter import exact_cast, round_to_bf16
-from .launcher import TritonLaunch, scale_operands
+from .launcher import TritonLaunch, no_launch, scale_operands
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
@@ -499,7 +499,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     t, hq, d = query.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if t == 0 or num_seqs <= 0:
-        return _nothing
+        return no_launch
     paged = block_tables is not None
     hkv = k.shape[-2]
     group = hq // hkv
@@ -586,10 +586,6 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         f"grid {k.grid[0]}: {k.meta['BLOCK_M']} x {k.meta['BLOCK_N']} tiles, {k.meta['num_warps']} warps, "
         f"{k.meta['num_stages']} stages{' (sequences of one tile)' if k.meta['SHORT'] else ''}" for k in kernels)
     return launch
-
-
-def _nothing(*args, **kwargs) -> None:
-    """The launch of an empty call."""
 
 
 def work_slots(t: int, num_seqs: int, tok: int, max_queries: int | None) -> tuple[int, int]:

@@ -120,12 +120,12 @@ class Engine:
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
         start = time.perf_counter()
-        sizes = sorted({1 << k for k in range(self.max_num_tokens.bit_length() - 1)} | {self.max_num_tokens})
+        top = self.max_num_tokens
+        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
         ids = itertools.count(-1, -1)   # ids no caller uses
         for n in sizes:
-            for batch in ([n], [n - n // 2, n // 2] if n > 1 else []):
-                if batch:
-                    generate(self, [Request(next(ids), [0] * length, 2) for length in batch])
+            for lengths in [[n]] + ([[n - n // 2, n // 2]] if n > 1 else []):
+                generate(self, [Request(next(ids), [0] * length, 2) for length in lengths])
             if progress:
                 print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
         self.finished = {i: r for i, r in self.finished.items() if i >= 0}
