@@ -21,8 +21,10 @@ Method
   loads Triton kernels from its on-disk cache instead of compiling them. replan_us (where
   torch_ops.backends has a plan cache, `clear_plans`): the next call after clearing it, kernels
   already loaded: the per-signature planning cost alone.
-* Each op runs on the automatic choice (backend "auto") and pinned on every backend but vanilla;
-  one that cannot serve the call ("cannot run" ValueError) is "n/a" with its reason.
+* Each op runs on the automatic choice (backend "auto"), the same with every call through the
+  Python front ("auto/python", ATTN_REPLAY=0), and pinned on every backend but vanilla; one that
+  cannot serve the call ("cannot run" ValueError) is "n/a" with its reason. replayed ("C++"): the
+  share of the timed calls that the C++ front replayed (torch_ops/replay.py).
 * Peers, same process and shapes: FlashInfer BatchDecodeWithPagedKVCacheWrapper (bf16, FP8) and
   BatchPrefillWithPagedKVCacheWrapper, run() timed after one plan() (first_ms = plan + first run);
   SDPA with enable_gqa on [B, Hq, 1, D] x [B, Hkv, ctx, D]. Peers return no lse; ours always do.
@@ -31,8 +33,10 @@ Method
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch_ops  # noqa: E402
-from torch_ops import backends, kv_cache, ops  # noqa: E402
+from torch_ops import backends, kv_cache, ops, replay  # noqa: E402
 
 FORMATS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}
 
@@ -260,12 +264,31 @@ def _chosen(op: str, call: functools.partial) -> str:
         return f"unknown ({type(e).__name__}: {str(e)[:100]})"
 
 
+PYTHON_FRONT = "auto/python"   # the automatic choice with every call through the Python front
+
+
+@contextlib.contextmanager
+def _front(pin: str | None):
+    """Run with `pin` requested; PYTHON_FRONT turns the C++ front's replays off (ATTN_REPLAY=0)."""
+    if pin != PYTHON_FRONT:
+        with torch_ops.use_backend(pin):
+            yield
+        return
+    os.environ["ATTN_REPLAY"] = "0"
+    backends.clear_plans()
+    try:
+        yield
+    finally:
+        del os.environ["ATTN_REPLAY"]
+        backends.clear_plans()
+
+
 def measure(base: dict, make, cfg: Config, pin: str | None = None) -> dict:
     """One row: first call, host loop, device time, on backend `pin` (None: automatic choice).
     Never raises: a backend that cannot serve the call gives "na", any other failure "error"."""
     row = dict(base)
     try:
-        with torch_ops.use_backend(pin):
+        with _front(pin):
             plan = make()
             cfg.sync()
             t0 = time.perf_counter()
@@ -285,7 +308,9 @@ def measure(base: dict, make, cfg: Config, pin: str | None = None) -> dict:
                 row["replan_us"] = (time.perf_counter() - t0) * 1e6
             for _ in range(cfg.warmup):
                 fn()
+            before = replay.counters()["replayed"]
             row["host_us"], row["wall_us"] = host_time_us(fn, cfg.iters, cfg.repeats, cfg.sync)
+            row["replayed"] = (replay.counters()["replayed"] - before) / (cfg.iters * cfg.repeats)
             row["device_us"], row["device_timing"] = cfg.device_time([fn], replays=cfg.replays)
             row["bound"] = "host" if row["host_us"] > row["device_us"] else "device"
     except ValueError as e:
@@ -304,7 +329,7 @@ def plan_rows(sh: Shape, pinned: list[str]):
     """(base row, make, pin) for every op x variant x backend, then the variant's peers."""
     for op, variants in VARIANTS.items():
         for variant in variants:
-            for pin in [None, *pinned]:
+            for pin in [None, PYTHON_FRONT, *pinned]:
                 yield {"op": op, "variant": variant, "backend": pin or "auto"}, ours(op, variant, sh), pin
             for peer, factory in PEERS.get((op, variant), []):
                 yield {"op": op, "variant": variant, "backend": peer}, factory(variant, sh), None
@@ -312,7 +337,8 @@ def plan_rows(sh: Shape, pinned: list[str]):
 
 COLUMNS = [("op", "op", "s"), ("variant", "variant", "s"), ("backend", "backend", "s"), ("host_us", "host us", ".1f"),
            ("wall_us", "wall us", ".1f"), ("device_us", "device us", ".1f"), ("bound", "bound", "s"),
-           ("first_ms", "first ms", ".1f"), ("replan_us", "replan us", ".0f"), ("note", "note", "s")]
+           ("first_ms", "first ms", ".1f"), ("replan_us", "replan us", ".0f"), ("replayed", "C++", ".2f"),
+           ("note", "note", "s")]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from . import checks, ops, reference
+from . import checks, ops, reference, replay
 
 Launch = Callable[..., Any]   # (*args, **kwargs with every schema option, out/lse included) -> result
 
@@ -109,6 +109,7 @@ def clear_plans() -> None:
     for plans in _PLANS.values():
         plans.clear()
     _environment.update(backend=os.environ.get("ATTN_BACKEND") or None, debug=checks.debug_checks_enabled())
+    replay.configure()
 
 
 @contextlib.contextmanager
@@ -117,10 +118,12 @@ def use_backend(name: str | None):
     if name is not None and name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {backend_names()}")
     token = _requested.set(name)
+    replay.request(name)
     try:
         yield
     finally:
         _requested.reset(token)
+        replay.request(_requested.get())
 
 
 def _requested_name() -> str | None:
@@ -196,12 +199,18 @@ class _Schema:
         name, _, overload = qualname.partition(".")
         schema = getattr(getattr(torch.ops.attn, name), overload or "default")._schema
         self.op, self.with_out = name, overload == "out"
+        self.position = {a.name: i for i, a in enumerate(schema.arguments)}
         positional = [a for a in schema.arguments if not a.kwarg_only]
         self.positional_defaults = tuple(a.default_value for a in positional)
         self.keyword_defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only}
 
     def complete(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args + self.positional_defaults[len(args):], {**self.keyword_defaults, **kwargs}
+
+    def tensors(self, args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor]]:
+        """The call's tensors, each with its position in the schema."""
+        given = [*enumerate(args), *((self.position[k], v) for k, v in kwargs.items())]
+        return [(i, v) for i, v in given if isinstance(v, torch.Tensor)]
 
 
 @dataclasses.dataclass
@@ -273,14 +282,29 @@ def _front(qualname: str):
             if len(plans) >= MAX_PLANS:
                 plans.clear()
             plans[key] = plan
+            if replay.installed() and not plan.complete and args[0].is_cuda:
+                return replay.record(lambda: plan(args, kwargs), schema.tensors(args, kwargs))
         return plan(args, kwargs)
 
     return impl
 
 
+# The Python front is every op's CPU implementation, and its CUDA one until the C++ front
+# (`torch_ops.replay`) takes CUDA over; that one sends the calls it cannot replay to the CPU
+# implementation, which serves any device.
+_CUDA_IMPLS = torch.library.Library("attn", "IMPL")
 for _qualname in ops.SCHEMAS:
-    for _device in ("CPU", "CUDA"):
-        ops.LIB.impl(_qualname, _front(_qualname), _device)
+    ops.LIB.impl(_qualname, _front(_qualname), "CPU")
+    _CUDA_IMPLS.impl(_qualname, _front(_qualname), "CUDA")
+
+
+def qualnames() -> list[str]:
+    return list(ops.SCHEMAS)
+
+
+def hand_cuda_to_replay() -> None:
+    """Unregister the Python front's CUDA implementations (the C++ front registers its own)."""
+    _CUDA_IMPLS._destroy()
 
 
 def explain(op: str, *args, **kwargs) -> Choice:

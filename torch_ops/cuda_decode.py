@@ -34,7 +34,8 @@ from typing import Callable
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, on_device, run_tool
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool
+from .replay import c_call
 
 log = logging.getLogger(__name__)
 
@@ -351,10 +352,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         args.out, args.lse = out.data_ptr(), lse.data_ptr()
         if k_scale is not None:
             args.k_scale, args.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-        err = ctypes.create_string_buffer(512)
-        with on_device(index):
-            if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(index), err, len(err)) != 0:
-                raise RuntimeError(f"CUDA paged_decode failed: {err.value.decode()}")
+        c_call(entry, args, index, "CUDA paged_decode")
 
     launch.describe = (f"CUDA decode (csrc/decode_sm90.cu): a cluster of {size} CTA(s) per (sequence, KV head), "
                        f"the build for {per_sm} CTA(s) per SM")

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, on_device
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc
+from .replay import c_call
 from .nvcc import nvcc_version as _nvcc_version
 from .nvcc import run_tool as _run_tool
 
@@ -654,10 +655,7 @@ def _kernel(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_se
         for name, address in addresses.items():
             setattr(args, name, address)
         args.out, args.lse = o.data_ptr(), l.data_ptr()
-        err = ctypes.create_string_buffer(256)
-        with on_device(index):
-            if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(index), err, len(err)) != 0:
-                raise RuntimeError(f"CUTLASS {op} failed: {err.value.decode()}")
+        c_call(entry, args, index, f"CUTLASS {op}")
         if not direct:
             out.copy_(o)
             lse.copy_(l)

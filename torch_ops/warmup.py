@@ -4,36 +4,44 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
 
-from . import backends, cuda_decode, cutlass
+from . import backends, cuda_decode, cutlass, replay
 
 
 def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True, progress: bool = True) -> float:
-    """Build the CUDA libraries the automatic choice would use but never builds (on a Hopper GPU
-    with nvcc: the CUTLASS library, about 105 s on 16 cores, and the CUDA decode library, 20-30 s;
-    cached on disk), then run each of `calls` once and synchronize: a call compiles its Triton
-    kernels (or loads them from Triton's disk cache) and caches its plan. Pass one call per shape
-    class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
+    """Build the libraries the automatic choice would use but never builds (cached on disk): the
+    C++ op front (`torch_ops.replay`, about 30 s) on any CUDA GPU, and on a Hopper GPU with nvcc
+    the CUTLASS library (about 105 s on 16 cores) and the CUDA decode library (20-30 s). Then
+    run each of `calls` once and synchronize: a call compiles its Triton kernels (or loads them
+    from Triton's disk cache) and caches its plan. Pass one call per shape class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
     start = time.perf_counter()
 
     def say(message: str) -> None:
         if progress:
             print(f"[attn-ops warmup {time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-    if libraries and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass)):
-            if module.library_built():
-                say(f"{name} library: built")
-                continue
+    if libraries and torch.cuda.is_available():
+        steps = [("C++ op front", replay.installed, lambda: replay.install(build=True))]
+        if torch.cuda.get_device_capability() == (9, 0):
+            steps += [(name, module.library_built, module.library_path)
+                      for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass))]
+
+        def build(name, built, make):
+            if built():
+                return say(f"{name} library: built")
             try:
                 say(f"{name} library: building")
-                module.library_path()
+                make()
                 say(f"{name} library: built")
             except (RuntimeError, ImportError, OSError) as e:
-                say(f"{name} library: not built ({e}); its kernels stay unused")
+                say(f"{name} library: not built ({e}); it stays unused")
+
+        with ThreadPoolExecutor(len(steps)) as pool:   # the compilers run side by side
+            list(pool.map(lambda step: build(*step), steps))
         backends.clear_plans()
     calls = list(calls)
     for i, call in enumerate(calls):

@@ -18,6 +18,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
+from .. import replay
 
 
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -42,21 +43,22 @@ class TritonLaunch:
         self.fn, self.scalars, self.meta = fn, tuple(scalars), dict(meta)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.shrink = shrink
-        self.kernel = None      # the compiled kernel, once launched on a GPU (resources, for reports)
-        self._direct = None     # the same, when later calls may go straight to its launcher
-        self._device = None
-        self._tail: tuple = ()
+        self.kernel = None   # the compiled kernel, once launched on a GPU (resources, for reports)
+        self.direct = None   # the same, when later calls may go straight to its launcher
+        self.device = None   # the device whose context loaded it
+        self.tail: tuple = ()   # the arguments after the tensors: scalars, then meta-parameters
 
     def __call__(self, *tensors) -> None:
-        compiled = self._direct
-        if compiled is not None and not _launch_hooks_set():
-            device = torch.cuda.current_device()
-            if device == self._device:   # the device whose context loaded the kernel
-                g0, g1, g2 = self.grid
-                compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                             compiled.packed_metadata, None, None, None, *tensors, *self._tail)
-                return
-        self._jit(tensors)
+        compiled = self.direct
+        jit = compiled is None or _launch_hooks_set() or torch.cuda.current_device() != self.device
+        if jit:
+            self._jit(tensors)
+        else:
+            g0, g1, g2 = self.grid
+            compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *tensors, *self.tail)
+        if replay.RECORDERS:
+            replay.RECORDERS[-1].triton(self, tensors, jit)
 
     def _jit(self, tensors: tuple) -> None:
         while True:
@@ -73,8 +75,8 @@ class TritonLaunch:
             return
         compiled.run   # noqa: B018  (loads the module: its launcher exists from here on)
         params = self.fn.params[len(tensors) + len(self.scalars):]
-        self._tail = (*self.scalars, *(self.meta.get(p.name, p.default) for p in params))
-        self._direct, self._device = compiled, torch.cuda.current_device()
+        self.tail = (*self.scalars, *(self.meta.get(p.name, p.default) for p in params))
+        self.direct, self.device = compiled, torch.cuda.current_device()
 
 
 def no_launch(*args, **kwargs) -> None:

@@ -849,10 +849,13 @@ def _word_view(cache: torch.Tensor) -> torch.Tensor | None:
 
 
 def split_workspace(num_splits: int, tokens: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials, uninitialized: fp32 out `[num_splits, T, Hq, D]` and lse `[num_splits, T, Hq]`.
-    A split past its sequence's keys writes neither, and the merge never reads it (tests poison them)."""
-    return (torch.empty((num_splits, tokens, heads, head_dim), dtype=torch.float32, device=device),
-            torch.empty((num_splits, tokens, heads), dtype=torch.float32, device=device))
+    """Split-K partials, uninitialized: fp32 out `[num_splits, T, Hq, D]` and lse `[num_splits, T, Hq]`,
+    in one allocation. A split past its sequence's keys writes neither, and the merge never reads it
+    (tests poison them)."""
+    rows = num_splits * tokens * heads
+    space = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+    return (space[:rows * head_dim].view(num_splits, tokens, heads, head_dim),
+            space[rows * head_dim:].view(num_splits, tokens, heads))
 
 
 def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> list[str]:

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import TritonLaunch
+
 BLOCK_T = 64
 BLOCK_D = 128
 # token at each position of an interleaved group of 16
@@ -62,6 +64,6 @@ def tokens_last(src: torch.Tensor, dst: torch.Tensor, *, interleave16: bool = Fa
         return dst
     s, o = src.view(torch.uint8), dst.view(torch.uint8)
     grid = (triton.cdiv(positions, BLOCK_T), h, triton.cdiv(d, BLOCK_D))
-    _transpose_kernel[grid](s, o, t, positions, s.stride(0), s.stride(1), s.stride(2), o.stride(0), o.stride(1),
-                            HEAD_DIM=d, INTERLEAVE=interleave16, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4)
+    TritonLaunch(_transpose_kernel, grid, (t, positions, s.stride(0), s.stride(1), s.stride(2), o.stride(0), o.stride(1)),
+                 dict(HEAD_DIM=d, INTERLEAVE=interleave16, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4))(s, o)
     return dst

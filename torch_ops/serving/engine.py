@@ -114,17 +114,20 @@ class Engine:
     def warmup(self, *, progress: bool = True) -> float:
         """Compile, before serving, the kernels that steps outside the CUDA graphs need (the
         graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
-        `max_num_tokens` tokens, each alone then split in two sequences (mixed batches), and decode
-        two tokens; they finish and free their blocks. Returns the seconds taken; `progress`
+        `max_num_tokens` tokens, each alone then split in two sequences (mixed batches; sequences
+        longer than the block tables hold are split further), and decode two tokens; they finish and free their blocks. Returns the seconds taken; `progress`
         prints a line per size."""
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
         start = time.perf_counter()
         top = self.max_num_tokens
         sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
+        builder = getattr(self.attention, "builder", None)   # sequences fit its block tables
+        longest = builder.max_blocks_per_seq * self.kv.block_size - 2 if builder is not None else top
         ids = itertools.count(-1, -1)   # ids no caller uses
         for n in sizes:
-            for lengths in [[n]] + ([[n - n // 2, n // 2]] if n > 1 else []):
+            for halves in [[n]] + ([[n - n // 2, n // 2]] if n > 1 else []):
+                lengths = [min(longest, h - i) for h in halves for i in range(0, h, longest)]
                 generate(self, [Request(next(ids), [0] * length, 2) for length in lengths])
             if progress:
                 print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
