@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -115,15 +116,17 @@ class Engine:
         """Compile, before serving, the kernels that steps outside the CUDA graphs need (the
         graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
         `max_num_tokens` tokens, each alone then split in two sequences (mixed batches; sequences
-        longer than the block tables hold are split further), and decode two tokens; they finish and free their blocks. Returns the seconds taken; `progress`
-        prints a line per size."""
+        longer than the block tables hold are split further), and decode two tokens; then a short
+        random workload of `2 * max_num_seqs` requests mixes decodes with prefill chunks. They
+        finish and free their blocks. Returns the seconds taken; `progress` prints a line per phase."""
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
         start = time.perf_counter()
         top = self.max_num_tokens
         sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
         builder = getattr(self.attention, "builder", None)   # sequences fit its block tables
-        longest = builder.max_blocks_per_seq * self.kv.block_size - 2 if builder is not None else top
+        capacity = builder.max_blocks_per_seq * self.kv.block_size if builder is not None else top + 16
+        longest = capacity - 2
         ids = itertools.count(-1, -1)   # ids no caller uses
         for n in sizes:
             for halves in [[n]] + ([[n - n // 2, n // 2]] if n > 1 else []):
@@ -131,6 +134,14 @@ class Engine:
                 generate(self, [Request(next(ids), [0] * length, 2) for length in lengths])
             if progress:
                 print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
+        # then a short random workload: steps that mix decodes with prefill chunks, at many batch sizes
+        rng = random.Random(0)
+        count = 2 * self.max_num_seqs
+        new_tokens = [rng.randint(1, min(16, capacity - 1)) for _ in range(count)]
+        workload = [Request(next(ids), [0] * rng.randint(1, min(top, capacity - n)), n) for n in new_tokens]
+        generate(self, workload, sorted(rng.randrange(4 * self.max_num_seqs) for _ in range(count)))
+        if progress:
+            print(f"[engine warmup {time.perf_counter() - start:6.1f} s] mixed steps", flush=True)
         self.finished = {i: r for i, r in self.finished.items() if i >= 0}
         if self.kv.caches[0].k.is_cuda:
             torch.cuda.synchronize()
