@@ -264,7 +264,7 @@ def _scale_reasons(k_cache, k_scale, v_scale, d: int) -> list[str]:
     return why
 
 
-def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None, **options) -> list[str]:
+def unsupported(query, *args, **options) -> list[str]:
     """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
     why = []
     if query.device.type != "cuda":
@@ -273,6 +273,13 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None
         why.append("the CUDA decode kernel is built for sm_90a (Hopper) only")
     elif _build_unavailable():
         why.append(_build_unavailable())
+    return why + problem_reasons(query, *args, **options)
+
+
+def problem_reasons(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None,
+                    **options) -> list[str]:
+    """The device-independent part of `unsupported`: dtypes, head dim, layout, options."""
+    why = []
     if query.dtype not in DTYPES or not (k_cache.dtype == query.dtype or k_cache.dtype in KV_FORMATS):
         why.append(f"bf16/fp16 queries with caches of their dtype or FP8/INT8/INT4, got {query.dtype} and {k_cache.dtype}")
     d = query.shape[-1]
