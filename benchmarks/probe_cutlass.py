@@ -153,7 +153,7 @@ def run_case(case: Case) -> dict:
 
 def graph_case(case: Case, args: tuple, scales: dict, plain: Runner, persistent: Runner, row: dict) -> dict:
     """Capture the persistent call, write new inputs and lengths in place, replay, compare."""
-    from torch_ops.testing import capture_cuda_graph
+    from torch_ops.gpu import capture_cuda_graph
 
     graph, _ = capture_cuda_graph(persistent)
     new_args, new_scales = make_inputs(case)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gpu
 from .checks import INDEX_DTYPES, check_tensor, check_vector, debug_checks_enabled
 
 # options that need each key's absolute position, which the shared pass does not know per row
@@ -85,7 +86,7 @@ def _prefix_chunks(query, k_cache, shared_block_tables) -> int:
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     rows = -(-tokens * hq // max(1, groups * hkv))
     programs = max(1, groups * hkv * -(-rows // ROWS_PER_PROGRAM))
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+    sms = gpu.sm_count(query.device) if query.is_cuda else 8
     most = max(1, max_blocks * block_size // MIN_CHUNK_TOKENS)
     return max(1, min(most, -(-2 * sms // programs)))
 

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from . import gpu
 from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool
 from .replay import c_call
 
@@ -228,7 +229,7 @@ def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, i
     per_sm = ctas_per_sm(k_cache.dtype, d, query_rows(query, k_cache, seq_lens), batch * hkv, single)
     capacity = max(1, block_tables.shape[1]) * k_cache.shape[1]
     size = cluster_size(batch, hkv, capacity, lambda n: resident(n, per_sm))
-    return size, per_sm, size * batch * hkv, single, torch.cuda.get_device_properties(index).multi_processor_count
+    return size, per_sm, size * batch * hkv, single, gpu.sm_count(index)
 
 
 @functools.cache
@@ -269,7 +270,7 @@ def unsupported(query, *args, **options) -> list[str]:
     why = []
     if query.device.type != "cuda":
         why.append(f"the CUDA decode kernel needs CUDA tensors, got {query.device.type}")
-    elif torch.cuda.get_device_capability(query.device) != (9, 0):
+    elif gpu.capability(query.device) != (9, 0):
         why.append("the CUDA decode kernel is built for sm_90a (Hopper) only")
     elif _build_unavailable():
         why.append(_build_unavailable())

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from . import gpu
 from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc
 from .replay import c_call
 from .nvcc import nvcc_version as _nvcc_version
@@ -355,23 +356,13 @@ def persistent_ctas(total_q: int, num_seqs: int, hq: int, num_sms: int) -> int:
     return min((total_q // BLOCK_M + min(num_seqs, total_q)) * hq, num_sms)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # ---- the backend ---------------------------------------------------------------------------------
-
-
-@functools.cache
-def _device_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
 def _build_unavailable() -> str | None:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    if PREBUILT.exists():
+    if PREBUILT.exists() or os.environ.get("ATTN_CUTLASS_LIBRARY"):
         return None
     if find_nvcc() is None:
         return "no prebuilt CUTLASS library (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
@@ -402,7 +393,7 @@ def paged_unsupported(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
 
 def _device_reasons(query) -> list[str]:
     why = []
-    cap = _device_capability(query.device.index if query.device.index is not None else torch.cuda.current_device())
+    cap = gpu.capability(query.device)
     if cap != (9, 0):
         why.append(f"CUTLASS kernels are built for Hopper (sm_90a), this GPU is sm_{cap[0]}{cap[1]}")
     reason = _build_unavailable()
@@ -511,7 +502,7 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
     q, k = _tma_ready(query), _tma_ready(key)
     copy_q, copy_k = q is not query, k is not key
     v_fields = value_operand(value, layout)[1]
-    sms = _num_sms(query.device.index)
+    sms = gpu.sm_count(query.device)
     num_ctas = persistent_ctas(tq, num_seqs, hq, sms) if variant == "persistent" else 0
     section = 1
     if variant == "persistent" or sectioned(causal, tq, hq, sms):
@@ -595,7 +586,7 @@ def paged_prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         return _nothing
     num_blocks, block_size, hkv, _ = k_cache.shape
     family, box_rows = paged_kernel(k_cache, v_cache, hq // hkv)
-    sms = _num_sms(query.device.index)
+    sms = gpu.sm_count(query.device)
     persistent = paged_runs_persistent(family, query.dtype, d, tq, cu_seqlens_q.shape[0] - 1)
     variant = f"{family}_persistent" if persistent else family
     num_ctas = persistent_ctas(tq, cu_seqlens_q.shape[0] - 1, hq, sms) if persistent else 0

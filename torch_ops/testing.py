@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .gpu import capture_cuda_graph
+
 
 def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs difference, with NaN/inf mismatches counted as infinite."""
@@ -52,20 +54,6 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
         return t.fill_(float("nan"))
     return t.view(torch.uint8).fill_(0x7F)
-
-
-def capture_cuda_graph(fn):
-    """Warm `fn` up on a side stream (compiling its kernels outside the capture), then capture
-    one call in a CUDA graph. Returns `(graph, what the captured call returned)`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
 
 
 def assert_replays_match_eager(call, fill, outputs, check, steps: int = 3) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch_ops
 from torch_ops import cuda_decode as cd
 from torch_ops.nvcc import CSRC
-from torch_ops.testing import assert_replays_match_eager, capture_cuda_graph, poison_
+from torch_ops.gpu import capture_cuda_graph
+from torch_ops.testing import assert_replays_match_eager, poison_
 from tests.torch_ops.kernels import test_paged_decode as tp
 
 CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int*": ctypes.c_void_p,

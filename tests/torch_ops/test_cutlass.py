@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import torch_ops
-from torch_ops import cutlass, quant, reference
+from torch_ops import cutlass, gpu, quant, reference
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
 E4M3, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -299,7 +299,7 @@ def test_paged_sections_come_from_the_block_table_capacity(monkeypatch):
     """The lengths are on the device: the sections assume every sequence fills its table row."""
     seen = {}
     monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
-    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     q, k_cache, v_cache, _, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
     tables = torch.zeros(2, 2048, dtype=torch.int32)   # 32k keys: 16 MiB of bf16 K/V per KV head
 
@@ -322,7 +322,7 @@ def test_paged_persistent_grid_where_forced_or_chosen(monkeypatch):
     plain one otherwise."""
     seen = {}
     monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
-    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(hq=32, hkv=8, tq=300, seqs=2)
 
     def launch(q=q):
@@ -354,7 +354,7 @@ def test_paged_kernel_by_box_rows_head_dim_and_cache_layout(monkeypatch, block_s
     An even number of query heads per KV head takes the family's cluster kernels."""
     seen = {}
     monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
-    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=d, block_size=block_size, hq=hq, hkv=2)
     if layout == "halves":
         k_cache, v_cache = torch.stack((k_cache, v_cache), dim=1).unbind(1)
@@ -393,7 +393,7 @@ def test_context_sections_follow_the_rule_at_the_mean_key_length(monkeypatch):
     """Causal launches of few waves run in sections sized at the mean key length; the rest head by head."""
     seen = {}
     monkeypatch.setattr(cutlass, "_kernel", lambda op, variant, *rest: seen.update(variant=variant, args=rest[-1]) or _no_launch)
-    monkeypatch.setattr(cutlass, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     q = torch.randn(4096, 32, 128).to(BF16)       # 2k queries per sequence: the plain grid
     kv = torch.randn(2 * 8192, 32, 128).to(BF16)   # two sequences of 8k keys: 4 MiB of K/V per head
     cu_q, cu_k = torch.tensor([0, 2048, 4096], dtype=torch.int32), torch.tensor([0, 8192, 16384], dtype=torch.int32)

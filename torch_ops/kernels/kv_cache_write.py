@@ -77,13 +77,13 @@ Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM
 
 from __future__ import annotations
 
-import functools
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import gpu
 from . import interpreting
 from .launcher import TritonLaunch
 from .interpreter import exact_cast
@@ -384,15 +384,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1   # the interpreter: few, large programs are fastest
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return gpu.sm_count(device)
 
 
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:

@@ -92,6 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import gpu
 from . import interpreting
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -700,15 +701,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8   # the interpreter: a small "GPU", so that the heuristic still splits
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return gpu.sm_count(device)
 
 
 def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> dict:

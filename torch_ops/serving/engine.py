@@ -20,7 +20,7 @@ from torch_ops.kv_cache import OutOfBlocksError
 from torch_ops.serving.attention import AttentionBackend
 from torch_ops.serving.cache_manager import KVCacheManager
 from torch_ops.serving.model import Llama
-from torch_ops.testing import capture_cuda_graph
+from torch_ops.gpu import capture_cuda_graph
 
 
 @dataclass

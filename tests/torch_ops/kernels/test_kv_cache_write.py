@@ -27,7 +27,8 @@ import torch
 import torch_ops
 from torch_ops import kv_cache, quant, reference
 from torch_ops.kernels import kv_cache_write as kcw
-from torch_ops.testing import assert_error_ratio, capture_cuda_graph, poison_
+from torch_ops.gpu import capture_cuda_graph
+from torch_ops.testing import assert_error_ratio, poison_
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,0 +1,44 @@
+"""The CUDA device: its facts (looked up once per device), and capturing work in a CUDA graph."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    index = None if device is None else device.index
+    return index if index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def sm_count(device: torch.device | int | None = None) -> int:
+    """Streaming multiprocessors of `device` (a CUDA device, its index, or None: the current one)."""
+    return _properties(_index(device)).multi_processor_count
+
+
+def capability(device: torch.device | int | None = None) -> tuple[int, int]:
+    """`(major, minor)` compute capability of `device`."""
+    p = _properties(_index(device))
+    return p.major, p.minor
+
+
+def capture_cuda_graph(fn):
+    """Warm `fn` up on a side stream (compiling its kernels outside the capture), then capture
+    one call in a CUDA graph. Returns `(graph, what the captured call returned)`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
