@@ -1,304 +1,573 @@
-"""Render committed benchmark JSON (benchmarks/results/*.json) as docs/performance.md.
+"""Write docs/performance.md and its plots (docs/img/*.png) from the benchmark results.
 
-    python benchmarks/report.py            # rewrites docs/performance.md
+    python benchmarks/report.py
+
+Reads benchmarks/results/*.json and renders, for each benchmark on each GPU, its latest run only
+(the newest `env.date`; older runs live in git history). A benchmark is a script plus the mode
+that changes what it compares: CUDA-graph timing for bench_e2e_compile.py (`--graphs`), the
+op for bench_prefill.py (context attention, or paged prefill and mixed batches), and whether the
+peers ran (`--peers` with none) for bench_decode.py and bench_prefill.py. Each section says what
+was measured and how close it came to the hardware limit, then gives a table, a plot and the
+command that reproduces the run. Every ratio compares numbers of one JSON, that is of one run.
+
+Plots need matplotlib (`pip install -e ".[docs]"`). Without it the markdown is still written,
+linking the plots already in docs/img/.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
+import shlex
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PEERS = ("flashinfer", "flashinfer_tc", "cudnn_sdpa", "flash_sdpa", "flex")
+DOC = ROOT / "docs" / "performance.md"
+IMG = ROOT / "docs" / "img"
+
+# file-name prefix -> benchmark (the committed names, and the names the scripts write)
+PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", "bench_prefill": "prefill",
+            "fp8": "fp8", "kvwrite": "kvwrite", "bench_kv_cache_write": "kvwrite", "bench_host": "host",
+            "e2e_compile": "e2e", "serving": "serving", "serving_grid": "serving",
+            "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
+            "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass"}
+SCRIPTS = {"decode": "bench_decode.py", "prefill": "bench_prefill.py", "kvwrite": "bench_kv_cache_write.py",
+           "host": "bench_host.py"}
+# nominal limits per GPU (matched in env.gpu): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
+LIMITS = {"H200": (4.8, 989, 1979), "H100": (3.35, 989, 1979)}
+Table = list[list[str]]
 
 
-def _us(row: dict, key: str) -> str:
-    v = row.get(f"{key}_us")
-    return f"{v:.1f}" if v else "-"
+# ---- selecting the runs ---------------------------------------------------------------------------
 
 
-def _ratio(row: dict, key: str) -> float | None:
-    v = row.get(f"{key}_us")
-    return v / row["ours_us"] if v else None
+def benchmark(path: Path) -> str | None:
+    """The benchmark a result file belongs to (the longest matching prefix), None for other files."""
+    names = [p for p in PREFIXES if path.stem.startswith(p + "_")]
+    return PREFIXES[max(names, key=len)] if names and not path.stem.endswith("_partial") else None
 
 
-def _fmt_ratio(r: float | None) -> str:
-    return f"{r:.2f}" if r else "-"
+def mode(kind: str, data: dict) -> str:
+    """The part of a run's identity beyond its benchmark and GPU (see the module docstring)."""
+    parts = []
+    if kind == "e2e" and data.get("graphs"):
+        parts.append("CUDA graphs")
+    if kind == "prefill":
+        context = all(r.get("section") == "context" for r in data["rows"])
+        parts.append("context attention" if context else "paged prefill")
+    if kind in ("decode", "prefill") and data.get("args", {}).get("peers") == []:
+        parts.append("ours only")
+    return ", ".join(parts)
 
 
-def decode_section(data: dict, name: str) -> list[str]:
-    env, bw = data["env"], data["bandwidth"]
-    read = bw["read_GBps"]
-    lines = [
-        f"## paged_decode: {env['gpu']} ({name})",
-        "",
-        f"{env['date']}, commit {env['git_commit']}; torch {env['torch']}, triton {env['triton']}, "
-        f"FlashInfer {env.get('flashinfer', '-')}. Measured read bandwidth {read:.0f} GB/s (a bf16 "
-        "sum over 2 GiB). Times in µs (CUDA-graph replays, median; caches rotated past L2). "
-        "`GB/s` = KV bytes read / time; `%read` = of the measured read bandwidth. Ratios are peer "
-        "time / our time (> 1: we are faster); FI = FlashInfer decode (CUDA cores), FI-tc = "
-        "FlashInfer with tensor cores (its prefill kernel). cuDNN/flash SDPA and FlexAttention "
-        "read a contiguous cache. D = 128, block size 16, bf16 queries. `(cuda)`: the automatic "
-        "choice ran the CUDA kernel (torch_ops/cuda_decode.py); otherwise, or in runs before it "
-        "existed, the Triton kernel.",
-        "",
-        "| B | ctx | Hq/Hkv | KV | ours µs | GB/s | %read | FI | FI-tc | cuDNN | flash | flex "
-        "| ×best FI | ×cuDNN | err ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in data["rows"]:
-        fi = [r for r in (_ratio(row, "flashinfer"), _ratio(row, "flashinfer_tc")) if r]
-        lines.append(
-            f"| {row['batch']} | {row['ctx']} | {row['hq']}/{row['hkv']} | {row['fmt']}"
-            f"{' (cuda)' if row.get('backend') == 'cuda' else ''} | "
-            f"{row['ours_us']:.1f} | {row['ours_GBps']:.0f} | {100 * row['ours_GBps'] / read:.0f} | "
-            + " | ".join(_us(row, p) for p in PEERS)
-            + f" | {_fmt_ratio(min(fi) if fi else None)} | {_fmt_ratio(_ratio(row, 'cudnn_sdpa'))} | "
-            f"{'yes' if row.get('check', {}).get('ok') else 'no' if 'check' in row else '-'} |"
-        )
-    return lines + [""]
+def latest(paths) -> dict[tuple[str, str, str], tuple[Path, dict]]:
+    """(benchmark, mode, GPU) -> (path, data) of its newest run."""
+    runs = {}
+    for path in sorted(paths):
+        kind = benchmark(path)
+        if kind is None:
+            continue
+        data = json.loads(path.read_text())
+        key = (kind, mode(kind, data), data["env"].get("gpu", "cpu"))
+        if key not in runs or data["env"]["date"] >= runs[key][1]["env"]["date"]:
+            runs[key] = (path, data)
+    return runs
 
 
-def _header(data: dict, title: str, name: str) -> list[str]:
-    env = data["env"]
-    return [f"## {title}: {env.get('gpu', 'no GPU')} ({name})", "",
-            f"{env['date']}, commit {env['git_commit']}; torch {env['torch']}, triton {env['triton']}, "
-            f"FlashInfer {env.get('flashinfer', '-')}.", ""]
+# ---- formatting -----------------------------------------------------------------------------------
 
 
-def prefill_section(data: dict, name: str) -> list[str]:
-    peers = ("flash_sdpa", "cudnn_sdpa", "flashinfer_fa3", "flex")
-    lines = _header(data, "context_attention / paged_prefill", name) + [
-        "TFLOP/s (causal counted as half the FLOPs), bf16, 32 query heads (GQA 32/8 for paged and mixed "
-        "rows); `×best` = best peer time / our time. `contig` = our context_attention on the same "
-        "tokens; `parts` = our time for the mixed batch's prefill and decode parts run separately; "
-        "`[cutlass; triton N]` = the automatic choice ran the CUTLASS backend, our Triton kernel made N TF/s on the same "
-        "call (and likewise for the other backends; `mixed` = CUTLASS for the sequences of more than 64 queries, "
-        "Triton for the rest).", "",
-        "| case | D | causal | ours TF/s | flash SDPA | cuDNN SDPA | FlashInfer fa3 | flex | ×best | err ok |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        case = f"{r['section']} " + (r.get("desc") or f"S={r.get('seqlen')} {r.get('batch')}")
-        tf = [f"{r[p + '_tflops']:.0f}" if r.get(p + "_tflops") else "-" for p in peers]
-        best = [r[p + "_us"] for p in peers if r.get(p + "_us")]
-        extra = f" (parts {r['parts_sum_us']:.0f} µs)" if r.get("parts_sum_us") else ""
-        extra += f" (contig {r['ours_contiguous_tflops']:.0f} TF/s)" if r.get("ours_contiguous_tflops") else ""
-        others = [f"{b} {r[f'ours_{b}_tflops']:.0f} TF/s" for b in ("triton", "cutlass", "mixed")
-                  if r.get(f"ours_{b}_tflops")]
-        extra += f" [{r['backend']}; {', '.join(others)}]" if others else ""
-        lines.append(f"| {case}{extra} | {r.get('d')} | {r.get('causal')} | {r['ours_tflops']:.0f} | "
-                     + " | ".join(tf) + f" | {_fmt_ratio(min(best) / r['ours_us'] if best else None)} | "
-                     f"{'yes' if r.get('check', {}).get('ok') else '-'} |")
-    return lines + [""]
+def num(v, digits: int = 1) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
-def fp8_section(data: dict, name: str) -> list[str]:
-    """benchmarks/bench_fp8.py: the cutlass backend (FP8 and bf16) against its peers."""
-    impls = ("cutlass_fp8", "cutlass_bf16", "triton_fp8", "triton_bf16", "flashinfer_fa3_fp8",
-             "flashinfer_fa3_bf16", "cudnn_sdpa_bf16")
-    grid = " (persistent grid)" if data.get("cutlass_persistent") else ""
-    lines = _header(data, f"FP8 context attention{grid}", name) + [
-        "TFLOP/s (causal counted as half the FLOPs), packed varlen batches of 16k tokens (`B=`: that many "
-        "sequences); `×fa3` = FlashInfer fa3 FP8 time / our FP8 time; RMSE of heads 0-1 against the fp32 reference on the "
-        "same FP8 inputs (ours / FlashInfer's).", "",
-        "| case | causal | " + " | ".join(i.replace("flashinfer_", "") for i in impls) + " | ×fa3 | RMSE ours / fa3 |",
-        "|---|---|" + "---|" * (len(impls) + 2)]
-    for r in data["rows"]:
-        tf = [f"{r[i + '_tflops']:.0f}" if isinstance(r.get(i + "_tflops"), float) else "-" for i in impls]
-        ratio = r.get("flashinfer_fa3_fp8_vs_cutlass_fp8")
-        rmse = [r.get(i + "_rmse") for i in ("cutlass_fp8", "flashinfer_fa3_fp8")]
-        rmse_text = " / ".join(f"{x:.2e}" if isinstance(x, float) else "-" for x in rmse)
-        lines.append(f"| {r['case']} | {r['causal']} | " + " | ".join(tf) + f" | {_fmt_ratio(ratio)} | {rmse_text} |")
-    return lines + [""]
+def ratio(peer, ours) -> str:
+    """peer time / our time (> 1: ours is faster)."""
+    return f"{peer / ours:.2f}" if isinstance(peer, (int, float)) and ours else "-"
 
 
-def kvwrite_section(data: dict, name: str) -> list[str]:
-    lines = _header(data, "kv_cache_write", name) + [
-        "Hkv = 8, D = 128, block 16; `%copy` = a device copy of the same bytes / our time; `torch` = "
-        "plain PyTorch indexing (and RoPE); FlashInfer's `append_paged_kv_cache` for bf16.", "",
-        "| T | KV | mode | ours µs | GB/s | %copy | torch µs | ×torch | FlashInfer µs | ×FI |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        lines.append(f"| {r['tokens']} | {r['fmt']} | {r['mode']} | {r['ours_us']:.1f} | {r['ours_GBps']:.0f} | "
-                     f"{r['pct_copy']:.0f} | {_us(r, 'torch')} | {_fmt_ratio(r.get('vs_torch'))} | "
-                     f"{_us(r, 'flashinfer')} | {_fmt_ratio(r.get('vs_flashinfer'))} |")
-    return lines + [""]
+def table(header: list[str], rows: Table) -> list[str]:
+    """A markdown table without the columns that are empty ("-") in every row."""
+    keep = [i for i in range(len(header)) if any(r[i] != "-" for r in rows)] or list(range(len(header)))
+    lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
+    return lines + ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
 
 
-def cascade_section(data: dict, name: str) -> list[str]:
-    hq, hkv = data["heads"]
-    lines = _header(data, "cascade decode over shared prefixes", name) + [
-        f"B sequences in G groups, each group sharing a `prefix`-token prefix, each sequence owning "
-        f"`own` more tokens; Hq/Hkv = {hq}/{hkv}, D = {data['head_dim']}, block {data['block_size']}, bf16. "
-        "`full` = our paged_decode over each sequence's whole block table, FI = FlashInfer's "
-        "tensor-core decode over the same tables; `GB/s` = the KV bytes the cascade must read / its time.", "",
-        "| B | G | prefix | own | full µs | FI µs | cascade µs | ×full | ×FI | GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        lines.append(f"| {r['batch']} | {r['groups']} | {r['prefix']} | {r['own']} | {r['full_us']:.1f} | "
-                     f"{_us(r, 'flashinfer')} | {r['cascade_us']:.1f} | {_fmt_ratio(r.get('speedup_vs_full'))} | "
-                     f"{_fmt_ratio(r.get('speedup_vs_flashinfer'))} | {r['cascade_GBps']:.0f} |")
-    return lines + [""]
+def limits(data: dict) -> tuple[float, float, float]:
+    gpu = data["env"].get("gpu", "")
+    return next((v for k, v in LIMITS.items() if k in gpu), LIMITS["H200"])
 
 
-def cache_attention_section(data: dict, name: str) -> list[str]:
-    lines = _header(data, "cache_attention (PPL contract) vs our separate ops", name) + [
-        "`ours` = one cache_attention call (its metadata kernel, kv_cache_write, then paged_decode or one "
-        "paged_prefill); `w+dec`/`w+pre` = kv_cache_write + paged_decode/paged_prefill on an equivalent NHD "
-        "paged cache; `w+split` = the mixed batch's decode and prefill parts as separate calls. "
-        "`ours/best` > 1: slower than the best separate composition. Hq/Hkv = 32/8, D = 128.", "",
-        "| case | quant bits | cache mode | ours µs | meta µs | w+dec µs | w+pre µs | w+split µs | ours/best | err ok |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        cells = [f"{r[k]:.1f}" if r.get(k) else "-" for k in ("meta_us", "write_decode_us", "write_prefill_us", "write_split_us")]
-        lines.append(f"| {r['kind']} {r['params']} | {r['quant_bit']} | {('offset', 'paged')[r['cache_mode']]} | "
-                     f"{r['ours_us']:.1f} | " + " | ".join(cells) + f" | {r['ratio']:.2f} | "
-                     f"{'yes' if r.get('check', {}).get('ok') else '-'} |")
-    return lines + [""]
+def checked(rows: list[dict]) -> str:
+    """What the rows' accuracy checks say, as a sentence (empty if none ran)."""
+    checks = [r["check"] for r in rows if isinstance(r.get("check"), dict)]
+    if not checks:
+        return ""
+    bad = sum(not c.get("ok") for c in checks)
+    return " Every row was checked against a float64 reference: " + (f"{bad} failed." if bad else "all passed.")
 
 
-def e2e_compile_section(data: dict, name: str) -> list[str]:
-    lines = _header(data, "torch.compile end to end (random 1B Llama)", name) + [
-        "Model: {num_hidden_layers} layers, hidden {hidden_size}, {num_attention_heads}/{num_key_value_heads} "
-        "heads of dim {head_dim}, bf16. ".format(**data["model"]) + "`passes` = `torch.compile` after `fx_passes.enable()`; "
-        "`×compile` = stock compile time / this time (> 1: faster); compile time in seconds. "
-        + ("Inductor freezing on (weights as constants). " if data.get("freezing") else "")
-        + ("Times: CUDA-graph replays." if data.get("graphs") else "Times: eager launches (do_bench)."), "",
-        "| case | variant | mode | µs | ×compile | compile s | breaks | recompiles | passes |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        passes = ", ".join(f"{k} {v}" for k, v in r.get("passes", {}).items())
-        lines.append(f"| {r['case']} {r['shape']} | {r['variant']} | {r['mode']} | {r['time_us']:.0f} | "
-                     f"{_fmt_ratio(r.get('speedup_vs_compile'))} | "
-                     f"{r['compile_s']:.1f} | " if r.get("compile_s") else
-                     f"| {r['case']} {r['shape']} | {r['variant']} | {r['mode']} | {r['time_us']:.0f} | - | - | ")
-        lines[-1] += f"{r.get('graph_breaks', '-')} | {r.get('recompiles', '-')} | {passes or '-'} |"
-    return lines + [""]
+def command(kind: str, args: dict) -> str:
+    """The script's command line for a run's recorded arguments (`--out` left at its default)."""
+    words = ["python", f"benchmarks/{SCRIPTS[kind]}"]
+    for name, value in args.items():
+        if name == "out" or value is None or value is False or (name == "budget_s" and value >= 1e9):
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if isinstance(value, list):
+            words += [str(v) for v in value]
+        elif value is not True:
+            words.append(f"{value:g}" if isinstance(value, float) else str(value))
+    return shlex.join(words)
 
 
-def _metadata_table(rows: list[dict]) -> list[str]:
-    lines = ["| kind | seqs | tokens | prepare µs | append µs | total µs | host µs |",
-             "|---|---|---|---|---|---|---|"]
+# ---- sections: (text lines, plot(plt, data, path) or None, command) --------------------------------
+
+DECODE_PEERS = (("flashinfer", "FlashInfer"), ("flashinfer_tc", "FlashInfer tc"), ("cudnn_sdpa", "cuDNN SDPA"),
+                ("flash_sdpa", "flash SDPA"), ("flex", "flex"))
+
+
+def decode(data: dict):
+    rows, read = data["rows"], data["bandwidth"]["read_GBps"]
+    hbm = limits(data)[0]
+    best = max(r["ours_GBps"] for r in rows)
+    if data["args"].get("peers") == []:
+        return decode_formats(data, best, read, hbm)
+    text = ["One decode step (one query token per sequence) of `attn::paged_decode` over a paged cache of "
+            "16-token pages in a random order, head dim 128, bf16, against peers on the same inputs in the same "
+            "process: FlashInfer's paged decode on CUDA cores and on tensor cores (`tc`), cuDNN and flash SDPA "
+            "on a contiguous cache (no paging: a lower bound on their paged cost), compiled FlexAttention. Decode "
+            "reads every KV byte once, so memory bandwidth is the limit: our best row read "
+            f"{best:.0f} GB/s, {100 * best / read:.0f}% of the {read:.0f} GB/s read bandwidth measured in this run "
+            f"and {best / hbm / 10:.0f}% of the {hbm} TB/s nominal."]
+    at64 = [r for r in rows if r["batch"] == 64 and r.get("flashinfer_us")]
+    if at64:
+        r = at64[0]
+        text[0] += (f" At batch 64 ({r['ctx']} keys, {r['hq']}/{r['hkv']} heads): ours {r['ours_us']:.1f} µs, "
+                    f"FlashInfer {num(r.get('flashinfer_us'))} µs, FlashInfer tc {num(r.get('flashinfer_tc_us'))} µs.")
+    text[0] += (" µs: median of CUDA-graph replays, input sets rotated past L2; `kernel`: what the automatic "
+                "choice ran; `×`: peer time / ours (> 1: ours faster)." + checked(rows))
+    body = [[str(r["batch"]), str(r["ctx"]), f"{r['hq']}/{r['hkv']}", r["fmt"], num(r["ours_us"]),
+             r.get("backend") or "-", num(r["ours_GBps"], 0), num(100 * r["ours_GBps"] / read, 0)]
+            + [num(r.get(p + "_us")) for p, _ in DECODE_PEERS]
+            + [ratio(r.get("flashinfer_us"), r["ours_us"]), ratio(r.get("flashinfer_tc_us"), r["ours_us"])]
+            for r in rows]
+    header = ["B", "ctx", "Hq/Hkv", "KV", "ours µs", "kernel", "GB/s", "% read"] + \
+        [f"{name} µs" for _, name in DECODE_PEERS] + ["× FlashInfer", "× FlashInfer tc"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        impls = [("ours", "ours")] + list(DECODE_PEERS)
+        for (key, name), marker in zip(impls, "o^vsDx"):
+            pts = [(r["batch"], r["kv_bytes"] / r[key + "_us"] / 1e3) for r in rows if r.get(key + "_us")]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, label=name, alpha=0.8)
+        ax.axhline(hbm * 1e3, color="k", ls="--", lw=1, label=f"HBM nominal {hbm} TB/s")
+        ax.axhline(read, color="gray", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
+        ax.set(xscale="log", xlabel="batch (sequences)", ylabel="GB/s of KV read",
+               title="paged_decode, bf16: one point per table row")
+        ax.set_xticks(sorted({r["batch"] for r in rows}), labels=sorted({str(r["batch"]) for r in rows}, key=int))
+        ax.legend(fontsize=7, ncol=2)
+        return fig
+
+    return text + [""] + table(header, body), plot, command("decode", data["args"])
+
+
+def decode_formats(data: dict, best: float, read: float, hbm: float):
+    rows = data["rows"]
+    fmts = list(dict.fromkeys(r["fmt"] for r in rows))
+    shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["hq"], r["hkv"]) for r in rows))
+    cell = {(r["batch"], r["ctx"], r["hq"], r["hkv"], r["fmt"]): r for r in rows}
+    kernels = {f: sorted({r.get("backend") or "-" for r in rows if r["fmt"] == f}) for f in fmts}
+    text = ["`attn::paged_decode` alone (no peers in this run) on each KV-cache format: bf16, FP8 e4m3, INT8 and "
+            "INT4 with group scales (a format's bytes include its scales); 16-token pages, head dim 128. Cells: "
+            f"µs (GB/s of KV read). Our best row read {best:.0f} GB/s, {100 * best / read:.0f}% of the {read:.0f} "
+            f"GB/s read bandwidth measured in this run. The automatic choice ran "
+            + "; ".join(f"{f}: {', '.join(k)}" for f, k in kernels.items()) + "." + checked(rows)]
+    body = [[str(b), str(c), f"{hq}/{hkv}"]
+            + [f"{cell[b, c, hq, hkv, f]['ours_us']:.1f} ({cell[b, c, hq, hkv, f]['ours_GBps']:.0f})"
+               if (b, c, hq, hkv, f) in cell else "-" for f in fmts] for b, c, hq, hkv in shapes]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        width = 0.8 / len(fmts)
+        for i, f in enumerate(fmts):
+            ys = [cell[s + (f,)]["ours_GBps"] if s + (f,) in cell else 0 for s in shapes]
+            ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=f)
+        ax.axhline(read, color="gray", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
+                      labels=[f"{b}\n{c // 1024}k\n{hq}/{hkv}" for b, c, hq, hkv in shapes], fontsize=6)
+        ax.set(ylabel="GB/s of KV read", title="paged_decode by KV format (B / context / heads)")
+        ax.legend(fontsize=7, ncol=5)
+        return fig
+
+    return text + [""] + table(["B", "ctx", "Hq/Hkv"] + fmts, body), plot, command("decode", data["args"])
+
+
+CONTEXT_IMPLS = (("ours_triton", "our Triton"), ("cudnn_sdpa", "cuDNN SDPA"), ("flashinfer_fa3", "FlashInfer fa3"),
+                 ("flash_sdpa", "flash SDPA"), ("flex", "flex"))
+PAGED_IMPLS = (("ours_cutlass", "CUTLASS"), ("ours_triton", "our Triton"), ("ours_mixed", "mixed"),
+               ("ours_contiguous", "our context attn, same keys"), ("flashinfer_fa3", "FlashInfer fa3"),
+               ("flashinfer_fa2", "FlashInfer fa2"))
+PREFILL_PEERS = ("flash_sdpa", "cudnn_sdpa", "flashinfer_fa3", "flashinfer_fa2", "flex")
+
+
+def prefill(data: dict):
+    rows = data["rows"]
+    peak = limits(data)[1]
+    context = all(r["section"] == "context" for r in rows)
+    impls = CONTEXT_IMPLS if context else PAGED_IMPLS
+    best = max(r["ours_tflops"] for r in rows)
+    what = ("`attn::context_attention` on packed batches of 16k tokens (`uniform`: equal lengths S; `ragged`: "
+            "random lengths around S, where SDPA does not run), 32 query and 32 KV heads" if context else
+            "`attn::paged_prefill`: causal chunks of new tokens over a cached prefix in a paged cache, 32/8 heads, "
+            "and two mixed batches (prefills, chunks and decodes in one call)")
+    text = [f"{what}, 16-bit inputs. TFLOP/s = 4 · Hq · D · (query-key pairs computed) / time, causal counting "
+            f"the visible half. Our best row made {best:.0f} TFLOP/s, {100 * best / peak:.0f}% of the {peak} "
+            "TFLOP/s dense bf16 tensor-core peak. `backend`: what the automatic choice ran; `× best peer`: the "
+            "fastest peer's time / ours (> 1: ours faster)." + checked(rows)]
+    body = []
     for r in rows:
-        lines.append(f"| {r['kind']} | {r['num_seqs']} | {r.get('num_tokens', '-')} | {_us(r, 'prepare')} | "
-                     f"{_us(r, 'append')} | {_us(r, 'total')} | {_us(r, 'host')} |")
-    return lines + [""] + _failures([(f"{r['kind']} {r['num_seqs']}", r.get("error")) for r in rows])
+        case = r.get("desc") or f"S={r['seqlen']} {r['batch']}"
+        peers = [r[p + "_us"] for p in PREFILL_PEERS if isinstance(r.get(p + "_us"), (int, float))]
+        body.append([case, str(r["d"]), "yes" if r["causal"] else "no", num(r["ours_tflops"], 0), r["backend"]]
+                    + [num(r.get(k + "_tflops"), 0) for k, _ in impls]
+                    + [ratio(min(peers), r["ours_us"]) if peers else "-"])
+    header = ["case", "D", "causal", "ours TF/s", "backend"] + [f"{n} TF/s" for _, n in impls] + ["× best peer"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7.5, 3.6))
+        series = [("ours", "ours")] + [i for i in impls if any(r.get(i[0] + "_tflops") for r in rows)]
+        width = 0.8 / len(series)
+        for i, (key, name) in enumerate(series):
+            ys = [r.get(key + "_tflops") or 0 for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], ys, width, label=name)
+        ax.axhline(peak, color="k", ls="--", lw=1, label=f"dense bf16 peak {peak}")
+        labels = [(r.get("desc") or f"S={r['seqlen']} {r['batch']}").replace(" cached, ", "\n").replace(" on ", "\non ")
+                  + f"\nD={r['d']}{' c' if r['causal'] and context else ''}" for r in rows]
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels=labels, fontsize=5)
+        ax.set(ylabel="TFLOP/s", title="context_attention" if context else "paged_prefill")
+        ax.legend(fontsize=6, ncol=4)
+        return fig
+
+    return text + [""] + table(header, body), plot, command("prefill", data["args"])
 
 
-def _failures(errors: list[tuple[str, str | None]]) -> list[str]:
-    """A bullet per (what, error) with an error, then a blank line; nothing if none failed."""
-    bullets = [f"- {what} failed: {error}" for what, error in errors if error]
-    return bullets + [""] if bullets else []
+FP8_IMPLS = (("cutlass_fp8", "ours FP8"), ("flashinfer_fa3_fp8", "fa3 FP8"), ("cutlass_bf16", "ours bf16"),
+             ("flashinfer_fa3_bf16", "fa3 bf16"), ("cudnn_sdpa_bf16", "cuDNN bf16"), ("triton_fp8", "our Triton FP8"))
 
 
-def serving_metadata_section(data: dict, name: str) -> list[str]:
-    return _header(data, "serving: host time per step", name) + [
-        "CPU µs per step (medians) of the host work between scheduling and launch, called as `Engine.step` "
-        "calls it: `append` = `KVCacheManager.append_batch` of the step's new tokens, `prepare` = "
-        "`AttentionBackend.prepare` (the metadata build and its one host-to-device copy), `total` = their "
-        "per-step sum. decode: 1 new token per sequence; prefill: 4096 tokens split evenly; mixed: half "
-        "decodes, half prefill chunks. `engine decode` = the same work inside `Engine.step` with CUDA-graph "
-        "decode steps (`append` = the whole scheduler, `host` = step start to launch). Issue 7 target: "
-        "metadata build (`prepare`) ≤ 50 µs per step at 256 sequences.", ""] + _metadata_table(data["metadata"])
+def fp8(data: dict):
+    rows = data["rows"]
+    _, peak16, peak8 = limits(data)
+    best = max(r["cutlass_fp8_tflops"] for r in rows if isinstance(r.get("cutlass_fp8_tflops"), float))
+    text = ["`attn::context_attention` with FP8 e4m3 inputs (per-tensor scales) on the CUTLASS backend, and the "
+            "same in bf16, against FlashInfer's fa3 kernels (FP8 and bf16) and cuDNN SDPA (bf16), on packed batches "
+            "of 16k tokens (`ragged`: random lengths). TFLOP/s as for prefill (causal counts the visible half). "
+            f"Our best FP8 row made {best:.0f} TFLOP/s, {100 * best / peak8:.0f}% of the {peak8} TFLOP/s dense FP8 "
+            f"peak (bf16: {peak16}). `× fa3`: FlashInfer's FP8 time / ours; RMSE of heads 0-1 against an fp32 "
+            "reference on the same FP8 inputs, ours / FlashInfer's."]
+    body = []
+    for r in rows:
+        rmse = [r.get(i + "_rmse") for i in ("cutlass_fp8", "flashinfer_fa3_fp8")]
+        body.append([r["case"], "yes" if r["causal"] else "no"]
+                     + [num(r.get(i + "_tflops"), 0) for i, _ in FP8_IMPLS]
+                     + [ratio(r.get("flashinfer_fa3_fp8_us"), r.get("cutlass_fp8_us")),
+                        " / ".join(f"{x:.2e}" if isinstance(x, float) else "-" for x in rmse)])
+    header = ["case", "causal"] + [f"{n} TF/s" for _, n in FP8_IMPLS] + ["× fa3", "RMSE ours / fa3"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7.5, 3.6))
+        width = 0.2
+        for i, (key, name) in enumerate(FP8_IMPLS[:4]):
+            ys = [r.get(key + "_tflops") if isinstance(r.get(key + "_tflops"), float) else 0 for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], ys, width, label=name)
+        ax.axhline(peak8, color="k", ls="--", lw=1, label=f"dense FP8 peak {peak8}")
+        ax.axhline(peak16, color="gray", ls=":", lw=1, label=f"dense bf16 peak {peak16}")
+        ax.set_xticks([x + 0.3 for x in range(len(rows))], fontsize=5,
+                      labels=[r["case"].replace(" D=", "\nD=") + ("\ncausal" if r["causal"] else "") for r in rows])
+        ax.set(ylabel="TFLOP/s", title="context_attention, FP8 and bf16")
+        ax.legend(fontsize=6, ncol=3)
+        return fig
+
+    persistent = data.get("cutlass_persistent")
+    env = "" if persistent is None else f"ATTN_CUTLASS_PERSISTENT={int(persistent)} "
+    return text + [""] + table(header, body), plot, env + "python benchmarks/bench_fp8.py"
 
 
-def serving_section(data: dict, name: str) -> list[str]:
-    m = data["model"]
-    lines = _header(data, "serving: engine decode vs transformers", name) + [
-        f"Random-weight Llama ({m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']}/"
-        f"{m['num_kv_heads']} heads of dim {m['head_dim']}, bf16), B requests of {data['prompt_len']} prompt "
-        f"tokens and {data['new_tokens']} new tokens. `ours` = the engine's decode steps (triton backend, a "
-        "CUDA graph per batch size); medians per step of the wall time, GPU time, host time (step start to "
-        f"launch) and metadata build (`prepare`). `hf` = transformers {data['env'].get('transformers', '-')} "
-        '`generate` with a static cache and `torch.compile(mode="reduce-overhead")` on the same shapes '
-        f"(median of {data['hf_reps']}). Issue 7 targets: `×hf` ≥ 2 at batch 64; a replayed decode step "
-        "≤ 1.05× the sum of its kernels' times.", "",
-        "| B | ours tok/s | step µs | GPU µs | host µs | metadata µs | hf tok/s | ×hf |",
-        "|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        hf = r.get("hf_tokens_per_s")
-        lines.append(f"| {r['batch']} | {r['ours_tokens_per_s']:.0f} | {_us(r, 'ours_step_wall')} | "
-                     f"{_us(r, 'ours_step_gpu')} | {_us(r, 'ours_host')} | {_us(r, 'ours_metadata')} | "
-                     f"{f'{hf:.0f}' if hf else '-'} | {_fmt_ratio(r.get('speedup'))} |")
-    lines += [""] + _failures([(f"transformers at B = {r['batch']}", r.get("hf_error")) for r in data["rows"]])
-    replay = data.get("replay")
-    if replay:
-        # Files from before `replay_us` timed replays one at a time only; their `ratio` is that one.
-        ratios = ((replay.get("ratio"), replay.get("ratio_isolated")) if "replay_us" in replay
-                  else (None, replay.get("ratio")))
-        lines += [f"One decode step replayed {replay['replays']} times at B = {replay['batch']}, back to back "
-                  "(GPU time per replay between two events: the target's ratio) and one at a time after a sync "
-                  "(the host's graph launch included), against the median sum of its kernels' durations "
-                  "(torch.profiler).", "",
-                  "| B | back to back µs | one at a time µs | kernel sum µs | kernels | ratio | one at a time |",
-                  "|---|---|---|---|---|---|---|",
-                  f"| {replay['batch']} | {_us(replay, 'replay')} | {_us(replay, 'replay_wall')} | "
-                  f"{_us(replay, 'kernel_sum')} | {replay['kernels_per_replay']:.0f} | "
-                  + " | ".join(f"{r:.3f}" if r else "-" for r in ratios) + " |", ""]
-        lines += _failures([("replay timing", replay.get("error"))])
-    if data.get("metadata"):
-        lines += ["Host time per step, as in the `serving_metadata` section:", ""] + _metadata_table(data["metadata"])
-    return lines
+def kvwrite(data: dict):
+    rows = data["rows"]
+    hbm = limits(data)[0]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cell = {(r["tokens"], r["fmt"], r["mode"]): r for r in rows}
+    keys = list(dict.fromkeys((r["tokens"], r["fmt"]) for r in rows))
+    last = modes[-1]
+    best = max(r["ours_GBps"] for r in rows)
+    text = ["`attn::kv_cache_write`: T tokens' keys and values written into a paged cache (8 KV heads, head dim "
+            "128, 16-token blocks) in each format, with no RoPE (`kv`), RoPE on the keys (`rope_k`) or on queries "
+            "and keys (`rope_qk`, the rotated query returned). T up to 256 is a decode batch, larger T a prefill. "
+            "GB/s = bytes read and written / time; `% copy`: of a device copy moving the same bytes. Our best row "
+            f"moved {best:.0f} GB/s, {best / hbm / 10:.0f}% of the {hbm} TB/s nominal HBM bandwidth; small T is "
+            f"bound by launch latency. Peers, for `{last}`: plain PyTorch indexing (`torch`) and FlashInfer's "
+            "`append_paged_kv_cache` (bf16), as peer time / ours." + checked(rows)]
+    body = []
+    for t, f in keys:
+        r = cell.get((t, f, last), {})
+        body.append([str(t), f] + [num(cell[t, f, m]["ours_us"]) if (t, f, m) in cell else "-" for m in modes]
+                    + [num(r.get("ours_GBps"), 0), num(r.get("pct_copy"), 0),
+                       ratio(r.get("torch_us"), r.get("ours_us")), ratio(r.get("flashinfer_us"), r.get("ours_us"))])
+    header = ["T", "KV"] + [f"{m} µs" for m in modes] + [f"{last} GB/s", "% copy", "× torch", "× FlashInfer"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for f in dict.fromkeys(r["fmt"] for r in rows):
+            pts = sorted((r["tokens"], r["ours_GBps"]) for r in rows if r["fmt"] == f and r["mode"] == last)
+            ax.plot(*zip(*pts), marker="o", label=f"{f}, {last}")
+        ax.axhline(hbm * 1e3, color="k", ls="--", lw=1, label=f"HBM nominal {hbm} TB/s")
+        ax.set(xscale="log", xlabel="tokens T", ylabel="GB/s (read + written)", title="kv_cache_write")
+        ax.legend(fontsize=7)
+        return fig
+
+    return text + [""] + table(header, body), plot, command("kvwrite", data["args"])
 
 
-def host_section(data: dict, name: str) -> list[str]:
+def host(data: dict):
     sh = data["shape"]
-    lines = _header(data, "host time per eager call", name) + [
-        f"µs of host time per call (back-to-back calls, median of {data['repeats']} loops of {data['iters']}; "
-        f"`benchmarks/bench_host.py`): B = {sh['batch']} sequences of {sh['ctx']} keys, {sh['hq']}/{sh['hkv']} heads, "
-        f"D = {sh['d']}, {sh['page']}-token pages; prefill {sh['prefill_seqs']} x {sh['prefill_q']} queries. Tiny problems: "
-        "every row is bound by the host, not the GPU (`device µs`: the same call replayed in a CUDA graph). "
-        "`auto` is the automatic choice (the backend it took in parentheses), `pinned` the fastest backend pinned with "
-        "`use_backend`; `first ms` is the first call of the row in the process (planning, and compiling or loading "
-        "kernels not compiled for an earlier row). Peers ran in the same process on the same shapes.", "",
-        "| op | variant | auto µs | pinned µs | device µs | first ms | FlashInfer µs | SDPA µs |",
-        "|---|---|---|---|---|---|---|---|"]
     cases: dict[tuple[str, str], dict[str, dict]] = {}
     for r in data["rows"]:
         if "host_us" in r:
             cases.setdefault((r["op"], r["variant"]), {})[r["backend"]] = r
+    text = [f"µs of host time per eager call (median of {data['repeats']} loops of {data['iters']} back-to-back "
+            f"calls) on tiny problems, so that the host, not the GPU, sets the pace: {sh['batch']} sequences of "
+            f"{sh['ctx']} keys, {sh['hq']}/{sh['hkv']} heads, D = {sh['d']}, {sh['page']}-token pages; prefill "
+            f"{sh['prefill_seqs']} x {sh['prefill_q']} queries. The limit is the call's GPU time (`device µs`, the "
+            "same call replayed in a CUDA graph): a row is host-bound where its host time is above it. `auto`: "
+            "the automatic choice (the backend it took); `replayed`: share of those calls the C++ front replayed; "
+            "`Python front`: the same with every call through Python (ATTN_REPLAY=0); `pinned`: the fastest backend "
+            "pinned with `use_backend`; `first ms`: the first call in the process (planning, compiling or loading "
+            "kernels). FlashInfer's `run()` (after one `plan()`) and SDPA ran in the same process on the same shapes."]
+    body = []
     for (op, variant), by in cases.items():
         auto = by.get("auto", {})
-        pinned = [(r["host_us"], b) for b, r in by.items() if b not in ("auto", "flashinfer", "sdpa")]
-        best = f"{min(pinned)[0]:.1f} ({min(pinned)[1]})" if pinned else "-"
-        peers = [f"{by[p]['host_us']:.1f}" if p in by else "-" for p in ("flashinfer", "sdpa")]
-        lines.append(f"| {op} | {variant} | {auto.get('host_us', 0):.1f} ({auto.get('chosen', '-')}) | {best} | "
-                     f"{auto.get('device_us', 0):.1f} | {auto.get('first_ms', 0):.0f} | " + " | ".join(peers) + " |")
-    return lines + [""]
+        pinned = min(((r["host_us"], b) for b, r in by.items() if b not in ("auto", "auto/python", "flashinfer", "sdpa")),
+                     default=None)
+        body.append([op, variant, f"{num(auto.get('host_us'))} ({auto.get('chosen', '-')})",
+                     num(100 * auto["replayed"], 0) + "%" if "replayed" in auto else "-",
+                     num(by.get("auto/python", {}).get("host_us")),
+                     f"{pinned[0]:.1f} ({pinned[1]})" if pinned else "-", num(auto.get("device_us")),
+                     num(auto.get("first_ms"), 0), num(by.get("flashinfer", {}).get("host_us")),
+                     num(by.get("sdpa", {}).get("host_us"))])
+    header = ["op", "variant", "auto µs", "replayed", "Python front µs", "pinned µs", "device µs", "first ms",
+              "FlashInfer µs", "SDPA µs"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{op} {variant}" for op, variant in cases]
+        series = (("auto", "auto"), ("auto/python", "Python front"), ("flashinfer", "FlashInfer"), ("sdpa", "SDPA"))
+        height = 0.2
+        for i, (key, name) in enumerate(series):
+            ax.barh([y + i * height for y in range(len(cases))],
+                    [by.get(key, {}).get("host_us", 0) for by in cases.values()], height, label=name)
+        ax.scatter([by.get("auto", {}).get("device_us", 0) for by in cases.values()], range(len(cases)),
+                   marker="|", color="k", s=80, label="device µs", zorder=3)
+        ax.set_yticks([y + 0.3 for y in range(len(cases))], labels=labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set(xscale="log", xlabel="µs per call", title="host time per eager call")
+        ax.legend(fontsize=7)
+        return fig
+
+    return text + [""] + table(header, body), plot, command("host", data["args"])
 
 
-SECTIONS = {"e2e_compile": e2e_compile_section, "decode": decode_section, "prefill": prefill_section, "kvwrite": kvwrite_section,
-            "fp8": fp8_section,
-            "cascade": cascade_section, "cache_attention": cache_attention_section, "serving": serving_section,
-            "serving_grid": serving_section, "serving_metadata": serving_metadata_section, "bench_host": host_section}
-NEWEST_ONLY = ("serving", "serving_grid", "serving_metadata", "bench_host")  # later runs supersede earlier ones
+def e2e(data: dict):
+    m = data["model"]
+    cases: dict[tuple[str, str, str], dict[str, dict]] = {}
+    for r in data["rows"]:
+        cases.setdefault((r["case"], r["shape"], r["variant"]), {})[r["mode"]] = r
+    timing = "CUDA-graph replays" if data.get("graphs") else "eager launches (do_bench: host overhead included)"
+    text = [f"A random-weight Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_attention_heads']}/{m['num_key_value_heads']} heads of dim {m['head_dim']}, bf16): eager, "
+            "stock `torch.compile(fullgraph=True)`, and the same compile inside `fx_passes.enabled()`, which "
+            "rewrites attention onto `torch.ops.attn`. `fp8_out`: SDPA's output quantized to FP8 (the passes fold "
+            f"it into the op). Times: {timing}. This measures the model, not a kernel against its limit; "
+            "`× compile`: stock compile time / passes time (> 1: the passes are faster); compile seconds stock / "
+            "passes; graph breaks and recompilations of the passes' graph."]
+    body = []
+    for (case, shape, variant), by in cases.items():
+        e, c, p = (by.get(k, {}) for k in ("eager", "compile", "passes"))
+        body.append([f"{case}, {shape}", variant, num(e.get("time_us"), 0), num(c.get("time_us"), 0),
+                     num(p.get("time_us"), 0), ratio(c.get("time_us"), p.get("time_us")),
+                     f"{num(c.get('compile_s'))} / {num(p.get('compile_s'))}",
+                     str(p.get("graph_breaks", "-")), str(p.get("recompiles", "-"))])
+    header = ["case", "variant", "eager µs", "compile µs", "passes µs", "× compile", "compile s", "breaks",
+              "recompiles"]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(7, 3.4))
+        width = 0.27
+        for i, name in enumerate(("eager", "compile", "passes")):
+            ax.bar([x + i * width for x in range(len(cases))],
+                   [by.get(name, {}).get("time_us", 0) / 1e3 for by in cases.values()], width, label=name)
+        ax.set_xticks([x + width for x in range(len(cases))], fontsize=7,
+                      labels=[f"{case} {variant}" for case, _, variant in cases])
+        ax.set(ylabel="ms per call", title=f"1B Llama end to end ({'CUDA graphs' if data.get('graphs') else 'eager'})")
+        ax.legend(fontsize=7)
+        return fig
+
+    flags = ["--graphs"] * bool(data.get("graphs")) + ["--freezing"] * bool(data.get("freezing"))
+    flags += ["--quick"] * bool(data.get("quick"))
+    ran = list(dict.fromkeys(r["case"] for r in data["rows"]))
+    flags += ["--cases", *ran] if ran != ["prefill", "decode"] else []
+    return text + [""] + table(header, body), plot, shlex.join(["python", "benchmarks/bench_e2e_compile.py", *flags])
 
 
-def _date(data: dict) -> datetime.datetime:
-    return datetime.datetime.fromisoformat(data["env"]["date"])
+def serving(data: dict):
+    m = data["model"]
+    text = [f"The serving engine's decode steps (Triton backend, a CUDA graph per batch size) on a random-weight "
+            f"Llama ({m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} "
+            f"heads of dim {m['head_dim']}, bf16), B requests of {data['prompt_len']} prompt and "
+            f"{data['new_tokens']} new tokens, against transformers "
+            f"{data['env'].get('transformers', '-')} `generate` (static cache, `torch.compile(mode=\"reduce-overhead\")`) "
+            "on the same shapes. Medians per step: wall, GPU, host (step start to launch) and metadata build."]
+    replay = data.get("replay")
+    if replay and replay.get("replay_us"):
+        text[0] += (f" The limit, the GPU time of the step's kernels: one step replayed back to back at B = "
+                    f"{replay['batch']} took {replay['replay_us']:.0f} µs, {replay['ratio']:.3f}x the "
+                    f"{replay['kernel_sum_us']:.0f} µs sum of its {replay['kernels_per_replay']:.0f} kernels.")
+    body = [[str(r["batch"]), num(r["ours_tokens_per_s"], 0), num(r.get("ours_step_wall_us")),
+             num(r.get("ours_step_gpu_us")), num(r.get("ours_host_us")), num(r.get("ours_metadata_us")),
+             num(r.get("hf_tokens_per_s"), 0), num(r.get("speedup"), 2)] for r in data["rows"]]
+    lines = text + [""] + table(["B", "ours tok/s", "step µs", "GPU µs", "host µs", "metadata µs", "hf tok/s", "× hf"],
+                                body)
+    lines += [f"- transformers at B = {r['batch']} failed: {r['hf_error']}" for r in data["rows"] if r.get("hf_error")]
+    if data.get("metadata"):
+        lines += ["", "Host time per step, as in the metadata section below:", ""] + metadata_table(data["metadata"])
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for key, name in (("ours_tokens_per_s", "ours"), ("hf_tokens_per_s", "transformers")):
+            pts = [(r["batch"], r[key]) for r in data["rows"] if r.get(key)]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title="decode throughput")
+        ax.legend(fontsize=7)
+        return fig
+
+    flags = ["--grid"] if "grid" in data.get("_name", "") else []
+    return lines, plot, shlex.join(["python", "benchmarks/bench_serving.py", *flags])
+
+
+def metadata_table(rows: list[dict]) -> list[str]:
+    body = [[r["kind"], str(r["num_seqs"]), str(r.get("num_tokens", "-")), num(r.get("prepare_us")),
+             num(r.get("append_us")), num(r.get("total_us")), num(r.get("host_us"))] for r in rows]
+    errors = [f"- {r['kind']} {r['num_seqs']} failed: {r['error']}" for r in rows if r.get("error")]
+    return table(["kind", "seqs", "tokens", "prepare µs", "append µs", "total µs", "host µs"], body) + errors
+
+
+def serving_metadata(data: dict):
+    rows = data["metadata"]
+    text = ["CPU µs per serving step (medians) of the host work between scheduling and launch: `append` = "
+            "`KVCacheManager.append_batch` of the step's new tokens, `prepare` = `AttentionBackend.prepare` (the "
+            "metadata build and its one host-to-device copy), `total` = their sum. decode: one new token per "
+            "sequence; prefill: 4096 tokens split evenly; mixed: half decodes, half prefill chunks; `engine decode`: "
+            "the same inside `Engine.step` with CUDA-graph decode steps (`host` = step start to launch). Host work "
+            "has no hardware ceiling; the GPU step it precedes takes about 1-2 ms (serving table above)."]
+
+    def plot(plt, data, path):
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        ok = [r for r in rows if "prepare_us" in r]
+        labels = [f"{r['kind']} {r['num_seqs']}" for r in ok]
+        ax.barh(labels, [r["prepare_us"] for r in ok], label="prepare")
+        ax.barh(labels, [r["append_us"] for r in ok], left=[r["prepare_us"] for r in ok], label="append")
+        ax.invert_yaxis()
+        ax.set(xlabel="µs per step", title="host time per serving step")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=7)
+        return fig
+
+    return text + [""] + metadata_table(rows), plot, "python benchmarks/bench_serving.py --metadata-only"
+
+
+# benchmark -> (heading, renderer), in the document's order; the others' results are kept, not rendered
+SECTIONS: dict[str, tuple[str, Callable]] = {
+    "decode": ("Decode: `paged_decode`", decode),
+    "prefill": ("Prefill: `context_attention` and `paged_prefill`", prefill),
+    "fp8": ("FP8 context attention (CUTLASS)", fp8),
+    "kvwrite": ("KV-cache write: `kv_cache_write`", kvwrite),
+    "host": ("Host time per eager call", host),
+    "e2e": ("End to end: `torch.compile` with the passes", e2e),
+    "serving": ("Serving: engine decode against transformers", serving),
+    "serving_metadata": ("Serving: host time per step", serving_metadata),
+}
+
+
+# ---- the document ---------------------------------------------------------------------------------
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def provenance(path: Path, data: dict) -> str:
+    env = data["env"]
+    fi = env.get("flashinfer", "-")
+    fi = "-" if fi.startswith("unavailable") else fi
+    return (f"`{path.name}`: {env['date'][:10]}, commit {str(env.get('git_commit', '-')).split()[0][:7]}, "
+            f"torch {env.get('torch', '-')}, Triton {env.get('triton', '-')}, FlashInfer {fi}.")
+
+
+def render(results: Path = RESULTS, img: Path | None = None) -> str:
+    """The markdown of docs/performance.md; writes the plots into `img` (None: writes none, links
+    the ones already in IMG's place, `docs/img`, relative to the document)."""
+    runs = latest(results.glob("*.json"))
+    plt = pyplot() if img is not None else None
+    gpus = sorted({gpu for _, _, gpu in runs})
+    out = ["# Performance", "",
+           "Generated by `python benchmarks/report.py` from the latest run of each benchmark on each GPU in "
+           "`benchmarks/results/` (earlier runs: git history); do not edit by hand. Each table is one run: peers "
+           "ran in the same process on the same inputs, and every ratio compares numbers of that run.", "",
+           "| GPU | HBM (nominal) | dense bf16 | dense FP8 |", "|---|---|---|---|"]
+    for gpu in gpus:
+        hbm, bf16, f8 = limits({"env": {"gpu": gpu}})
+        out.append(f"| {gpu} | {hbm} TB/s | {bf16} TFLOP/s | {f8} TFLOP/s |")
+    written = set()
+    for kind, (heading, renderer) in SECTIONS.items():
+        mine = sorted((k, v) for k, v in runs.items() if k[0] == kind)
+        if not mine:
+            continue
+        out += ["", f"## {heading}"]
+        for (_, run_mode, gpu), (path, data) in mine:
+            lines, plot, cmd = renderer({**data, "_name": path.stem})
+            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""), "", provenance(path, data), ""] + lines
+            png = (img or IMG) / f"{path.stem}.png"
+            if plt is not None:
+                fig = plot(plt, data, png)
+                fig.tight_layout()
+                fig.savefig(png, dpi=110, metadata={"Software": None})
+                plt.close(fig)
+                written.add(png)
+            if png.exists():
+                out += ["", f"![{path.stem}](img/{png.name})"]
+            out += ["", "```", cmd, "```"]
+    others = sorted(p.name for (kind, _, _), (p, _) in runs.items() if kind not in SECTIONS)
+    if others:
+        out += ["", "Also kept in `benchmarks/results/`, not rendered here: " + ", ".join(f"`{o}`" for o in others) + "."]
+    if plt is not None:
+        for stale in set(img.glob("*.png")) - written:
+            stale.unlink()
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
-    out = ["# Performance", "",
-           "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; each "
-           "table is one run on one GPU, peers measured in the same run.", ""]
-    notes = ROOT / "docs" / "performance_notes.md"
-    runs = []  # (kind, file name, data), by file name
-    for path in sorted(RESULTS.glob("*.json")):
-        # The longest matching prefix: serving_metadata_* is not a serving_* file.
-        kind = max((k for k in SECTIONS if path.stem.startswith(k + "_")), key=len, default=None)
-        if kind is not None and not path.stem.endswith("_partial"):
-            runs.append((kind, path.name, json.loads(path.read_text())))
-    dated = sorted((r for r in runs if r[0] in NEWEST_ONLY), key=lambda r: _date(r[2]))
-    newest = {kind: name for kind, name, _ in dated}  # the last one of each kind stays
-    for kind, name, data in runs:
-        if kind not in NEWEST_ONLY or newest[kind] == name:
-            out += SECTIONS[kind](data, name)
-    if notes.exists():
-        out += [notes.read_text()]
-    (ROOT / "docs" / "performance.md").write_text("\n".join(out))
+    IMG.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(render(RESULTS, IMG))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,11 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         tl.store(rows + d, exact_cast(y, Cache.dtype.element_ty, INTERPRETED), mask=ok, cache_modifier=STORE_CM)
     else:
         amax = tl.max(tl.abs(x), axis=3, keep_dims=True)                   # [BT, BH, NGP, 1]
-        s = tl.maximum(_div_by_qmax(amax, QMAX, QMAX_RCP, INTERPRETED), 1e-5).to(scales.dtype.element_ty)
+        s = tl.maximum(_div_by_qmax(amax, QMAX, QMAX_RCP, INTERPRETED), 1e-5)
+        # a NaN in a group makes its scale NaN (the group reads back as NaN), as in the reference:
+        # the max reductions above skip NaN on the GPU
+        nan = tl.max((x != x).to(tl.int32), axis=3, keep_dims=True) > 0
+        s = tl.where(nan, float("nan"), s).to(scales.dtype.element_ty)
         tl.store(scales + g * stride_sg, s, mask=row_ok & (g < NG), cache_modifier=STORE_CM)
         # s = max(absmax / QMAX, 1e-5) rounded to fp16 or fp32 is at most 0.3% below absmax / QMAX
         # (fp16 subnormals just above the floor; 2^-11 for normal fp16), so |x * RN(1 / s)| <

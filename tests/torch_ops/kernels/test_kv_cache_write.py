@@ -490,3 +490,20 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group, rope):
         graph.replay()
         torch.cuda.synchronize()
         check(cache, before, key, value, slots, kwargs, rq)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_nan_in_a_group_makes_its_scale_nan_as_in_the_reference(kernel_device, fmt):
+    """One policy on every backend: a NaN key reads back as NaN in its whole group, never as 0."""
+    dtype = torch.int8 if fmt == "int8" else torch.uint8
+    caches = {}
+    for backend in ("vanilla", "triton"):
+        cache = kv_cache.PagedKVCache.allocate(2, 4, 2, 16, dtype, quant_group=8, device=kernel_device)
+        key = torch.randn(3, 2, 16, device=kernel_device, dtype=torch.bfloat16)
+        key[1, 0, 3] = float("nan")
+        slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=kernel_device)
+        with torch_ops.use_backend(backend):
+            torch.ops.attn.kv_cache_write(key, key, cache.k, cache.v, slots, **cache.scale_kwargs())
+        caches[backend] = cache.dequantized()[0][0, :3]
+    for got in caches.values():
+        assert got[1, 0, :8].isnan().all() and not got[1, 0, 8:].isnan().any() and not got[[0, 2]].isnan().any()
