@@ -80,27 +80,25 @@ def test_returned_tensors_must_be_buffers_of_the_call():
 REPLAYED = [(op, v) for op, variants in samples.VARIANTS.items() if op != "cache_attention" for v in variants]
 
 
-def _on_cuda(x):
+def _tensors(x, fn):
+    """`x` (a tensor, or a tuple or dict holding some) with `fn` applied to each tensor."""
     if isinstance(x, torch.Tensor):
-        return x.cuda()
+        return fn(x)
     if isinstance(x, dict):
-        return {k: _on_cuda(v) for k, v in x.items()}
+        return {k: _tensors(v, fn) for k, v in x.items()}
     if isinstance(x, tuple):
-        return tuple(_on_cuda(v) for v in x)
+        return tuple(_tensors(v, fn) for v in x)
     return x
+
+
+def _on_cuda(x):
+    return _tensors(x, torch.Tensor.cuda)
 
 
 def _redrawn(x):
-    """The same call signature with other data: floating tensors redrawn, the rest kept."""
-    if isinstance(x, torch.Tensor):
-        if x.is_floating_point() and x.element_size() > 1 and x.dim() > 1:
-            return torch.randn_like(x)
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: _redrawn(v) for k, v in x.items()}
-    if isinstance(x, tuple):
-        return tuple(_redrawn(v) for v in x)
-    return x
+    """The same call signature with other data: floating tensors redrawn, the rest copied."""
+    return _tensors(x, lambda t: torch.randn_like(t) if t.is_floating_point() and t.element_size() > 1
+                    and t.dim() > 1 else t.clone())
 
 
 def _call(op, args, kwargs, backend=None):
