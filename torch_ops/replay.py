@@ -57,7 +57,10 @@ def _compile_command(target: Path) -> list[str]:
 
 def _build_folder() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
+    except OSError:   # no compiler: nothing was built with one either
+        version = "none"
     for part in (torch.__version__, version, " ".join(_compile_command(Path("o")))):
         h.update(part.encode())
     return f"replay-{h.hexdigest()[:16]}"
