@@ -93,14 +93,18 @@ def device_bandwidth() -> dict:
 
 
 def git_commit() -> str:
-    """The commit that ran: `ATTN_GIT_COMMIT` (set by the device command, whose copy of the tree
-    has no git history), else `git rev-parse HEAD`."""
+    """The commit that ran: `ATTN_GIT_COMMIT` (for a copy of the tree without git history), else
+    `git rev-parse HEAD`, marked "+changes" when tracked files differ from it."""
     if os.environ.get("ATTN_GIT_COMMIT"):
         return os.environ["ATTN_GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+
+        head = git("rev-parse", "HEAD").stdout.strip() or "unknown"
+        return head + ("+changes" if git("diff", "--quiet", "HEAD").returncode == 1 else "")
     except Exception:  # noqa: BLE001
         return "unknown"
 

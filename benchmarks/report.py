@@ -99,13 +99,21 @@ def limits(data: dict) -> tuple[float, float, float]:
     return next((v for k, v in LIMITS.items() if k in gpu), LIMITS["H200"])
 
 
+def passed(check: dict) -> bool:
+    """A row's accuracy check: its `ok`, else no error and every `*_bitwise` comparison equal."""
+    if "ok" in check:
+        return bool(check["ok"])
+    return "error" not in check and all(v for k, v in check.items() if k.endswith("bitwise"))
+
+
 def checked(rows: list[dict]) -> str:
     """What the rows' accuracy checks say, as a sentence (empty if none ran)."""
     checks = [r["check"] for r in rows if isinstance(r.get("check"), dict)]
     if not checks:
         return ""
-    bad = sum(not c.get("ok") for c in checks)
-    return " Every row was checked against a float64 reference: " + (f"{bad} failed." if bad else "all passed.")
+    bad = sum(not passed(c) for c in checks)
+    return (f" {len(checks)} rows were checked against the reference implementation: "
+            + (f"{bad} failed." if bad else "all passed."))
 
 
 def command(kind: str, args: dict) -> str:
@@ -177,11 +185,13 @@ def decode(data: dict):
 def decode_formats(data: dict, best: float, read: float, hbm: float):
     rows = data["rows"]
     fmts = list(dict.fromkeys(r["fmt"] for r in rows))
-    shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["hq"], r["hkv"]) for r in rows))
     cell = {(r["batch"], r["ctx"], r["hq"], r["hkv"], r["fmt"]): r for r in rows}
+    shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["hq"], r["hkv"]) for r in rows))
+    shapes = [s for s in shapes if all(s + (f,) in cell for f in fmts)] or shapes   # the shapes run in every format
     kernels = {f: sorted({r.get("backend") or "-" for r in rows if r["fmt"] == f}) for f in fmts}
     text = ["`attn::paged_decode` alone (no peers in this run) on each KV-cache format: bf16, FP8 e4m3, INT8 and "
-            "INT4 with group scales (a format's bytes include its scales); 16-token pages, head dim 128. Cells: "
+            "INT4 with group scales (a format's bytes include its scales); 16-token pages, head dim 128; the shapes run "
+            "in every format. Cells: "
             f"µs (GB/s of KV read). Our best row read {best:.0f} GB/s, {100 * best / read:.0f}% of the {read:.0f} "
             f"GB/s read bandwidth measured in this run. The automatic choice ran "
             + "; ".join(f"{f}: {', '.join(k)}" for f, k in kernels.items()) + "." + checked(rows)]
@@ -219,14 +229,20 @@ def prefill(data: dict):
     context = all(r["section"] == "context" for r in rows)
     impls = CONTEXT_IMPLS if context else PAGED_IMPLS
     best = max(r["ours_tflops"] for r in rows)
-    what = ("`attn::context_attention` on packed batches of 16k tokens (`uniform`: equal lengths S; `ragged`: "
-            "random lengths around S, where SDPA does not run), 32 query and 32 KV heads" if context else
-            "`attn::paged_prefill`: causal chunks of new tokens over a cached prefix in a paged cache, 32/8 heads, "
-            "and two mixed batches (prefills, chunks and decodes in one call)")
-    text = [f"{what}, 16-bit inputs. TFLOP/s = 4 · Hq · D · (query-key pairs computed) / time, causal counting "
-            f"the visible half. Our best row made {best:.0f} TFLOP/s, {100 * best / peak:.0f}% of the {peak} "
-            "TFLOP/s dense bf16 tensor-core peak. `backend`: what the automatic choice ran; `× best peer`: the "
-            "fastest peer's time / ours (> 1: ours faster)." + checked(rows)]
+    heads = rows[0]["heads"]
+    if context:
+        what = ("`attn::context_attention` on packed batches of 16k tokens (`uniform`: equal lengths S; "
+                f"`ragged`: random lengths around S, where SDPA does not run), {heads} query and KV heads")
+    else:
+        what = ("`attn::paged_prefill`: causal chunks of new tokens over a cached prefix in a paged cache, "
+                f"{heads} heads" + (", and mixed batches (prefills, chunks and decodes in one call)"
+                                    if any(r["section"] == "mixed" for r in rows) else ""))
+    peers = any(isinstance(r.get(p + "_us"), (int, float)) for r in rows for p in PREFILL_PEERS)
+    text = [f"{what}, bf16. TFLOP/s = 4 · Hq · D · (query-key pairs computed) / time, causal counting the "
+            f"visible half. Our best row made {best:.0f} TFLOP/s, {100 * best / peak:.0f}% of the {peak} TFLOP/s "
+            "dense bf16 tensor-core peak. `backend`: what the automatic choice ran"
+            + ("; `× best peer`: the fastest peer's time / ours (> 1: ours faster)." if peers else
+               "; no peers ran.") + checked(rows)]
     body = []
     for r in rows:
         case = r.get("desc") or f"S={r['seqlen']} {r['batch']}"
@@ -291,9 +307,14 @@ def fp8(data: dict):
         ax.legend(fontsize=6, ncol=3)
         return fig
 
+    shapes = []   # D:H:S[:B] of the case labels, e.g. "S=2048 ragged B=4 D=128 H=32"
+    for r in rows:
+        f = dict(part.split("=") for part in r["case"].split() if "=" in part)
+        shapes.append(f"{f['D']}:{f['H']}:{f['S']}" + (f":{f['B']}" if "B" in f else ""))
     persistent = data.get("cutlass_persistent")
     env = "" if persistent is None else f"ATTN_CUTLASS_PERSISTENT={int(persistent)} "
-    return text + [""] + table(header, body), plot, env + "python benchmarks/bench_fp8.py"
+    cmd = shlex.join(["python", "benchmarks/bench_fp8.py", "--shapes", *dict.fromkeys(shapes)])
+    return text + [""] + table(header, body), plot, env + cmd
 
 
 def kvwrite(data: dict):
@@ -416,7 +437,7 @@ def e2e(data: dict):
         return fig
 
     flags = ["--graphs"] * bool(data.get("graphs")) + ["--freezing"] * bool(data.get("freezing"))
-    flags += ["--quick"] * bool(data.get("quick"))
+    flags += ["--quick"] * bool(data.get("quick")) + ["--no-fp8"] * all(r["variant"] != "fp8_out" for r in data["rows"])
     ran = list(dict.fromkeys(r["case"] for r in data["rows"]))
     flags += ["--cases", *ran] if ran != ["prefill", "decode"] else []
     return text + [""] + table(header, body), plot, shlex.join(["python", "benchmarks/bench_e2e_compile.py", *flags])
@@ -471,7 +492,7 @@ def serving_metadata(data: dict):
             "metadata build and its one host-to-device copy), `total` = their sum. decode: one new token per "
             "sequence; prefill: 4096 tokens split evenly; mixed: half decodes, half prefill chunks; `engine decode`: "
             "the same inside `Engine.step` with CUDA-graph decode steps (`host` = step start to launch). Host work "
-            "has no hardware ceiling; the GPU step it precedes takes about 1-2 ms (serving table above)."]
+            "has no hardware ceiling: it must stay well under the GPU time of the step it prepares."]
 
     def plot(plt, data, path):
         fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -545,7 +566,8 @@ def render(results: Path = RESULTS, img: Path | None = None) -> str:
         out += ["", f"## {heading}"]
         for (_, run_mode, gpu), (path, data) in mine:
             lines, plot, cmd = renderer({**data, "_name": path.stem})
-            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""), "", provenance(path, data), ""] + lines
+            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""), "",
+                    provenance(path, data) + " " + lines[0]] + lines[1:]
             png = (img or IMG) / f"{path.stem}.png"
             if plt is not None:
                 fig = plot(plt, data, png)
@@ -555,7 +577,7 @@ def render(results: Path = RESULTS, img: Path | None = None) -> str:
                 written.add(png)
             if png.exists():
                 out += ["", f"![{path.stem}](img/{png.name})"]
-            out += ["", "```", cmd, "```"]
+            out += ["", f"Reproduce: `{cmd}`"]
     others = sorted(p.name for (kind, _, _), (p, _) in runs.items() if kind not in SECTIONS)
     if others:
         out += ["", "Also kept in `benchmarks/results/`, not rendered here: " + ", ".join(f"`{o}`" for o in others) + "."]
