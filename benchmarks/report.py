@@ -4,11 +4,11 @@
 
 Reads benchmarks/results/*.json and renders, for each benchmark on each GPU, its latest run only
 (the newest `env.date`; older runs live in git history). A benchmark is a script plus the mode
-that changes what it compares: CUDA-graph timing for bench_e2e_compile.py (`--graphs`), the
-op for bench_prefill.py (context attention, or paged prefill and mixed batches), and whether the
-peers ran (`--peers` with none) for bench_decode.py and bench_prefill.py. Each section says what
-was measured and how close it came to the hardware limit, then gives a table, a plot and the
-command that reproduces the run. Every ratio compares numbers of one JSON, that is of one run.
+that changes what it compares: CUDA-graph timing for bench_e2e_compile.py (`--graphs`), the op
+for bench_prefill.py (context attention, or paged prefill and mixed batches), and whether any
+peer ran (`--peers` given no names) for bench_decode.py and bench_prefill.py. Each section says
+what was measured and how close it came to the hardware limit, then gives a table, a plot and
+the command that reproduces the run. Every ratio compares numbers of one JSON, that is one run.
 
 Plots need matplotlib (`pip install -e ".[docs]"`). Without it the markdown is still written,
 linking the plots already in docs/img/.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -32,18 +31,15 @@ PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", 
             "e2e_compile": "e2e", "serving": "serving", "serving_grid": "serving",
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
             "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass"}
-SCRIPTS = {"decode": "bench_decode.py", "prefill": "bench_prefill.py", "kvwrite": "bench_kv_cache_write.py",
-           "host": "bench_host.py"}
 # nominal limits per GPU (matched in env.gpu): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
 LIMITS = {"H200": (4.8, 989, 1979), "H100": (3.35, 989, 1979)}
-Table = list[list[str]]
 
 
 # ---- selecting the runs ---------------------------------------------------------------------------
 
 
 def benchmark(path: Path) -> str | None:
-    """The benchmark a result file belongs to (the longest matching prefix), None for other files."""
+    """The benchmark a result file belongs to (its longest matching prefix), None for other files."""
     names = [p for p in PREFIXES if path.stem.startswith(p + "_")]
     return PREFIXES[max(names, key=len)] if names and not path.stem.endswith("_partial") else None
 
@@ -87,15 +83,14 @@ def ratio(peer, ours) -> str:
     return f"{peer / ours:.2f}" if isinstance(peer, (int, float)) and ours else "-"
 
 
-def table(header: list[str], rows: Table) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table without the columns that are empty ("-") in every row."""
     keep = [i for i in range(len(header)) if any(r[i] != "-" for r in rows)] or list(range(len(header)))
     lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
     return lines + ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
 
 
-def limits(data: dict) -> tuple[float, float, float]:
-    gpu = data["env"].get("gpu", "")
+def limits(gpu: str) -> tuple[float, int, int]:
     return next((v for k, v in LIMITS.items() if k in gpu), LIMITS["H200"])
 
 
@@ -112,13 +107,12 @@ def checked(rows: list[dict]) -> str:
     if not checks:
         return ""
     bad = sum(not passed(c) for c in checks)
-    return (f" {len(checks)} rows were checked against the reference implementation: "
-            + (f"{bad} failed." if bad else "all passed."))
+    return f" {len(checks)} rows were checked against the reference: " + (f"{bad} failed." if bad else "all passed.")
 
 
-def command(kind: str, args: dict) -> str:
+def command(script: str, args: dict) -> str:
     """The script's command line for a run's recorded arguments (`--out` left at its default)."""
-    words = ["python", f"benchmarks/{SCRIPTS[kind]}"]
+    words = ["python", f"benchmarks/{script}"]
     for name, value in args.items():
         if name == "out" or value is None or value is False or (name == "budget_s" and value >= 1e9):
             continue
@@ -130,89 +124,97 @@ def command(kind: str, args: dict) -> str:
     return shlex.join(words)
 
 
-# ---- sections: (text lines, plot(plt, data, path) or None, command) --------------------------------
+def bars(plt, labels: list[str], series: list[tuple[str, list]], xlabel: str, title: str, refs=(), log=False):
+    """Horizontal grouped bars, a group per label and a bar per (name, values) series; `refs`:
+    (x, label) vertical lines (the hardware limits)."""
+    step = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + len(labels) * (0.08 + 0.07 * len(series))))
+    for i, (name, values) in enumerate(series):
+        ax.barh([y + i * step for y in range(len(labels))], [v or 0 for v in values], step, label=name)
+    for (x, label), style in zip(refs, ("--", ":")):
+        ax.axvline(x, color="k", ls=style, lw=1, label=label)
+    ax.set_yticks([y + 0.4 - step / 2 for y in range(len(labels))], labels=labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set(xlabel=xlabel, title=title, xscale="log" if log else "linear")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+# ---- sections: renderer(data, name) -> (paragraph, table lines, plot(plt) -> figure, command) -------
 
 DECODE_PEERS = (("flashinfer", "FlashInfer"), ("flashinfer_tc", "FlashInfer tc"), ("cudnn_sdpa", "cuDNN SDPA"),
                 ("flash_sdpa", "flash SDPA"), ("flex", "flex"))
 
 
-def decode(data: dict):
+def decode(data: dict, name: str):
     rows, read = data["rows"], data["bandwidth"]["read_GBps"]
-    hbm = limits(data)[0]
+    hbm = limits(data["env"].get("gpu", ""))[0]
     best = max(r["ours_GBps"] for r in rows)
     if data["args"].get("peers") == []:
-        return decode_formats(data, best, read, hbm)
-    text = ["One decode step (one query token per sequence) of `attn::paged_decode` over a paged cache of "
-            "16-token pages in a random order, head dim 128, bf16, against peers on the same inputs in the same "
-            "process: FlashInfer's paged decode on CUDA cores and on tensor cores (`tc`), cuDNN and flash SDPA "
-            "on a contiguous cache (no paging: a lower bound on their paged cost), compiled FlexAttention. Decode "
-            "reads every KV byte once, so memory bandwidth is the limit: our best row read "
-            f"{best:.0f} GB/s, {100 * best / read:.0f}% of the {read:.0f} GB/s read bandwidth measured in this run "
-            f"and {best / hbm / 10:.0f}% of the {hbm} TB/s nominal."]
+        return decode_formats(data, best, read)
+    text = ("One decode step (one query token per sequence) of `attn::paged_decode` over a paged cache of "
+            "16-token pages in a random order, head dim 128, against peers on the same inputs: FlashInfer's paged "
+            "decode on CUDA cores and on tensor cores (`tc`), cuDNN and flash SDPA on a contiguous cache (no "
+            "paging: a lower bound on their paged cost), compiled FlexAttention. Decode reads every KV byte once, "
+            f"so memory bandwidth is the limit: our best row read {best:.0f} GB/s, {100 * best / read:.0f}% of the "
+            f"{read:.0f} GB/s read bandwidth measured in this run and {best / hbm / 10:.0f}% of the {hbm} TB/s "
+            "nominal.")
     at64 = [r for r in rows if r["batch"] == 64 and r.get("flashinfer_us")]
     if at64:
         r = at64[0]
-        text[0] += (f" At batch 64 ({r['ctx']} keys, {r['hq']}/{r['hkv']} heads): ours {r['ours_us']:.1f} µs, "
-                    f"FlashInfer {num(r.get('flashinfer_us'))} µs, FlashInfer tc {num(r.get('flashinfer_tc_us'))} µs.")
-    text[0] += (" µs: median of CUDA-graph replays, input sets rotated past L2; `kernel`: what the automatic "
-                "choice ran; `×`: peer time / ours (> 1: ours faster)." + checked(rows))
+        text += (f" At batch 64 ({r['ctx']} keys, {r['hq']}/{r['hkv']} heads, {r['fmt']}): ours {r['ours_us']:.1f} "
+                 f"µs, FlashInfer {num(r.get('flashinfer_us'))} µs, FlashInfer tc {num(r.get('flashinfer_tc_us'))} µs.")
+    text += (" µs: median of CUDA-graph replays, input sets rotated past L2; `kernel`: what the automatic choice "
+             "ran; `×`: peer time / ours (> 1: ours faster)." + checked(rows))
     body = [[str(r["batch"]), str(r["ctx"]), f"{r['hq']}/{r['hkv']}", r["fmt"], num(r["ours_us"]),
              r.get("backend") or "-", num(r["ours_GBps"], 0), num(100 * r["ours_GBps"] / read, 0)]
             + [num(r.get(p + "_us")) for p, _ in DECODE_PEERS]
             + [ratio(r.get("flashinfer_us"), r["ours_us"]), ratio(r.get("flashinfer_tc_us"), r["ours_us"])]
             for r in rows]
     header = ["B", "ctx", "Hq/Hkv", "KV", "ours µs", "kernel", "GB/s", "% read"] + \
-        [f"{name} µs" for _, name in DECODE_PEERS] + ["× FlashInfer", "× FlashInfer tc"]
+        [f"{peer} µs" for _, peer in DECODE_PEERS] + ["× FlashInfer", "× FlashInfer tc"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        impls = [("ours", "ours")] + list(DECODE_PEERS)
-        for (key, name), marker in zip(impls, "o^vsDx"):
+    def plot(plt):
+        fig, ax = plt.subplots(figsize=(7.5, 3.6))
+        for (key, label), marker in zip((("ours", "ours"),) + DECODE_PEERS, "o^vsDx"):
             pts = [(r["batch"], r["kv_bytes"] / r[key + "_us"] / 1e3) for r in rows if r.get(key + "_us")]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, label=name, alpha=0.8)
+                ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.8)
         ax.axhline(hbm * 1e3, color="k", ls="--", lw=1, label=f"HBM nominal {hbm} TB/s")
-        ax.axhline(read, color="gray", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
+        ax.axhline(read, color="k", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
+        batches = sorted({r["batch"] for r in rows})
         ax.set(xscale="log", xlabel="batch (sequences)", ylabel="GB/s of KV read",
-               title="paged_decode, bf16: one point per table row")
-        ax.set_xticks(sorted({r["batch"] for r in rows}), labels=sorted({str(r["batch"]) for r in rows}, key=int))
-        ax.legend(fontsize=7, ncol=2)
+               title="paged_decode: one point per table row and implementation")
+        ax.set_xticks(batches, labels=[str(b) for b in batches])
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
         return fig
 
-    return text + [""] + table(header, body), plot, command("decode", data["args"])
+    return text, table(header, body), plot, command("bench_decode.py", data["args"])
 
 
-def decode_formats(data: dict, best: float, read: float, hbm: float):
+def decode_formats(data: dict, best: float, read: float):
     rows = data["rows"]
     fmts = list(dict.fromkeys(r["fmt"] for r in rows))
     cell = {(r["batch"], r["ctx"], r["hq"], r["hkv"], r["fmt"]): r for r in rows}
     shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["hq"], r["hkv"]) for r in rows))
-    shapes = [s for s in shapes if all(s + (f,) in cell for f in fmts)] or shapes   # the shapes run in every format
+    shapes = [s for s in shapes if all(s + (f,) in cell for f in fmts)] or shapes   # run in every format
     kernels = {f: sorted({r.get("backend") or "-" for r in rows if r["fmt"] == f}) for f in fmts}
-    text = ["`attn::paged_decode` alone (no peers in this run) on each KV-cache format: bf16, FP8 e4m3, INT8 and "
-            "INT4 with group scales (a format's bytes include its scales); 16-token pages, head dim 128; the shapes run "
-            "in every format. Cells: "
-            f"µs (GB/s of KV read). Our best row read {best:.0f} GB/s, {100 * best / read:.0f}% of the {read:.0f} "
-            f"GB/s read bandwidth measured in this run. The automatic choice ran "
-            + "; ".join(f"{f}: {', '.join(k)}" for f, k in kernels.items()) + "." + checked(rows)]
-    body = [[str(b), str(c), f"{hq}/{hkv}"]
-            + [f"{cell[b, c, hq, hkv, f]['ours_us']:.1f} ({cell[b, c, hq, hkv, f]['ours_GBps']:.0f})"
-               if (b, c, hq, hkv, f) in cell else "-" for f in fmts] for b, c, hq, hkv in shapes]
+    text = ("`attn::paged_decode` alone (no peers in this run) on each KV-cache format: bf16, FP8 e4m3, INT8 and "
+            "INT4 with group scales (a format's bytes include its scales); 16-token pages, head dim 128; the shapes "
+            f"run in every format. Cells: µs (GB/s of KV read). Our best row read {best:.0f} GB/s, "
+            f"{100 * best / read:.0f}% of the {read:.0f} GB/s read bandwidth measured in this run. The automatic "
+            "choice ran " + "; ".join(f"{f}: {', '.join(k)}" for f, k in kernels.items()) + "." + checked(rows))
+    body = [[str(b), str(c), f"{hq}/{hkv}"] + [
+        f"{cell[b, c, hq, hkv, f]['ours_us']:.1f} ({cell[b, c, hq, hkv, f]['ours_GBps']:.0f})"
+        if (b, c, hq, hkv, f) in cell else "-" for f in fmts] for b, c, hq, hkv in shapes]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        width = 0.8 / len(fmts)
-        for i, f in enumerate(fmts):
-            ys = [cell[s + (f,)]["ours_GBps"] if s + (f,) in cell else 0 for s in shapes]
-            ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=f)
-        ax.axhline(read, color="gray", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
-                      labels=[f"{b}\n{c // 1024}k\n{hq}/{hkv}" for b, c, hq, hkv in shapes], fontsize=6)
-        ax.set(ylabel="GB/s of KV read", title="paged_decode by KV format (B / context / heads)")
-        ax.legend(fontsize=7, ncol=5)
-        return fig
+    def plot(plt):
+        labels = [f"B={b} ctx={c} {hq}/{hkv}" for b, c, hq, hkv in shapes]
+        series = [(f, [cell[s + (f,)]["ours_GBps"] if s + (f,) in cell else 0 for s in shapes]) for f in fmts]
+        return bars(plt, labels, series, "GB/s of KV read", "paged_decode by KV-cache format",
+                    [(read, f"measured read {read:.0f} GB/s")])
 
-    return text + [""] + table(["B", "ctx", "Hq/Hkv"] + fmts, body), plot, command("decode", data["args"])
+    return text, table(["B", "ctx", "Hq/Hkv"] + fmts, body), plot, command("bench_decode.py", data["args"])
 
 
 CONTEXT_IMPLS = (("ours_triton", "our Triton"), ("cudnn_sdpa", "cuDNN SDPA"), ("flashinfer_fa3", "FlashInfer fa3"),
@@ -223,151 +225,135 @@ PAGED_IMPLS = (("ours_cutlass", "CUTLASS"), ("ours_triton", "our Triton"), ("our
 PREFILL_PEERS = ("flash_sdpa", "cudnn_sdpa", "flashinfer_fa3", "flashinfer_fa2", "flex")
 
 
-def prefill(data: dict):
+def prefill(data: dict, name: str):
     rows = data["rows"]
-    peak = limits(data)[1]
+    peak = limits(data["env"].get("gpu", ""))[1]
     context = all(r["section"] == "context" for r in rows)
     impls = CONTEXT_IMPLS if context else PAGED_IMPLS
     best = max(r["ours_tflops"] for r in rows)
-    heads = rows[0]["heads"]
     if context:
-        what = ("`attn::context_attention` on packed batches of 16k tokens (`uniform`: equal lengths S; "
-                f"`ragged`: random lengths around S, where SDPA does not run), {heads} query and KV heads")
+        text = ("`attn::context_attention` on packed batches of 16k tokens (`uniform`: equal lengths S; `ragged`: "
+                f"random lengths around S, where SDPA does not run), {rows[0]['heads']} query and KV heads")
     else:
-        what = ("`attn::paged_prefill`: causal chunks of new tokens over a cached prefix in a paged cache, "
-                f"{heads} heads" + (", and mixed batches (prefills, chunks and decodes in one call)"
-                                    if any(r["section"] == "mixed" for r in rows) else ""))
+        text = ("`attn::paged_prefill`: causal chunks of new tokens over a cached prefix in a paged cache, "
+                f"{rows[0]['heads']} heads" + (", and mixed batches (prefills, chunks and decodes in one call)"
+                                               if any(r["section"] == "mixed" for r in rows) else ""))
     peers = any(isinstance(r.get(p + "_us"), (int, float)) for r in rows for p in PREFILL_PEERS)
-    text = [f"{what}, bf16. TFLOP/s = 4 · Hq · D · (query-key pairs computed) / time, causal counting the "
-            f"visible half. Our best row made {best:.0f} TFLOP/s, {100 * best / peak:.0f}% of the {peak} TFLOP/s "
-            "dense bf16 tensor-core peak. `backend`: what the automatic choice ran"
-            + ("; `× best peer`: the fastest peer's time / ours (> 1: ours faster)." if peers else
-               "; no peers ran.") + checked(rows)]
+    text += (", bf16. TFLOP/s = 4 · Hq · D · (query-key pairs computed) / time, causal counting the visible half. "
+             f"Our best row made {best:.0f} TFLOP/s, {100 * best / peak:.0f}% of the {peak} TFLOP/s dense bf16 "
+             "tensor-core peak. `backend`: what the automatic choice ran"
+             + ("; `× best peer`: the fastest peer's time / ours (> 1: ours faster)." if peers else "; no peers ran.")
+             + checked(rows))
+    labels = [r.get("desc") or f"S={r['seqlen']} {r['batch']}" for r in rows]
     body = []
-    for r in rows:
-        case = r.get("desc") or f"S={r['seqlen']} {r['batch']}"
-        peers = [r[p + "_us"] for p in PREFILL_PEERS if isinstance(r.get(p + "_us"), (int, float))]
-        body.append([case, str(r["d"]), "yes" if r["causal"] else "no", num(r["ours_tflops"], 0), r["backend"]]
+    for label, r in zip(labels, rows):
+        times = [r[p + "_us"] for p in PREFILL_PEERS if isinstance(r.get(p + "_us"), (int, float))]
+        body.append([label, str(r["d"]), "yes" if r["causal"] else "no", num(r["ours_tflops"], 0), r["backend"]]
                     + [num(r.get(k + "_tflops"), 0) for k, _ in impls]
-                    + [ratio(min(peers), r["ours_us"]) if peers else "-"])
+                    + [ratio(min(times), r["ours_us"]) if times else "-"])
     header = ["case", "D", "causal", "ours TF/s", "backend"] + [f"{n} TF/s" for _, n in impls] + ["× best peer"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7.5, 3.6))
-        series = [("ours", "ours")] + [i for i in impls if any(r.get(i[0] + "_tflops") for r in rows)]
-        width = 0.8 / len(series)
-        for i, (key, name) in enumerate(series):
-            ys = [r.get(key + "_tflops") or 0 for r in rows]
-            ax.bar([x + i * width for x in range(len(rows))], ys, width, label=name)
-        ax.axhline(peak, color="k", ls="--", lw=1, label=f"dense bf16 peak {peak}")
-        labels = [(r.get("desc") or f"S={r['seqlen']} {r['batch']}").replace(" cached, ", "\n").replace(" on ", "\non ")
-                  + f"\nD={r['d']}{' c' if r['causal'] and context else ''}" for r in rows]
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels=labels, fontsize=5)
-        ax.set(ylabel="TFLOP/s", title="context_attention" if context else "paged_prefill")
-        ax.legend(fontsize=6, ncol=4)
-        return fig
+    def plot(plt):
+        keys = [("ours", "ours")] + [i for i in impls if any(r.get(i[0] + "_tflops") for r in rows)]
+        series = [(n, [r.get(k + "_tflops") for r in rows]) for k, n in keys]
+        ylabels = [f"{label}, D={r['d']}" + (", causal" if context and r["causal"] else "")
+                   for label, r in zip(labels, rows)]
+        return bars(plt, ylabels, series, "TFLOP/s", "context_attention" if context else "paged_prefill",
+                    [(peak, f"dense bf16 peak {peak}")])
 
-    return text + [""] + table(header, body), plot, command("prefill", data["args"])
+    return text, table(header, body), plot, command("bench_prefill.py", data["args"])
 
 
 FP8_IMPLS = (("cutlass_fp8", "ours FP8"), ("flashinfer_fa3_fp8", "fa3 FP8"), ("cutlass_bf16", "ours bf16"),
              ("flashinfer_fa3_bf16", "fa3 bf16"), ("cudnn_sdpa_bf16", "cuDNN bf16"), ("triton_fp8", "our Triton FP8"))
 
 
-def fp8(data: dict):
+def fp8(data: dict, name: str):
     rows = data["rows"]
-    _, peak16, peak8 = limits(data)
-    best = max(r["cutlass_fp8_tflops"] for r in rows if isinstance(r.get("cutlass_fp8_tflops"), float))
-    text = ["`attn::context_attention` with FP8 e4m3 inputs (per-tensor scales) on the CUTLASS backend, and the "
+    _, peak16, peak8 = limits(data["env"].get("gpu", ""))
+    tflops = lambda r, key: r.get(key + "_tflops") if isinstance(r.get(key + "_tflops"), float) else None  # noqa: E731
+    best = max(tflops(r, "cutlass_fp8") or 0 for r in rows)
+    text = ("`attn::context_attention` with FP8 e4m3 inputs (per-tensor scales) on the CUTLASS backend, and the "
             "same in bf16, against FlashInfer's fa3 kernels (FP8 and bf16) and cuDNN SDPA (bf16), on packed batches "
-            "of 16k tokens (`ragged`: random lengths). TFLOP/s as for prefill (causal counts the visible half). "
-            f"Our best FP8 row made {best:.0f} TFLOP/s, {100 * best / peak8:.0f}% of the {peak8} TFLOP/s dense FP8 "
-            f"peak (bf16: {peak16}). `× fa3`: FlashInfer's FP8 time / ours; RMSE of heads 0-1 against an fp32 "
-            "reference on the same FP8 inputs, ours / FlashInfer's."]
+            "of 16k tokens (`ragged`: random lengths, `B=`: that many sequences). TFLOP/s as for prefill. Our best "
+            f"FP8 row made {best:.0f} TFLOP/s, {100 * best / peak8:.0f}% of the {peak8} TFLOP/s dense FP8 peak "
+            f"(bf16: {peak16}). `× fa3`: FlashInfer's FP8 time / ours; RMSE of heads 0-1 against an fp32 reference "
+            "on the same FP8 inputs, ours / FlashInfer's.")
     body = []
     for r in rows:
         rmse = [r.get(i + "_rmse") for i in ("cutlass_fp8", "flashinfer_fa3_fp8")]
-        body.append([r["case"], "yes" if r["causal"] else "no"]
-                     + [num(r.get(i + "_tflops"), 0) for i, _ in FP8_IMPLS]
-                     + [ratio(r.get("flashinfer_fa3_fp8_us"), r.get("cutlass_fp8_us")),
-                        " / ".join(f"{x:.2e}" if isinstance(x, float) else "-" for x in rmse)])
+        body.append([r["case"], "yes" if r["causal"] else "no"] + [num(tflops(r, i), 0) for i, _ in FP8_IMPLS]
+                    + [ratio(r.get("flashinfer_fa3_fp8_us"), r.get("cutlass_fp8_us")),
+                       " / ".join(f"{x:.2e}" if isinstance(x, float) else "-" for x in rmse)])
     header = ["case", "causal"] + [f"{n} TF/s" for _, n in FP8_IMPLS] + ["× fa3", "RMSE ours / fa3"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7.5, 3.6))
-        width = 0.2
-        for i, (key, name) in enumerate(FP8_IMPLS[:4]):
-            ys = [r.get(key + "_tflops") if isinstance(r.get(key + "_tflops"), float) else 0 for r in rows]
-            ax.bar([x + i * width for x in range(len(rows))], ys, width, label=name)
-        ax.axhline(peak8, color="k", ls="--", lw=1, label=f"dense FP8 peak {peak8}")
-        ax.axhline(peak16, color="gray", ls=":", lw=1, label=f"dense bf16 peak {peak16}")
-        ax.set_xticks([x + 0.3 for x in range(len(rows))], fontsize=5,
-                      labels=[r["case"].replace(" D=", "\nD=") + ("\ncausal" if r["causal"] else "") for r in rows])
-        ax.set(ylabel="TFLOP/s", title="context_attention, FP8 and bf16")
-        ax.legend(fontsize=6, ncol=3)
-        return fig
+    def plot(plt):
+        labels = [r["case"] + (", causal" if r["causal"] else "") for r in rows]
+        series = [(n, [tflops(r, k) for r in rows]) for k, n in FP8_IMPLS[:4]]
+        return bars(plt, labels, series, "TFLOP/s", "context_attention, FP8 and bf16",
+                    [(peak8, f"dense FP8 peak {peak8}"), (peak16, f"dense bf16 peak {peak16}")])
 
-    shapes = []   # D:H:S[:B] of the case labels, e.g. "S=2048 ragged B=4 D=128 H=32"
+    shapes = []   # D:H:S[:B] from the case labels, e.g. "S=2048 ragged B=4 D=128 H=32"
     for r in rows:
         f = dict(part.split("=") for part in r["case"].split() if "=" in part)
         shapes.append(f"{f['D']}:{f['H']}:{f['S']}" + (f":{f['B']}" if "B" in f else ""))
     persistent = data.get("cutlass_persistent")
     env = "" if persistent is None else f"ATTN_CUTLASS_PERSISTENT={int(persistent)} "
-    cmd = shlex.join(["python", "benchmarks/bench_fp8.py", "--shapes", *dict.fromkeys(shapes)])
-    return text + [""] + table(header, body), plot, env + cmd
+    return text, table(header, body), plot, env + shlex.join(
+        ["python", "benchmarks/bench_fp8.py", "--shapes", *dict.fromkeys(shapes)])
 
 
-def kvwrite(data: dict):
+def kvwrite(data: dict, name: str):
     rows = data["rows"]
-    hbm = limits(data)[0]
+    hbm = limits(data["env"].get("gpu", ""))[0]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fmts = list(dict.fromkeys(r["fmt"] for r in rows))
     cell = {(r["tokens"], r["fmt"], r["mode"]): r for r in rows}
-    keys = list(dict.fromkeys((r["tokens"], r["fmt"]) for r in rows))
     last = modes[-1]
     best = max(r["ours_GBps"] for r in rows)
-    text = ["`attn::kv_cache_write`: T tokens' keys and values written into a paged cache (8 KV heads, head dim "
+    text = ("`attn::kv_cache_write`: T tokens' keys and values written into a paged cache (8 KV heads, head dim "
             "128, 16-token blocks) in each format, with no RoPE (`kv`), RoPE on the keys (`rope_k`) or on queries "
             "and keys (`rope_qk`, the rotated query returned). T up to 256 is a decode batch, larger T a prefill. "
             "GB/s = bytes read and written / time; `% copy`: of a device copy moving the same bytes. Our best row "
             f"moved {best:.0f} GB/s, {best / hbm / 10:.0f}% of the {hbm} TB/s nominal HBM bandwidth; small T is "
             f"bound by launch latency. Peers, for `{last}`: plain PyTorch indexing (`torch`) and FlashInfer's "
-            "`append_paged_kv_cache` (bf16), as peer time / ours." + checked(rows)]
+            "`append_paged_kv_cache` (bf16), as peer time / ours." + checked(rows))
     body = []
-    for t, f in keys:
+    for t, f in dict.fromkeys((r["tokens"], r["fmt"]) for r in rows):
         r = cell.get((t, f, last), {})
         body.append([str(t), f] + [num(cell[t, f, m]["ours_us"]) if (t, f, m) in cell else "-" for m in modes]
                     + [num(r.get("ours_GBps"), 0), num(r.get("pct_copy"), 0),
                        ratio(r.get("torch_us"), r.get("ours_us")), ratio(r.get("flashinfer_us"), r.get("ours_us"))])
     header = ["T", "KV"] + [f"{m} µs" for m in modes] + [f"{last} GB/s", "% copy", "× torch", "× FlashInfer"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        for f in dict.fromkeys(r["fmt"] for r in rows):
-            pts = sorted((r["tokens"], r["ours_GBps"]) for r in rows if r["fmt"] == f and r["mode"] == last)
-            ax.plot(*zip(*pts), marker="o", label=f"{f}, {last}")
+    def plot(plt):
+        fig, ax = plt.subplots(figsize=(7.5, 3.6))
+        for f in fmts:
+            ax.plot(*zip(*sorted((r["tokens"], r["ours_GBps"]) for r in rows if r["fmt"] == f and r["mode"] == last)),
+                    marker="o", label=f"{f}, {last}")
         ax.axhline(hbm * 1e3, color="k", ls="--", lw=1, label=f"HBM nominal {hbm} TB/s")
         ax.set(xscale="log", xlabel="tokens T", ylabel="GB/s (read + written)", title="kv_cache_write")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
         return fig
 
-    return text + [""] + table(header, body), plot, command("kvwrite", data["args"])
+    return text, table(header, body), plot, command("bench_kv_cache_write.py", data["args"])
 
 
-def host(data: dict):
+def host(data: dict, name: str):
     sh = data["shape"]
     cases: dict[tuple[str, str], dict[str, dict]] = {}
     for r in data["rows"]:
         if "host_us" in r:
             cases.setdefault((r["op"], r["variant"]), {})[r["backend"]] = r
-    text = [f"µs of host time per eager call (median of {data['repeats']} loops of {data['iters']} back-to-back "
-            f"calls) on tiny problems, so that the host, not the GPU, sets the pace: {sh['batch']} sequences of "
-            f"{sh['ctx']} keys, {sh['hq']}/{sh['hkv']} heads, D = {sh['d']}, {sh['page']}-token pages; prefill "
+    text = (f"µs of host time per eager call (median of {data['repeats']} loops of {data['iters']} back-to-back "
+            f"calls) on problems small enough that the host sets the pace: {sh['batch']} sequences of {sh['ctx']} "
+            f"keys, {sh['hq']}/{sh['hkv']} heads, D = {sh['d']}, {sh['page']}-token pages; prefill "
             f"{sh['prefill_seqs']} x {sh['prefill_q']} queries. The limit is the call's GPU time (`device µs`, the "
-            "same call replayed in a CUDA graph): a row is host-bound where its host time is above it. `auto`: "
-            "the automatic choice (the backend it took); `replayed`: share of those calls the C++ front replayed; "
-            "`Python front`: the same with every call through Python (ATTN_REPLAY=0); `pinned`: the fastest backend "
-            "pinned with `use_backend`; `first ms`: the first call in the process (planning, compiling or loading "
-            "kernels). FlashInfer's `run()` (after one `plan()`) and SDPA ran in the same process on the same shapes."]
+            "same call replayed in a CUDA graph). `auto`: the automatic choice (the backend it took); `replayed`: "
+            "the share of those calls the C++ front replayed; `Python front`: the same with every call through "
+            "Python (ATTN_REPLAY=0); `pinned`: the fastest backend pinned with `use_backend`; `first ms`: the first "
+            "call in the process (planning, compiling or loading kernels). FlashInfer's `run()` (after one `plan()`) "
+            "and SDPA ran in the same process on the same shapes.")
     body = []
     for (op, variant), by in cases.items():
         auto = by.get("auto", {})
@@ -375,45 +361,35 @@ def host(data: dict):
                      default=None)
         body.append([op, variant, f"{num(auto.get('host_us'))} ({auto.get('chosen', '-')})",
                      num(100 * auto["replayed"], 0) + "%" if "replayed" in auto else "-",
-                     num(by.get("auto/python", {}).get("host_us")),
-                     f"{pinned[0]:.1f} ({pinned[1]})" if pinned else "-", num(auto.get("device_us")),
-                     num(auto.get("first_ms"), 0), num(by.get("flashinfer", {}).get("host_us")),
-                     num(by.get("sdpa", {}).get("host_us"))])
+                     num(by.get("auto/python", {}).get("host_us")), f"{pinned[0]:.1f} ({pinned[1]})" if pinned else "-",
+                     num(auto.get("device_us")), num(auto.get("first_ms"), 0),
+                     num(by.get("flashinfer", {}).get("host_us")), num(by.get("sdpa", {}).get("host_us"))])
     header = ["op", "variant", "auto µs", "replayed", "Python front µs", "pinned µs", "device µs", "first ms",
               "FlashInfer µs", "SDPA µs"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        labels = [f"{op} {variant}" for op, variant in cases]
-        series = (("auto", "auto"), ("auto/python", "Python front"), ("flashinfer", "FlashInfer"), ("sdpa", "SDPA"))
-        height = 0.2
-        for i, (key, name) in enumerate(series):
-            ax.barh([y + i * height for y in range(len(cases))],
-                    [by.get(key, {}).get("host_us", 0) for by in cases.values()], height, label=name)
-        ax.scatter([by.get("auto", {}).get("device_us", 0) for by in cases.values()], range(len(cases)),
-                   marker="|", color="k", s=80, label="device µs", zorder=3)
-        ax.set_yticks([y + 0.3 for y in range(len(cases))], labels=labels, fontsize=6)
-        ax.invert_yaxis()
-        ax.set(xscale="log", xlabel="µs per call", title="host time per eager call")
-        ax.legend(fontsize=7)
-        return fig
+    def plot(plt):
+        keys = (("auto", "auto", "host_us"), ("auto/python", "Python front", "host_us"),
+                ("flashinfer", "FlashInfer", "host_us"), ("sdpa", "SDPA", "host_us"), ("auto", "device", "device_us"))
+        series = [(label, [by.get(b, {}).get(field) for by in cases.values()]) for b, label, field in keys]
+        return bars(plt, [f"{op} {variant}" for op, variant in cases], series, "µs per call",
+                    "host time per eager call", log=True)
 
-    return text + [""] + table(header, body), plot, command("host", data["args"])
+    return text, table(header, body), plot, command("bench_host.py", data["args"])
 
 
-def e2e(data: dict):
+def e2e(data: dict, name: str):
     m = data["model"]
     cases: dict[tuple[str, str, str], dict[str, dict]] = {}
     for r in data["rows"]:
         cases.setdefault((r["case"], r["shape"], r["variant"]), {})[r["mode"]] = r
     timing = "CUDA-graph replays" if data.get("graphs") else "eager launches (do_bench: host overhead included)"
-    text = [f"A random-weight Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+    text = (f"A random-weight Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
             f"{m['num_attention_heads']}/{m['num_key_value_heads']} heads of dim {m['head_dim']}, bf16): eager, "
             "stock `torch.compile(fullgraph=True)`, and the same compile inside `fx_passes.enabled()`, which "
             "rewrites attention onto `torch.ops.attn`. `fp8_out`: SDPA's output quantized to FP8 (the passes fold "
-            f"it into the op). Times: {timing}. This measures the model, not a kernel against its limit; "
-            "`× compile`: stock compile time / passes time (> 1: the passes are faster); compile seconds stock / "
-            "passes; graph breaks and recompilations of the passes' graph."]
+            f"it into the op). Times: {timing}. The whole model, so no single hardware limit applies; `× compile`: "
+            "stock compile time / passes time (> 1: the passes are faster); compile seconds stock / passes; graph "
+            "breaks and recompilations with the passes.")
     body = []
     for (case, shape, variant), by in cases.items():
         e, c, p = (by.get(k, {}) for k in ("eager", "compile", "passes"))
@@ -424,58 +400,52 @@ def e2e(data: dict):
     header = ["case", "variant", "eager µs", "compile µs", "passes µs", "× compile", "compile s", "breaks",
               "recompiles"]
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(7, 3.4))
-        width = 0.27
-        for i, name in enumerate(("eager", "compile", "passes")):
-            ax.bar([x + i * width for x in range(len(cases))],
-                   [by.get(name, {}).get("time_us", 0) / 1e3 for by in cases.values()], width, label=name)
-        ax.set_xticks([x + width for x in range(len(cases))], fontsize=7,
-                      labels=[f"{case} {variant}" for case, _, variant in cases])
-        ax.set(ylabel="ms per call", title=f"1B Llama end to end ({'CUDA graphs' if data.get('graphs') else 'eager'})")
-        ax.legend(fontsize=7)
-        return fig
+    def plot(plt):
+        series = [(k, [by.get(k, {}).get("time_us", 0) / 1e3 for by in cases.values()])
+                  for k in ("eager", "compile", "passes")]
+        return bars(plt, [f"{case} {variant}" for case, _, variant in cases], series, "ms per call",
+                    f"1B Llama end to end ({'CUDA graphs' if data.get('graphs') else 'eager launches'})")
 
     flags = ["--graphs"] * bool(data.get("graphs")) + ["--freezing"] * bool(data.get("freezing"))
     flags += ["--quick"] * bool(data.get("quick")) + ["--no-fp8"] * all(r["variant"] != "fp8_out" for r in data["rows"])
     ran = list(dict.fromkeys(r["case"] for r in data["rows"]))
     flags += ["--cases", *ran] if ran != ["prefill", "decode"] else []
-    return text + [""] + table(header, body), plot, shlex.join(["python", "benchmarks/bench_e2e_compile.py", *flags])
+    return text, table(header, body), plot, shlex.join(["python", "benchmarks/bench_e2e_compile.py", *flags])
 
 
-def serving(data: dict):
-    m = data["model"]
-    text = [f"The serving engine's decode steps (Triton backend, a CUDA graph per batch size) on a random-weight "
+def serving(data: dict, name: str):
+    m, rows = data["model"], data["rows"]
+    text = (f"The serving engine's decode steps (Triton backend, a CUDA graph per batch size) on a random-weight "
             f"Llama ({m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} "
             f"heads of dim {m['head_dim']}, bf16), B requests of {data['prompt_len']} prompt and "
-            f"{data['new_tokens']} new tokens, against transformers "
-            f"{data['env'].get('transformers', '-')} `generate` (static cache, `torch.compile(mode=\"reduce-overhead\")`) "
-            "on the same shapes. Medians per step: wall, GPU, host (step start to launch) and metadata build."]
-    replay = data.get("replay")
-    if replay and replay.get("replay_us"):
-        text[0] += (f" The limit, the GPU time of the step's kernels: one step replayed back to back at B = "
-                    f"{replay['batch']} took {replay['replay_us']:.0f} µs, {replay['ratio']:.3f}x the "
-                    f"{replay['kernel_sum_us']:.0f} µs sum of its {replay['kernels_per_replay']:.0f} kernels.")
+            f"{data['new_tokens']} new tokens, against transformers {data['env'].get('transformers', '-')} "
+            "`generate` (static cache, `torch.compile(mode=\"reduce-overhead\")`) on the same shapes. Medians per "
+            "step: wall, GPU, host (step start to launch) and metadata build.")
+    replay = data.get("replay") or {}
+    if replay.get("replay_us"):
+        text += (f" The limit is the GPU time of the step's kernels: one step replayed back to back at B = "
+                 f"{replay['batch']} took {replay['replay_us']:.0f} µs, {replay['ratio']:.3f}x the "
+                 f"{replay['kernel_sum_us']:.0f} µs sum of its {replay['kernels_per_replay']:.0f} kernels.")
     body = [[str(r["batch"]), num(r["ours_tokens_per_s"], 0), num(r.get("ours_step_wall_us")),
              num(r.get("ours_step_gpu_us")), num(r.get("ours_host_us")), num(r.get("ours_metadata_us")),
-             num(r.get("hf_tokens_per_s"), 0), num(r.get("speedup"), 2)] for r in data["rows"]]
-    lines = text + [""] + table(["B", "ours tok/s", "step µs", "GPU µs", "host µs", "metadata µs", "hf tok/s", "× hf"],
-                                body)
-    lines += [f"- transformers at B = {r['batch']} failed: {r['hf_error']}" for r in data["rows"] if r.get("hf_error")]
+             num(r.get("hf_tokens_per_s"), 0), num(r.get("speedup"), 2)] for r in rows]
+    lines = table(["B", "ours tok/s", "step µs", "GPU µs", "host µs", "metadata µs", "hf tok/s", "× hf"], body)
+    lines += [f"- transformers at B = {r['batch']} failed: {r['hf_error']}" for r in rows if r.get("hf_error")]
     if data.get("metadata"):
-        lines += ["", "Host time per step, as in the metadata section below:", ""] + metadata_table(data["metadata"])
+        lines += ["", "Host time per step:", ""] + metadata_table(data["metadata"])
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        for key, name in (("ours_tokens_per_s", "ours"), ("hf_tokens_per_s", "transformers")):
-            pts = [(r["batch"], r[key]) for r in data["rows"] if r.get(key)]
-            ax.plot(*zip(*pts), marker="o", label=name)
+    def plot(plt):
+        fig, ax = plt.subplots(figsize=(7.5, 3.4))
+        for key, label in (("ours_tokens_per_s", "ours"), ("hf_tokens_per_s", "transformers")):
+            pts = [(r["batch"], r[key]) for r in rows if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title="decode throughput")
         ax.legend(fontsize=7)
         return fig
 
-    flags = ["--grid"] if "grid" in data.get("_name", "") else []
-    return lines, plot, shlex.join(["python", "benchmarks/bench_serving.py", *flags])
+    flags = ["--grid"] if name.startswith("serving_grid") else []
+    return text, lines, plot, shlex.join(["python", "benchmarks/bench_serving.py", *flags])
 
 
 def metadata_table(rows: list[dict]) -> list[str]:
@@ -485,32 +455,26 @@ def metadata_table(rows: list[dict]) -> list[str]:
     return table(["kind", "seqs", "tokens", "prepare µs", "append µs", "total µs", "host µs"], body) + errors
 
 
-def serving_metadata(data: dict):
+def serving_metadata(data: dict, name: str):
     rows = data["metadata"]
-    text = ["CPU µs per serving step (medians) of the host work between scheduling and launch: `append` = "
+    text = ("CPU µs per serving step (medians) of the host work between scheduling and launch: `append` = "
             "`KVCacheManager.append_batch` of the step's new tokens, `prepare` = `AttentionBackend.prepare` (the "
             "metadata build and its one host-to-device copy), `total` = their sum. decode: one new token per "
             "sequence; prefill: 4096 tokens split evenly; mixed: half decodes, half prefill chunks; `engine decode`: "
             "the same inside `Engine.step` with CUDA-graph decode steps (`host` = step start to launch). Host work "
-            "has no hardware ceiling: it must stay well under the GPU time of the step it prepares."]
+            "has no hardware ceiling: it must stay well under the GPU time of the step it prepares.")
 
-    def plot(plt, data, path):
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        ok = [r for r in rows if "prepare_us" in r]
-        labels = [f"{r['kind']} {r['num_seqs']}" for r in ok]
-        ax.barh(labels, [r["prepare_us"] for r in ok], label="prepare")
-        ax.barh(labels, [r["append_us"] for r in ok], left=[r["prepare_us"] for r in ok], label="append")
-        ax.invert_yaxis()
-        ax.set(xlabel="µs per step", title="host time per serving step")
-        ax.tick_params(axis="y", labelsize=7)
-        ax.legend(fontsize=7)
-        return fig
+    def plot(plt):
+        done = [r for r in rows if "prepare_us" in r]
+        series = [(k, [r.get(k + "_us") for r in done]) for k in ("prepare", "append", "host")]
+        return bars(plt, [f"{r['kind']}, {r['num_seqs']} seqs" for r in done], series, "µs per step",
+                    "host time per serving step")
 
-    return text + [""] + metadata_table(rows), plot, "python benchmarks/bench_serving.py --metadata-only"
+    return text, metadata_table(rows), plot, "python benchmarks/bench_serving.py --metadata-only"
 
 
-# benchmark -> (heading, renderer), in the document's order; the others' results are kept, not rendered
-SECTIONS: dict[str, tuple[str, Callable]] = {
+# benchmark -> (heading, renderer), in the document's order; the other benchmarks' results are kept
+SECTIONS = {
     "decode": ("Decode: `paged_decode`", decode),
     "prefill": ("Prefill: `context_attention` and `paged_prefill`", prefill),
     "fp8": ("FP8 context attention (CUTLASS)", fp8),
@@ -536,48 +500,47 @@ def pyplot():
     return plt
 
 
-def provenance(path: Path, data: dict) -> str:
-    env = data["env"]
-    fi = env.get("flashinfer", "-")
-    fi = "-" if fi.startswith("unavailable") else fi
+def provenance(path: Path, env: dict) -> str:
+    flashinfer = env.get("flashinfer", "-")
     return (f"`{path.name}`: {env['date'][:10]}, commit {str(env.get('git_commit', '-')).split()[0][:7]}, "
-            f"torch {env.get('torch', '-')}, Triton {env.get('triton', '-')}, FlashInfer {fi}.")
+            f"torch {env.get('torch', '-')}, Triton {env.get('triton', '-')}, "
+            f"FlashInfer {'-' if flashinfer.startswith('unavailable') else flashinfer}.")
 
 
 def render(results: Path = RESULTS, img: Path | None = None) -> str:
-    """The markdown of docs/performance.md; writes the plots into `img` (None: writes none, links
-    the ones already in IMG's place, `docs/img`, relative to the document)."""
+    """The markdown of docs/performance.md. With `img`, writes the plots there (where matplotlib is
+    installed, removing the PNGs no section uses) and links those it holds; without, writes none
+    and links those in docs/img."""
     runs = latest(results.glob("*.json"))
     plt = pyplot() if img is not None else None
-    gpus = sorted({gpu for _, _, gpu in runs})
+    img = img or IMG
     out = ["# Performance", "",
            "Generated by `python benchmarks/report.py` from the latest run of each benchmark on each GPU in "
            "`benchmarks/results/` (earlier runs: git history); do not edit by hand. Each table is one run: peers "
-           "ran in the same process on the same inputs, and every ratio compares numbers of that run.", "",
-           "| GPU | HBM (nominal) | dense bf16 | dense FP8 |", "|---|---|---|---|"]
-    for gpu in gpus:
-        hbm, bf16, f8 = limits({"env": {"gpu": gpu}})
+           "ran in the same process on the same inputs, and every ratio compares numbers of that run. Hardware "
+           "limits used below (nominal):", "",
+           "| GPU | HBM | dense bf16 | dense FP8 |", "|---|---|---|---|"]
+    for gpu in sorted({gpu for _, _, gpu in runs}):
+        hbm, bf16, f8 = limits(gpu)
         out.append(f"| {gpu} | {hbm} TB/s | {bf16} TFLOP/s | {f8} TFLOP/s |")
     written = set()
     for kind, (heading, renderer) in SECTIONS.items():
         mine = sorted((k, v) for k, v in runs.items() if k[0] == kind)
-        if not mine:
-            continue
-        out += ["", f"## {heading}"]
+        if mine:
+            out += ["", f"## {heading}"]
         for (_, run_mode, gpu), (path, data) in mine:
-            lines, plot, cmd = renderer({**data, "_name": path.stem})
+            text, lines, plot, cmd = renderer(data, path.stem)
             out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""), "",
-                    provenance(path, data) + " " + lines[0]] + lines[1:]
-            png = (img or IMG) / f"{path.stem}.png"
+                    f"{provenance(path, data['env'])} {text} Reproduce: `{cmd}`", ""] + lines
+            png = img / f"{path.stem}.png"
             if plt is not None:
-                fig = plot(plt, data, png)
+                fig = plot(plt)
                 fig.tight_layout()
                 fig.savefig(png, dpi=110, metadata={"Software": None})
                 plt.close(fig)
                 written.add(png)
             if png.exists():
                 out += ["", f"![{path.stem}](img/{png.name})"]
-            out += ["", f"Reproduce: `{cmd}`"]
     others = sorted(p.name for (kind, _, _), (p, _) in runs.items() if kind not in SECTIONS)
     if others:
         out += ["", "Also kept in `benchmarks/results/`, not rendered here: " + ", ".join(f"`{o}`" for o in others) + "."]

@@ -48,7 +48,7 @@ namespace cg = cooperative_groups;
 namespace {
 
 // Tuning knobs for A/B builds (torch_ops/cuda_decode.build(defines=...)); the defaults are the
-// measured choices (docs/performance_notes.md, sessions 18 and 19).
+// choices measured fastest on an H200.
 #ifndef ATTN_DECODE_WARPS
 #define ATTN_DECODE_WARPS 8
 #endif
