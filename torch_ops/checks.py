@@ -183,9 +183,15 @@ def _check_block_tables(block_tables, seq_lens, dev) -> None:
             f"got shape {tuple(block_tables.shape)}")
 
 
-def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale, v_scale, **options):
+def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale, v_scale, key_mask=None,
+                       **options):
     _check_query(query)
     dev = query.device
+    if key_mask is not None:
+        check_tensor(key_mask, "key_mask", 2, "[T, N] bool", dev, (torch.bool,))
+        if not (key_mask.shape[0] == query.shape[0] and key_mask.stride(-1) == 1):
+            raise ValueError(f"key_mask must be [T, N] = [{query.shape[0]}, N] with unit stride along N, "
+                             f"got shape {tuple(key_mask.shape)} and strides {key_mask.stride()}")
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     _check_block_tables(block_tables, seq_lens, dev)
     fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, max_block_size=None)

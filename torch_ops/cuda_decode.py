@@ -62,13 +62,13 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
 # programmatic dependent launch (ATTN_DECODE_PDL=1): each call's grid is scheduled while the previous
-# kernel on the stream finishes, and waits for it before touching memory. Off by default: it gained
-# 0.1-0.8 us only after kernels that use it too, and lost 0.1-0.3 us after others
-# (results/trial_cuda_decode_pdl_H200_20261123c.log)
+# kernel on the stream finishes, and waits for it before touching memory. Off by default: on an H200
+# it gains 0.1-0.8 us only after kernels that use it too, and loses 0.1-0.3 us after others
 PDL = os.environ.get("ATTN_DECODE_PDL", "0") == "1"
 PLAIN_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "out_scale": (None, "FP8 output"),
+    "key_mask": (None, "a per-key mask"),
 }
 
 
@@ -189,9 +189,8 @@ def cluster_size(batch: int, num_kv_heads: int, capacity: int, resident: Callabl
     """CTAs per (sequence, KV head), from shapes only (CUDA-graph safe): the largest power of two
     whose clusters, one per (sequence, KV head), are all resident at once (`resident(size)`: how
     many the device holds), leaving each warp at least `MIN_WARP_KEYS` of the table's `capacity`.
-    H200, D = 128 (results/trial_cuda_decode_*_H200_20261122w.log): a second wave of clusters
-    doubles the time; sizes that are not powers of two (3, 6, 9) ran 2-12% slower than the power of
-    two below them."""
+    H200, D = 128: a second wave of clusters doubles the time; sizes that are not powers of two
+    (3, 6, 9) run 2-12% slower than the power of two below them."""
     units = batch * num_kv_heads
     size = 1
     while (size * 2 <= MAX_CLUSTER and capacity >= size * 2 * WARPS * MIN_WARP_KEYS
@@ -209,8 +208,7 @@ def query_rows(query, k_cache, seq_lens) -> int:
 def ctas_per_sm(cache_dtype: torch.dtype, head_dim: int, rows: int, units: int, single: int) -> int:
     """Which build runs a call: 1, or 2 CTAs per SM (INT8/INT4 caches, `TWO_CTA_HEAD_DIMS`, <= 8 query
     rows) when the grid's `units` (sequence, KV head) pairs outnumber the `single` CTAs of the
-    one-CTA build that fit at once. H200, 32/8 heads (results/trial_cuda_decode_quant_ctas_H200_20261123d.log):
-    1.03-1.11x on 3.9-15.5 waves at D = 128; 0.79-0.98x on one wave, 0.94-0.95x at D = 64."""
+    one-CTA build that fit at once. H200, 32/8 heads: 1.03-1.11x on 3.9-15.5 waves at D = 128; 0.79-0.98x on one wave, 0.94-0.95x at D = 64."""
     two = cache_dtype in (torch.int8, torch.uint8) and head_dim in TWO_CTA_HEAD_DIMS and rows <= TILE_ROWS
     return 2 if two and units > single else 1
 
@@ -379,29 +377,25 @@ class CudaDecodeBackend:
         return unsupported(*args, **{k: v for k, v in kwargs.items() if k not in ("out", "lse")})
 
     def auto_declines(self, op, args, kwargs):
-        """Where the Triton kernel measured faster. H200, D = 128, bf16, 16-token pages, one
-        process (results/trial_cuda_decode_*_H200_20261122w.log): this kernel streams ~45 GB/s
-        per SM and starts in a few µs, the Triton kernel needs split-K and a merge kernel below
-        ~100 (sequence, KV head) pairs but reaches the HBM limit with all SMs on long tables.
-        So: one wave of CTAs at most; then tables of <= 1k keys (1.02-1.4x the Triton kernel),
-        <= 4k keys if the grid covers 3/4 of the SMs (1.02-1.11x), and up to 32k keys in clusters
-        of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 lost 3-22% from 2k keys).
-        FP8/INT8/INT4 caches (results/trial_cuda_decode_quant*_H200_20261123a.log): the same
-        without the long tables in clusters, where each warp's dequantizing chain sets the pace
-        (0.55-0.9x); and INT8/INT4 from 4k keys on grids of >= 0.45 x SMs (sequence, KV head)
-        pairs, with any number of waves (the kernel with keys as the MMA's rows and, on multi-wave
-        grids, two CTAs per SM; results/trial_cuda_decode_quant_ctas_H200_20261123d.log, 32/8:
-        INT8 1.08-1.14x, INT4 1.03-1.38x at D = 128, 1.04-1.79x at D = 64; in a later run INT4 at
-        B = 256 ctx 4k 0.96x, where the Triton kernel ran 492-590 µs across runs).
-        Quantized long tables in clusters of 16 (B x Hkv <= 7) ran here in session 21 (1.03-1.24x
-        the Triton kernel when that split 64 ways at most); with up to 256 splits the Triton kernel
-        is 1.01-1.62x faster there (trial_decode_auto_long_H200_20261123e.log), so quantized long
-        tables stay on Triton in clusters of any size. Clusters of 16 fill only a few GPCs: at B = 1
-        32/4, 64 CTAs in clusters of 16 ran as slowly as 32 CTAs in clusters of 8
-        (trial_cuda_decode_cluster_spread_H200_20261123e.log).
-        D = 64 (trial_cuda_decode_d64_H200_20261123a.log): long tables in clusters lost
-        (0.86-0.88x), and so did quantized 4k-key tables in clusters of 4-16 (0.83-0.91x); both
-        clauses are off there. The rest held (0.97-1.6x)."""
+        """Where the Triton kernel is faster. H200, D = 128, bf16, 16-token pages, one process:
+        this kernel streams ~45 GB/s per SM and starts in a few µs, the Triton kernel needs split-K
+        and a merge kernel below ~100 (sequence, KV head) pairs but reaches the HBM limit with all
+        SMs on long tables. So: one wave of CTAs at most; then tables of <= 1k keys (1.02-1.4x the
+        Triton kernel), <= 4k keys if the grid covers 3/4 of the SMs (1.02-1.11x), and up to 32k
+        keys in clusters of 4 or 8 (1.01-1.19x; a grid of 64 CTAs in clusters of 2 or 16 loses
+        3-22% from 2k keys).
+        FP8/INT8/INT4 caches: the same without the long tables in clusters, where each warp's
+        dequantizing chain sets the pace (0.55-0.9x); and INT8/INT4 from 4k keys on grids of
+        >= 0.45 x SMs (sequence, KV head) pairs, with any number of waves (the kernel with keys as
+        the MMA's rows and, on multi-wave grids, two CTAs per SM; 32/8: INT8 1.08-1.14x, INT4
+        1.03-1.38x at D = 128, 1.04-1.79x at D = 64; INT4 at B = 256 ctx 4k down to 0.96x, where
+        the Triton kernel's time varies from 492 to 590 µs).
+        Quantized long tables stay on Triton in clusters of any size: with up to 256 splits the
+        Triton kernel is 1.01-1.62x faster than clusters of 16 (B x Hkv <= 7). Clusters of 16 fill
+        only a few GPCs: at B = 1 32/4, 64 CTAs in clusters of 16 run as slowly as 32 CTAs in
+        clusters of 8.
+        D = 64: long tables in clusters lose (0.86-0.88x), and so do quantized 4k-key tables in
+        clusters of 4-16 (0.83-0.91x); both clauses are off there. The rest holds (0.97-1.6x)."""
         if not library_built():
             return [NOT_BUILT]
         query, k_cache, _, block_tables, seq_lens = args[:5]

@@ -76,12 +76,10 @@ KERNELS = {
 PAGED_KERNELS = {(t, d): e for (t, d), e in KERNELS.items() if t != torch.float8_e4m3fn and d <= 128}
 # (input dtype, head dim) -> the longest mean query length (non-causal, causal) for which context
 # attention runs the persistent grid automatically. H200, 16k tokens, 32 heads, persistent vs plain
-# on one library in one process, since the persistent kernels stage their output in shared memory
-# (results/trial_cutlass_grid_H200_20261122u.log), non-causal / causal: FP8 D = 128 S = 512 1.31x /
+# on one library in one process, non-causal / causal: FP8 D = 128 S = 512 1.31x /
 # 1.43x, 1k 1.16x / 1.27x, 2k 1.03x / 1.11x, 4k 0.96x / 0.97x; bf16 D = 128 1.09x / 1.20x, 1k 1.02x /
 # 1.07x, 2k 0.94x / 1.00x, 4k 0.93x / 0.83x; bf16 D = 64 1.23x / 1.37x, 2k 1.05x / 1.11x, 4k 0.97x /
-# 0.98x; fp16 the same within 2-3% (trial_cutlass_grid_fp16_H200_20261122u.log). FP8 D = 256 lost everywhere but
-# causal 512 (1.03x; trial_cutlass_persistent_d256_d64_H200_20261122t.log).
+# 0.98x; fp16 the same within 2-3%. FP8 D = 256 loses everywhere but causal 512 (1.03x).
 PERSISTENT_SHORT = {(torch.float8_e4m3fn, 128): (2048, 2048),
                     (torch.bfloat16, 128): (512, 1024), (torch.float16, 128): (512, 1024),
                     (torch.bfloat16, 64): (2048, 2048), (torch.float16, 64): (2048, 2048)}
@@ -90,20 +88,19 @@ PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
 # queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
 # tiles), and for caches whose blocks take TMA boxes of fewer bytes per CTA (8 tokens at D = 64: 0.87x as
-# fast as Triton; 8 at D = 128: 1.23-1.26x faster; results/trial_cutlass_paged_layouts_H200_20261123g.log;
-# a cluster kernel's box serves two CTAs: 8 tokens at D = 64 1.13x faster than Triton,
-# results/trial_cutlass_paged_clusters_H200_20261123h.log)
+# fast as Triton; 8 at D = 128: 1.23-1.26x faster; a cluster kernel's box serves two CTAs: 8 tokens at
+# D = 64 1.13x faster than Triton)
 PAGED_MIN_QUERIES = 64
 PAGED_AUTO_MIN_BOX_BYTES = 2048
 PAGED16_HEAD_DIM = 128    # the paged16 kernels' head dim
-# the cluster kernels against the others, H200 (results/trial_cutlass_paged_clusters_H200_20261123h.log): boxes of
+# the cluster kernels against the others, H200: boxes of
 # 8 tokens 1.12-1.26x, 16 1.08-1.14x, 32 1.03x; 64 and 128 0.96-1.01x (0.96-0.98x on the shortest case)
 PAGED_CLUSTER_MAX_BOX_ROWS = 32
 # paged_prefill on the cluster kernels at D = 64 runs the persistent grid automatically when its sequences
-# bring at least PAGED_PERSISTENT_MIN_QUERIES queries on average. H200, 16-token blocks, persistent / plain
-# (results/trial_decode_clusters_paged64_persistent_H200_20261123m.log): 4 x 512 on 2k 1.061x, 4 x 2k on 8k
-# 1.055x, 1 x 4k on 16k 1.045x (session 28's run: 1.08x, 1.07x), but 16 x 256 on 4k 0.848x (the grid's
-# static work order over many short sequences, likely: docs/cutlass.md); at D = 128 (paged16x2) 1.00x / 0.96x.
+# bring at least PAGED_PERSISTENT_MIN_QUERIES queries on average. H200, 16-token blocks, persistent / plain:
+# 4 x 512 on 2k 1.06-1.08x, 4 x 2k on 8k 1.055-1.07x, 1 x 4k on 16k 1.045x, but 16 x 256 on 4k 0.848x (the
+# static work order balances badly over many short sequences: docs/cutlass.md); at D = 128 (paged16x2)
+# 1.00x / 0.96x.
 PAGED_PERSISTENT_FAMILY = "pagedx2"
 PAGED_PERSISTENT_KERNELS = {key: e for key, e in PAGED_KERNELS.items() if key[1] == 64}
 PAGED_PERSISTENT_MIN_QUERIES = 512
@@ -340,7 +337,7 @@ def section_heads(hq: int, hkv: int, keys: int, head_dim: int, element_size: int
 def sectioned(causal: bool, total_q: int, hq: int, num_sms: int) -> bool:
     """Whether a plain or paged launch runs its work in sections of heads rather than head by head.
 
-    H200, one process, one library (results/trial_cutlass_sections_H200_20261122s.log): sections
+    H200, one process, one library: sections
     put the heaviest causal tiles of all heads first, which shortens the tail of a grid of few
     waves (paged 2k prefill 114 -> 95 us, the first mixed benchmark batch 448 -> 413 us, 8k
     prefill 1.03x); head by head keeps one head's K/V hot in L2 for many CTAs, which non-causal
@@ -554,8 +551,7 @@ def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tu
     paged ones there), larger boxes to the paged kernels where TMA sees each cache as one line of
     tokens (its blocks start a multiple of 8 tokens apart, the same in K and V: block_size for caches
     of their own, 2 x block_size for the K and V halves of one [num_blocks, 2, block_size, Hkv, D]
-    tensor), else boxes of 16 to paged16 (csrc/fmha_sm90.cu, encode_pages;
-    results/trial_cutlass_paged_layouts_H200_20261123g.log). With an even group and boxes of at most
+    tensor), else boxes of 16 to paged16 (csrc/fmha_sm90.cu, encode_pages). With an even group and boxes of at most
     `PAGED_CLUSTER_MAX_BOX_ROWS` tokens, the family's cluster kernels (`CLUSTER_VARIANTS`: two CTAs, two
     query heads of one KV head, share every box)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]

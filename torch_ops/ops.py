@@ -28,7 +28,7 @@ _OUT = "Tensor(a!) out, Tensor(b!) lse"
 ATTENTION_OPS = {
     "paged_decode": (
         "Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens",
-        f"{_COMMON}, {_KV_SCALES}",
+        f"{_COMMON}, {_KV_SCALES}, Tensor? key_mask=None",
     ),
     "paged_prefill": (
         "Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "

@@ -50,12 +50,14 @@ def attend(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
     bias: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence.
 
     q `[Lq, Hq, D]`, k/v `[Lk, Hkv, D]` (already dequantized), `q_positions [Lq]` absolute
-    positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`.
+    positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`,
+    `key_mask` bool `[Lq, Lk]` (False: the query does not see the key).
     Returns `out [Lq, Hq, D]` and `lse [Lq, Hq]`, fp32 (fp64 when `compute_dtype` is fp64).
     """
     lq, hq, d = q.shape
@@ -81,6 +83,8 @@ def attend(
         visible &= j <= p
     if window_left >= 0:
         visible &= (j >= p - window_left) | (j < sink_tokens)
+    if key_mask is not None:
+        visible &= key_mask.to(q.device).view(1, lq, lk)
     s = s.masked_fill(~visible, float("-inf"))
 
     terms = s
@@ -109,7 +113,7 @@ def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int, dtype: 
 
 
 def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, *, causal, k_scale,
-                     v_scale, out_scale, compute_dtype, **options):
+                     v_scale, out_scale, compute_dtype, key_mask=None, **options):
     fmt = kv_format(k_cache.dtype)
     acc = _acc_dtype(compute_dtype)
     out = torch.zeros(query.shape, dtype=acc, device=query.device)
@@ -122,7 +126,13 @@ def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, 
         k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len, acc)
         v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len, acc)
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        o, l = attend(query[q0:q1], k, v, positions, causal=causal, compute_dtype=compute_dtype, **options)
+        rows = None
+        if key_mask is not None:   # keys past the mask's width are hidden
+            rows = torch.zeros(q1 - q0, seq_len, dtype=torch.bool, device=query.device)
+            n = min(seq_len, key_mask.shape[1])
+            rows[:, :n] = key_mask[q0:q1, :n]
+        o, l = attend(query[q0:q1], k, v, positions, causal=causal, key_mask=rows, compute_dtype=compute_dtype,
+                      **options)
         out[q0:q1], lse[q0:q1] = o, l
     return finish_output(out, attention_output_dtype(query, out_scale), out_scale), lse
 

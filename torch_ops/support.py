@@ -87,7 +87,7 @@ _AXES = {
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "block size": {p: {"page": p} for p in _PAGES},
         "queries per sequence": {n: {"qps": n} for n in (1, 2, 4, 8)},
-        "options": {k: v for k, v in OPTIONS.items()},
+        "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(2, 64, dtype=torch.bool))},
     }),
     "paged_prefill": (_prefill, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.paged_problem_reasons(*a[:4], **k)}, {
         "query dtype": {k: {"dtype": v} for k, v in _DTYPES.items()},

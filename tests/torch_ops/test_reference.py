@@ -862,3 +862,20 @@ def test_cache_attention_options(case):
     cache, two decodes, and additive masks `(T, >= kvstarts[B])` and `(Hq, T, >= kvstarts[B])`
     indexed by packed key."""
     run_cache_attention(**CACHE_ATTENTION_CASES[case])
+
+
+def test_paged_decode_key_mask_is_attention_over_the_visible_keys():
+    hq, hkv, d, bs, n = 4, 2, 16, 4, 11
+    k, v = torch.randn(2, 3 * bs, hkv, d).unbind(0)
+    q = torch.randn(1, hq, d)
+    mask = torch.rand(1, 16) < 0.5
+    mask[0, 2] = True
+    tables = torch.arange(3, dtype=torch.int32).view(1, 3)
+    out, lse = reference.paged_decode(q, k.view(3, bs, hkv, d), v.view(3, bs, hkv, d), tables,
+                                      torch.tensor([n], dtype=torch.int32), key_mask=mask,
+                                      compute_dtype=torch.float64)
+    seen = mask[0, :n].nonzero().squeeze(1)   # keys past the length stay hidden
+    want_o, want_l = reference.attend(q, k[seen], v[seen], torch.tensor([len(seen) - 1]), causal=False,
+                                      compute_dtype=torch.float64)
+    torch.testing.assert_close(out, want_o.to(out.dtype))
+    torch.testing.assert_close(lse, want_l.to(lse.dtype))

@@ -17,13 +17,13 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(schema("paged_decode"), """\
 attn::paged_decode(
   Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens,
-  *, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse)""")
+  *, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? key_mask=None) -> (Tensor out, Tensor lse)""")
 
     def test_paged_decode_out(self):
         self.assertExpectedInline(schema("paged_decode.out"), """\
 attn::paged_decode.out(
   Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens,
-  *, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor(a!) out, Tensor(b!) lse) -> ()""")
+  *, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? key_mask=None, Tensor(a!) out, Tensor(b!) lse) -> ()""")
 
     def test_paged_prefill(self):
         self.assertExpectedInline(schema("paged_prefill"), """\

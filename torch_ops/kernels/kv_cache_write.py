@@ -48,25 +48,19 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
   in NHD a token's group scales for all heads are adjacent (written by one program).
 - Cache hints: from `STREAM_MIN_TOKENS` tokens on, k/v/q are loaded `evict_first` and every row
-  is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they took T = 16k
+  is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they take T = 16k
   on an H200 from 82-92 to 85-99 % of copy, except INT8 k/v (90 -> 88) and INT4 RoPE on k (80 ->
-  81) (results/trial_kvwrite_tiles_H200_20261122s.log); at T = 64-256 (decode batches, 2-3 us)
-  the same hints cost 0.1-0.6 us (results/trial_kvwrite_hints_everywhere_H200_20261122s.log).
+  81); at T = 64-256 (decode batches, 2-3 us) the same hints cost 0.1-0.6 us.
 - Shared memory only for small layout conversions (cos/sin rows, group scales, 1-byte codes),
   never for a whole bf16 tile: GPT-J's cos/sin pointers are spelled out per head so that Triton
   loads them in the tile's layout instead of converting the tile (checked in the sm_90 PTX).
 - Issue budget: at 85 % of ~3.0 (H100) / ~4.3 (H200) TB/s a bf16 -> 1-byte element may take
-  ~35 / ~25 instructions. Dividing per element (`div.rn.f32`, ~12 instructions) the sm_90
-  build took ~16 / 24 / 28 SASS instructions per element for FP8 / INT8 / INT4 (plain: ~3),
-  at 66-76 / 54-72 / 45-69 % of copy on the H200. With `_div_rn` (a reciprocal per scale, 3
-  per element) and `cvt.rni` rounding: ~15 / 17 / 21, and at T = 16k 82-86 / 73-86 / 66-77 %
-  (results/kvwrite_H200_20261122i.json). Rounding by adding 1.5 * 2^23 and no clamps (session
-  7): ~13 / 15 / 18, at T = 16k 83-89 / 80-91 / 79-86 % (results/kvwrite_H200_20261122k2.json).
-  `absmax / qmax` without a division call and INT8/INT4 capped at 96 registers (session 10):
-  INT8 / INT4 14 / 16, at T = 16k INT8 83-91 %, INT4 80-86 % (results/trial_kvwrite_ab_H200_20261122o.log).
-  `rint(x * RN(1 / s))` in one FMA instead of the correctly rounded `x / s` and a rounding add
-  (session 27; sm_90 SASS per program of INT4 RoPE on k 1520 -> 1200): at T = 16k INT8 88-90 %,
-  INT4 90 % (results/trial_kvwrite_fma_rounding_H200_20261123k.log).
+  ~35 / ~25 instructions, and a division per element (`div.rn.f32`) alone takes ~12. So FP8
+  multiplies by a reciprocal per scale (`_div_rn`, 3 instructions per element), `absmax / qmax`
+  takes no division call (`_div_by_qmax`), INT8/INT4 codes are `rint(x * RN(1 / s))` in one FMA
+  that adds 1.5 * 2^23 (`_rint_mul`, no clamps), and INT8/INT4 programs are capped at
+  `GROUP_MAX_REGISTERS`. sm_90 build: ~13 SASS instructions per element for FP8 (plain: ~3);
+  H200, T = 16k: INT8 88-90 %, INT4 90 % of copy.
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `MIN_PROGRAMS_PER_SM` programs per SM.
 
@@ -102,8 +96,7 @@ _FMT = {
     torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
     torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
 }
-# elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k, 2026-11-22,
-# results/trial_kvwrite_tiles_H200_20261122s.log): 2048 for plain and FP8 caches (FP8 k/v 92 vs
+# elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k): 2048 for plain and FP8 caches (FP8 k/v 92 vs
 # 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
 TILE_ELEMS = {FMT_PLAIN: 2048, FMT_FP8: 2048, FMT_INT8: 4096, FMT_INT4: 4096}
 _QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
@@ -255,8 +248,8 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
             packed = (hi * 16 + lo).to(tl.uint8)
             if FLAT_ROWS:
                 # groups unpadded: each row's bytes stored as one contiguous run, in 16-byte pieces
-                # (the group pieces below left half of every 32-byte sector to a second store:
-                # H200 T = 16k, RoPE on k 82 -> 84% of copy, results/trial_kvwrite_int4_rows_H200_20261122t.log)
+                # (the group pieces below leave half of every 32-byte sector to a second store:
+                # H200 T = 16k, RoPE on k 84% of copy against 82%)
                 ROW: tl.constexpr = NGP * GP // 2
                 flat = tl.reshape(packed, (BT, BH, 1, ROW))
                 b = tl.arange(0, ROW)[None, None, None, :]
@@ -408,9 +401,9 @@ def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int)
 def split_halves(head_dim: int, k_cache: torch.Tensor, positions, cos_sin_cache, rope_neox) -> bool:
     """Whether the kernel takes each row as two halves (SPLIT): NeoX RoPE over the whole head dim (a
     power of two) into an FP8 cache. Each element then meets its rotation partner in the same
-    thread instead of being loaded a second time. Measured on the H200 (T = 16k, % of copy,
-    results/trial_kvwrite_split_H200_20261122t.log): FP8 RoPE on k 94 -> 102, on q and k 95 -> 101;
-    bf16 98 -> 92 and INT4 81 -> 65-80 lost, INT8 moved within -1 to +2 points, so they keep one tile."""
+    thread instead of being loaded a second time. H200, T = 16k, % of copy: FP8 RoPE on k 94 -> 102,
+    on q and k 95 -> 101; bf16 (98 -> 92) and INT4 (81 -> 65-80) lose and INT8 moves within -1 to +2
+    points, so they keep one tile."""
     return (SPLIT_ROPE and positions is not None and rope_neox and _FMT[k_cache.dtype] == FMT_FP8
             and cos_sin_cache.shape[1] == head_dim == _pow2(head_dim))
 

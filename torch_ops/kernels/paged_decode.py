@@ -57,16 +57,10 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   Few (sequence, KV head) pairs over long tables (B = 1 on a tensor-parallel shard of 1-2 KV
   heads) split up to `MAX_SPLITS` = 256 ways, and the merge then takes the head dim in blocks
   (`MERGE_TILE` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
-  1.2x, FP8 8/1 1.9x, INT4 2.3x the 64-split cap (results/trial_decode_many_splits_H200_20261123e.log).
-  Tried and dropped (H200, 2026-11-22): merging in the split kernel (the last split of a tile,
-  after an atomic counter) was 1-2 µs faster for MHA but up to 2.3x slower for GQA at B = 1,
-  where one program merges 22-26 splits serially. The merge kernel is 3.0-4.1 µs of a 9-27 µs
-  call at B <= 16 (profiled), and neither of these shortened it enough to keep
-  (results/trial_decode_merge_H200_20261122u.log): a programmatic dependent launch, triggered
-  after the partials (13.8 vs 13.5 µs at B = 1, ctx 1k, 32/32) or at the split kernel's start
-  (1.02-1.08x at B = 1 and for FP8, but 0.90-0.97x for bf16 at B = 16 and 0.44-0.51x for INT4 at
-  B = 4-16, not understood); empty splits writing lse -inf so that the merge need not read the
-  lengths (1.01-1.03x up to 16 splits, 0.97-0.98x at 64).
+  1.2x, FP8 8/1 1.9x, INT4 2.3x the 64-split cap.
+  The merge is a kernel of its own (3.0-4.1 µs of a 9-27 µs call at B <= 16 on an H200): merging
+  in the split kernel (the last split of a tile, after an atomic counter) saves 1-2 µs for MHA but
+  is up to 2.3x slower for GQA at B = 1, where one program would merge 22-26 splits serially.
 - **Workspace** (only when `num_splits > 1`): fp32 partial outputs `[num_splits, T, Hq, D]` and
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
@@ -133,10 +127,9 @@ LARGE_TILE_MAX_BLOCK_M = 32
 # Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
 # instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
 # head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
-# changes). H200 (results/decode_config_sweep_deep{,64}_H200_20261122v.log, 16-token
-# pages): D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
+# changes). H200, 16-token pages: D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
 # 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0, B = 16
-# 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4, decode_config_sweep_H200_20261122f.log).
+# 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
 SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -323,7 +316,7 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
 
 @triton.jit
 def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
-          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
+          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
@@ -331,7 +324,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
           QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-          DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr):
+          DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     """Chunk `it` of this program's key ranges (sink chunks first): R tiles of BLOCK_N keys, tile
     j scored by the rows of replica j (`rep`), then one online-softmax step per row."""
     CHUNK: tl.constexpr = R * BLOCK_N
@@ -418,6 +411,8 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
     vis = (key < hi) & (dist >= 0)
     if HAS_WINDOW:
         vis = vis & ((dist <= window_left) | (key < sink_tokens))
+    if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
+        vis = vis & (tl.load(km_rows[:, None] + key, mask=vis & (key < km_len), other=0) != 0)
     s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -465,7 +460,7 @@ def _load_q(q_rows, row_ok, stride_qd, lane: tl.constexpr, STEP: tl.constexpr,
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])   # they follow the batch size
 def _paged_decode_kernel(
-    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse,
+    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse, KeyMask,
     scale_eff, softcap, window_left, sink_tokens, num_splits, min_split,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -473,7 +468,7 @@ def _paged_decode_kernel(
     stride_fp8s,
     stride_btb, stride_btp,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
     PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
@@ -483,7 +478,7 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
-    SCALE_F16: tl.constexpr,
+    SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -508,6 +503,7 @@ def _paged_decode_kernel(
     head = kh * GROUP + m % GROUP
     tok = b * QPS + qi
     pos = L - QPS + qi                     # absolute positions of the query rows
+    km_rows = KeyMask + tl.where(row_ok, tok, 0).to(tl.int64) * stride_kmt
 
     # ---- q: plain -> [BLOCK_M, BLOCK_D]; quantized -> 4 lanes [BLOCK_M, BLOCK_DW] (dims 4c + j)
     q_rows = Query + tok.to(tl.int64) * stride_qt + head * stride_qh
@@ -577,11 +573,11 @@ def _paged_decode_kernel(
         for it in range(0, n_iter):
             acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                 it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
+                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                 HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
+                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
         # trip count with the tail skipped; same arithmetic
@@ -589,11 +585,11 @@ def _paged_decode_kernel(
             if it < n_iter:
                 acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                     it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp,
+                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                     HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16)
+                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
 
     # ---- epilogue ------------------------------------------------------------------------------
     if FMT == 0:
@@ -721,9 +717,8 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
-        # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200,
-        # results/trial_decode_small_onewarp_all_H200_20261122k.json vs decode_H200_20261122f.json)
-        # B = 1 at 32/32 and B = 4 at 32/8 and 64/8 ran 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 ->
+        # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200)
+        # B = 1 at 32/32 and B = 4 at 32/8 and 64/8 run 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 ->
         # 12.0 us); with fewer programs one warp each leaves too few bytes in flight (B = 1 at 32/4
         # 0.84-0.97x, ctx 32k 26.1 -> 31.1 us; at 32/8 0.89-0.94x below ctx 4k). From half the SMs
         # up, `large_tile_splits` takes over.
@@ -740,29 +735,27 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # a tile's keys, so every tile paid cross-warp softmax reductions and a shared-memory
         # exchange of P (35 barriers per tile); one warp owns its rows and keys, and split-K
         # supplies the parallelism instead. 16-key tiles keep FP8 at 126 registers (32 keys: 254).
-        # H200, 32/8 heads, ctx 4k, B = 256 / 64 (results/decode_config_sweep_{warps,onewarp}_
-        # H200_20261122k.log): 128-key 4-warp tiles -> 16-key 1-warp: FP8 701 -> 533 / 196 -> 162
-        # us, INT8 966 -> 724 / 248 -> 197, INT4 761 -> 557 / 191 -> 147. `programs_per_sm` 8 (16
-        # split more and was slower: INT8 B = 64 234 us).
+        # H200, 32/8 heads, ctx 4k, B = 256 / 64: 128-key 4-warp tiles -> 16-key 1-warp: FP8 701
+        # -> 533 / 196 -> 162 us, INT8 966 -> 724 / 248 -> 197, INT4 761 -> 557 / 191 -> 147.
+        # `programs_per_sm` 8 (16 splits more and is slower: INT8 B = 64 234 us).
         # `replicas`: with <= 8 query rows, the 16-row tile holds two copies of them, each copy
         # scoring its own 16-key tile, so one softmax step and one rescale of the accumulators
-        # serve 32 keys (merged in the epilogue). H200, 32/8 heads (results/trial_decode_replicas_
-        # H200_20261122o.log), splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
+        # serve 32 keys (merged in the epilogue). H200, 32/8 heads, splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
-        # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys ran 4-10%
-        # slower (`run` keeps one tile below REPLICA_MIN_KEYS per split); four copies took 255
-        # registers and spilled.
+        # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys run 4-10%
+        # slower (`run` keeps one tile below REPLICA_MIN_KEYS per split); four copies take 255
+        # registers and spill.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
         # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
         # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
         # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `run` leaves it out there); INT8/INT4
-        # gain no instructions and lost up to 8% (results/trial_decode_rows32_H200_20261122o.log).
+        # gain no instructions and lose up to 8%.
         return dict(one_warp, replicas=2, rows32=fmt == FMT_FP8)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
-        # 4-warp tiles spilled 76-228 bytes; two warps spill nothing (168-229 registers). H200,
+        # 4-warp tiles spill 76-228 bytes; two warps spill nothing (168-229 registers). H200,
         # B = 64, 4 tokens x 64/8 heads, ctx 4k: FP8 572 -> 363 us, INT8 936 -> 395, INT4
-        # 1147 -> 342 (results/decode_config_m32_H200_20261122k.log).
+        # 1147 -> 342.
         return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 5, "programs_per_sm": 4}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5, "programs_per_sm": 2}   # D = 256
 
@@ -773,8 +766,8 @@ def large_tile_splits(programs: int, sms: int) -> int:
     memory-bound SM streams the same bytes whether they come as a few long programs or many
     split ones, so splitting only adds the merge; larger tiles keep more bytes in flight per
     program instead. One split (two below one program per SM), as long as they fit one wave of
-    `LARGE_TILE_PROGRAMS_PER_SM`. H200, 32/8 heads, 16-token pages and the static-cache layout
-    (results/decode_config_sweep_H200_20261122f.log): D = 64 B = 32 ctx 2k 41.8 -> 37.3 us
+    `LARGE_TILE_PROGRAMS_PER_SM`. H200, 32/8 heads, 16-token pages and the static-cache layout:
+    D = 64 B = 32 ctx 2k 41.8 -> 37.3 us
     (static cache 39.9 -> 36.1), B = 16 27.1 -> 24.8, B = 32 ctx 4k 73.8 -> 68.8; D = 128 B = 32
     ctx 2k 73.1 -> 68.2, B = 16 ctx 4k 73.8 -> 72.6. Fewer programs (long contexts at small
     batch) want many splits of small tiles; more than a wave (B = 64 at 8 KV heads) small tiles."""
@@ -882,7 +875,7 @@ def run(*args, **kwargs) -> None:
 
 def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
             alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, key_mask=None):
     """The launch of a call of this signature (`run`'s arguments; only their metadata is read):
     `launch(*args, **kwargs)` fills `out`/`lse` of a call with the same signature."""
     t, hq, d = query.shape
@@ -928,8 +921,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
     # one tile per step for short splits, and for FP8 at D <= 64 in one split with GQA, where the
     # registers of two copies (126 against 71) cost more occupancy than they save instructions
-    # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gained,
-    # results/trial_decode_d64_H200_20261122o.log)
+    # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gain from the copies)
     if not CONFIG_OVERRIDE and (max_blocks * page < REPLICA_MIN_KEYS * num_splits
                                 or (fmt == FMT_FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
@@ -996,7 +988,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         *ks_strides, *vs_strides, fp8_stride,
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        *p_strides,
+        *p_strides, *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
@@ -1007,6 +999,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
         DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         SCALE_F16=ks is not None and vs is not None and ks.dtype == vs.dtype == torch.float16,
+        HAS_KEY_MASK=key_mask is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))
     merge = None
@@ -1027,7 +1020,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt != FMT_PLAIN else None
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
-               out_scale=None, k_scale=None, v_scale=None, **_):
+               out_scale=None, k_scale=None, v_scale=None, key_mask=None, **_):
         global LAST_KERNEL, LAST_NUM_SPLITS
         kc, vc = (k_cache, v_cache) if word is None else (k_cache.view(word), v_cache.view(word))
         ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
@@ -1035,7 +1028,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         sinks_ = lse if sinks is None else sinks
         out_scale_ = lse if out_scale is None else out_scale
         main(query, kc, vc, ks, vs, block_tables if no_tables is None else no_tables, seq_lens, sinks_,
-             lse if alibi_slopes is None else alibi_slopes, out_scale_, out, lse, pout, plse)
+             lse if alibi_slopes is None else alibi_slopes, out_scale_, out, lse, pout, plse,
+             lse if key_mask is None else key_mask.view(torch.uint8))
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
         LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits

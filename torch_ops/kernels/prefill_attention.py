@@ -427,8 +427,8 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     `group_scaled` (INT8/INT4 caches, whose gathered scale tiles are staged in shared memory too)
     halves BLOCK_N at D = 256 (256 KB -> 160 KB). fp32 inputs take FMA ("ieee") dots, which spill
     beyond 16 x 16 tiles. `rows_per_seq` (query rows per sequence from shapes: ceil(T / B) x query
-    heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU so far: the
-    paged tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
+    heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU: the paged
+    tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
     if CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
@@ -444,7 +444,7 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
         # 128-key tiles over a paged cache. Triton's pipeliner spends stages on the block-table
         # load the K/V addresses depend on: the K/V tiles are single-buffered below 5 stages
         # (TTGIR, sm_90a), double-buffered from 5. H200, 4 x 2048 causal queries on 8k cached
-        # keys, GQA 32/8, 16-token pages (results/paged_prefill_config_sweep*_20261122f.log):
+        # keys, GQA 32/8, 16-token pages:
         # D = 128 309 -> 379-382 TFLOP/s at 3 stages (5 stages: 255 registers, 370);
         # D = 64 201 -> 300 at 5 stages.
         cfg.update(BLOCK_N=128, num_stages=3 if block_d == 128 else 5)

@@ -5,9 +5,8 @@ dim), so `torch_ops.cutlass` transposes V once per call (except for the persiste
 kernels, which transpose V tiles in shared memory). PyTorch's copy of the permuted view
 reads one byte per thread with a large stride; this kernel moves 64 x 128 byte tiles (64 tokens
 of 128 dims: whole 128-byte lines on both sides), read along d and written along t. H200, one
-process (results/trial_transpose_tiles_H200_20261122u.log): 16k tokens x 32 heads x 128 in 35.7
-us against 33.1 us for a copy of the same bytes (64 x 64 tiles: 42.9 us; 128 x 128 and 8 warps
-were no faster). Works on the raw bytes (any 1-byte dtype).
+process: 16k tokens x 32 heads x 128 in 35.7 us against 33.1 us for a copy of the same bytes
+(64 x 64 tiles: 42.9 us; 128 x 128 and 8 warps are no faster). Works on the raw bytes (any 1-byte dtype).
 
 `interleave16=True` also reorders the tokens of every aligned group of 16 (`INTERLEAVE16`):
 position `4c + i` of a group holds its token `2c + (i & 1) + 8 (i >> 1)`, and a last group

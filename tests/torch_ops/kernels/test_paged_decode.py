@@ -469,3 +469,15 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
             torch.ops.attn.paged_decode.out(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs())
 
     assert_replays_match_eager(call, fill, (out, lse), lambda o, l: check(q, cache, bt, sl, o, l))
+
+
+@pytest.mark.parametrize("qps,splits", [(1, None), (2, 3)])
+def test_key_mask_hides_the_keys_it_marks_false(kernel_device, knobs, qps, splits):
+    """`key_mask [T, N]`: a row sees only its true keys (none: zeros and -inf), keys past N none."""
+    if splits:
+        knobs(FORCE_NUM_SPLITS=splits, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    problem = make_problem(kernel_device, lens=[37, 0, 50], hq=4, hkv=2, d=32, bs=8, qps=qps)
+    q = problem[0]
+    mask = torch.rand(q.shape[0], 45, device=kernel_device) < 0.6
+    mask[0] = False
+    run_and_check(problem, key_mask=mask)
