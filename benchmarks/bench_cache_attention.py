@@ -1,5 +1,5 @@
 """PPL cache attention: our Triton `attn::cache_attention` against `kv_cache_write` + `paged_decode` /
-`paged_prefill` on the equivalent paged problem (issue 8's target: within 10 %).
+`paged_prefill` on the equivalent paged problem (target: within 10 %).
 
 Usage (GPU machine):  python benchmarks/bench_cache_attention.py [--quick] [--check] [--out DIR]
   --quick      ~2-minute subset (B in {1, 64}, ctx 4k, offset and page-table modes)

@@ -15,31 +15,28 @@ measured here is the ceiling used for the percentages)
   and D=128 the arithmetic intensity is ~G * 2 * 2 FLOP per byte (8 FLOP/B for bf16 with G=4, the
   M=16 padding of the tensor-core tile makes it 32 executed FLOP/B): far under the ~200-300 FLOP/B
   ridge, so the floor is bytes / bandwidth. Example: B=64, L=4k, Hkv=8, bf16: 1.07 GB -> 250 us at
-  4.3 TB/s; the issue's 92 % target means <= ~270 us on an H200 (~390 us on an H100, ~3.0 TB/s).
+  4.3 TB/s; the 92 % target means <= ~270 us on an H200 (~390 us on an H100, ~3.0 TB/s).
 * Bytes in flight. Little's law: ~4.3 TB/s x ~0.8-1 us of loaded latency = 3.5-4.5 MB in flight,
   i.e. ~30 KB per SM. Triton's pipeliner spends two stages on the block-table indirection, so
   num_stages=5 (the default) keeps two K+V tiles of each program in flight (seen in the TTGIR:
   3 buffers, `async_wait num=3`); at 3-4 stages only one. bf16 BLOCK_N=64, D=128: 72 KB of
   shared memory and 168 registers per 4-warp program -> 3 programs per SM -> ~190 KB in flight
-  per SM. Quantized caches since 2026-11-22 (session 7): one-warp programs of 16-key tiles, 9-13 KB
-  and 126-164 registers, 8+ programs per SM (were 4-warp 128-key tiles, 46-79 KB, 2-4 per SM);
-  since session 10 two 16-key tiles per step in two copies of the query rows (168-238 registers).
+  per SM. Quantized caches: one-warp programs of 16-key tiles, 9-13 KB, 8+ programs per SM, two
+  16-key tiles per step in two copies of the query rows (168-238 registers).
 * Launch / tail. B=1, L=1k, Hkv=8 is 4 MB: ~1 us of HBM time. The rest is fixed cost: the split
   kernel (8 KV heads x 4 splits of 256 keys = 32 programs, each 4 pipelined tiles, ~2-3 us) plus
   the merge kernel (~1-2 us incl. its launch gap in a graph). Expected ~4-7 us (target <= 10 us).
 * Dequantization budget (SASS of the main loop, sm_90a, compiled on the CPU machine with Triton's
-  ptxas/cuobjdump; warp-instructions per key per KV head, all 4 warps of the session-1 configs):
-  bf16 45.5, FP8 32.1, INT8 35.6, INT4 29.3 (one-warp 16-key tiles, session 7: FP8 ~32, INT8
-  ~41; two row copies, session 10: FP8 ~23, INT8 ~35, INT4 ~32). An SM issues 4
+  ptxas/cuobjdump; warp-instructions per key per KV head): bf16 45.5 (4-warp programs), FP8 ~23,
+  INT8 ~35, INT4 ~32 (one-warp 16-key tiles, two row copies). An SM issues 4
   warp-instructions per cycle; at 92 % of ~4.3 TB/s one key of one KV head (512 B bf16) must
   take ~34 cycles/SM, i.e. <= ~134 instructions for bf16, <= ~74 for FP8 at 1.8x, <= ~79 for
-  INT8 at 1.7x and <= ~54 for INT4 at 2.5x: every format is at 34-54 % of issue, so the targets
-  looked bandwidth-limited, provided the pipelining holds. Measured later (ncu, session 7): the
-  one-warp programs issue on ~59 % of cycles and stall on short-scoreboard and math-pipe waits,
-  so instructions per key do set the pace. What made this possible: quantized tiles are read
+  INT8 at 1.7x and <= ~54 for INT4 at 2.5x: every format is at 31-59 % of issue. Yet under ncu
+  the one-warp programs issue on ~59 % of cycles and stall on short-scoreboard and math-pipe
+  waits, so instructions per key do set the pace. Quantized tiles are read
   from shared memory as 32-bit (FP8/INT8) or 16-bit (INT4) words and unpacked into 4 strided
-  "lanes" (dims 4c + j), each dotted separately; the first version dequantized bytes in the MMA operand layout and
-  Triton emitted one `ld.shared.b8` per value (128 per thread per tile). FP8 uses the hardware
+  "lanes" (dims 4c + j), each dotted separately (bytes dequantized in the MMA operand layout
+  would take one `ld.shared.b8` per value, 128 per thread per tile). FP8 uses the hardware
   e4m3x2 -> f16x2 convert; INT8/INT4 build fp16 `1024 + bits` patterns with `prmt`/`lop3` and
   remove the offset with one packed `sub.f16x2`/`fma.rn.f16x2` per two values; the group scale
   is one `HMUL2` per two values. Expected over bf16 at large batch: FP8 ~1.8-1.9x (bytes 0.5x),
@@ -51,22 +48,15 @@ measured here is the ceiling used for the percentages)
   BatchDecodeWithPagedKVCacheWrapper (CUDA-core and tensor-core paths; bf16 and FP8 KV), cuDNN
   and flash SDPA on a contiguous [B, Hkv, L, D] cache (B x 1 query; no paging: a lower bound
   on their paged cost), and compiled FlexAttention (decode path). Every peer is optional.
-* Tried for issue 3 and reverted (H200, 2026-11-22, tune runs of 10-call graphs):
-  - Split-K merged inside the main launch (the last split of each (sequence, KV head) to arrive
-    on an int32 counter merges, the counter reset by that program; counters zeroed by a memset
-    node under capture): slower everywhere it applied. The one merging program walks the splits
-    one L2 round trip after another, where the merge kernel spreads them over (token, head)
-    programs: B=1/1k/32:8 (16 splits) 12.0 us vs 9.7 us with the merge kernel (30.2 us when 4
-    splits were loaded per step: 163 registers), B=4/1k/32:8 16.7 vs 14.5 us, B=1/32k/32:8
-    (64 splits) 54.3 vs 41.6 us; FP8 B=1/1k 20.3 vs 11.1 us (4 per step). The memset node
-    cost ~1 us; 3 stages for 1-2-tile splits changed nothing measurable. A merge worth keeping
-    would have to load all splits' partials at once, spread over more warps or programs.
-  - FP8 tiles loaded as fp8 and converted whole by Triton (one dot, no 4-lane split): slower
-    than the lanes at every config (B=64/4k/32:8: 213 us at 128/4/5 vs 194 us, 230-325 us
-    elsewhere; 203-222 registers).
-  - Lazy softmax rescaling (the reference max moves only when a row's max grows by > 2^8):
-    no measurable gain with the one-warp quantized programs, bf16 MHA B=64/4k 4% slower
-    (session 7, results/trial_decode_quick_lazy_rescale_H200_20261122k.json).
+* Design choices (H200, 10-call graphs):
+  - Split-K partials are merged by a kernel of their own, spread over (token, head) programs; one
+    program merging them in the split kernel walks the splits one L2 round trip after another
+    (B=1/1k/32:8, 16 splits: 9.7 us against 12.0 us; B=1/32k/32:8, 64 splits: 41.6 against 54.3).
+  - FP8 tiles take the 4-lane split too: loaded as fp8 and converted whole by Triton (one dot)
+    they are slower at every config (B=64/4k/32:8: 213 us at 128/4/5 against 194 us).
+  - The softmax rescales every step: a lazy rescale (the reference max moving only when a row's
+    max grows by > 2^8) gains nothing with the one-warp quantized programs and costs bf16 MHA
+    B=64/4k 4%.
 * Timing: CUDA graph of 20 calls, median of 15 replays, caches rotated when the KV set is under
   3x L2 (benchmarks/common.py); effective bandwidth = KV bytes read / time.
 """

@@ -32,7 +32,7 @@ Notes
 * Timing: triton.testing.do_bench median (eager launches: host overhead included, which is what
   a Python serving loop without CUDA graphs pays; for the decode step that overhead dominates and
   varies from run to run), or with `--graphs` the median of CUDA-graph replays.
-* Targets (issue 6): prefill >= 1.15x and decode >= 1.3x stock compile; passes add <= 10% to
+* Targets: prefill >= 1.15x and decode >= 1.3x stock compile; passes add <= 10% to
   compile time; zero graph breaks and recompilations. Expected from the passes as they are:
   prefill is rewritten onto attn::context_attention with RoPE inside; the decode step's SDPA (one
   query over the static cache, with k/v repeated by `repeat_kv`) onto attn::paged_decode reading

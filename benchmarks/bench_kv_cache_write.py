@@ -23,7 +23,7 @@ Notes
 * Ceilings: `copy` is `dst.copy_(src)` of (read + written) / 2 bytes, the same traffic as ours,
   timed the same way: `%copy` is our bytes/s over that copy's (at small T both are latency
   bound). `%peak` is over common.device_bandwidth()'s large copy (the measured copy bandwidth).
-  The issue-4 target is >= 85 % of the copy with fused RoPE at large T.
+  The target is >= 85 % of the copy with fused RoPE at large T.
 * Peers: `torch` = eager PyTorch (reference.apply_rope, quant.quantize, index_copy_ into byte
   views), timed in the same CUDA-graph harness; `flashinfer` (bf16, modes kv and rope_qk) =
   append_paged_kv_cache, after apply_rope_with_cos_sin_cache_inplace for rope_qk, on contiguous

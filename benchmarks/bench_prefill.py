@@ -11,7 +11,7 @@ benchmarks/results/) and prints a compact table last.
 Notes
 -----
 * FLOPs: 4 * Hq * D * (visible query-key pairs). Non-causal: sum_b Lq_b * Lk_b; causal context
-  attention counts half of that (the FlashAttention convention, as in research/perf.md §2); the
+  attention counts half of that (the FlashAttention convention); the
   paged cases count their exact pairs (a chunk of C queries over a prefix of P keys sees
   C * P + C * (C + 1) / 2). TFLOP/s = FLOPs / time.
 * Context attention follows the FA3-paper sizing: 16k tokens in total (batch = 16k / S), Hq = Hkv
@@ -25,7 +25,7 @@ Notes
   recorded): flash and cuDNN SDPA (torch.nn.attention.sdpa_kernel, uniform batches), FlashInfer
   BatchPrefillWithRaggedKVCacheWrapper / BatchPrefillWithPagedKVCacheWrapper with backend "fa3"
   and "fa2", compiled FlexAttention (causal / document block masks; a few shapes: compile time).
-* Expected (research/perf.md §2, H100 SXM, bf16 forward, 16k tokens): FA2 ~320-370 TFLOP/s,
+* Expected (H100 SXM, bf16 forward, 16k tokens): FA2 ~320-370 TFLOP/s,
   Triton-tutorial ~390-400 (D=128 non-causal), FA3 ~500-650, cuDNN ~400-600. Our kernel is an
   FA2-style Triton kernel (wgmma via Triton, cp.async pipelining, no warp specialization or TMA):
   the Triton-tutorial level is the target.

@@ -1,7 +1,7 @@
 """Shared benchmark helpers: timing (CUDA graphs of many calls, or triton's do_bench), device
 ceilings, environment description and JSON output.
 
-Timing rule (METHOD.md): warm up, then replay a CUDA graph that holds `calls` back-to-back calls
+Timing rule: warm up, then replay a CUDA graph that holds `calls` back-to-back calls
 (each on its own input set when a rotation is given, so repeated reads do not come from L2) and
 take the median over replays, divided by `calls`. This measures GPU time including the launch
 gaps a serving loop's graph has, and excludes Python dispatch.

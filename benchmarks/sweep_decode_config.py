@@ -1,7 +1,7 @@
 """paged_decode tile configs and split counts across decode shapes (GPU), the evidence behind
 `torch_ops.kernels.paged_decode.config()` and `split_count()`.
 
-    python benchmarks/sweep_decode_config.py              # the shapes of the first sweep
+    python benchmarks/sweep_decode_config.py              # the default set ("first"): B 1-128, D 64 and 128
     python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
     python benchmarks/sweep_decode_config.py --set small  # B <= 16: split counts up to 16
     python benchmarks/sweep_decode_config.py --set quant  # FP8/INT8/INT4 caches (D = 128, 16-token pages)
@@ -20,7 +20,7 @@ per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, sta
 split count ("auto": the heuristic's, shown after the slash). Layouts: "p16", 16-token pages
 on a random permutation; "one", one page per sequence read as `[B, Hkv, S, D].transpose(1, 2)`
 (the static cache `fx_passes.decode_to_paged` hands over). Then each config's compiled
-registers and shared memory. The committed output: benchmarks/results/decode_config_sweep_*.log.
+registers and shared memory.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ SETS = {
         shapes=[(4, 32, 32, 512, 128), (16, 32, 8, 512, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 2048, 128),
                 (8, 32, 8, 1024, 128), (32, 32, 8, 1024, 128), (64, 32, 8, 512, 128), (128, 32, 8, 512, 128),
                 (16, 32, 32, 1024, 128), (4, 32, 32, 1024, 128), (16, 32, 4, 512, 128)]),
-    "deep_small": dict(   # fewer programs (B x Hkv = 32-64, one-warp programs today): one split of large programs?
+    "deep_small": dict(   # fewer programs (B x Hkv = 32-64, one-warp programs by default): one split of large programs?
         configs={"n16w1": (16, 1, 5, 8, None, 1), "n64": (64, 4, 5), "n64w8s7": (64, 8, 7), "n32w8s7": (32, 8, 7)},
         splits=(None, 1, 2, 4), layouts=("p16",),
         shapes=[(4, 32, 8, 512, 128), (8, 32, 8, 512, 128), (4, 32, 16, 512, 128), (16, 32, 4, 512, 128),

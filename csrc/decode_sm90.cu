@@ -74,9 +74,7 @@ struct Storage {
   static constexpr bool kFp8 = F == ATTN_DECODE_KV_E4M3 || F == ATTN_DECODE_KV_E5M2;
   static constexpr bool kGrouped = F == ATTN_DECODE_KV_INT8 || F == ATTN_DECODE_KV_INT4;
   static constexpr int kBits = kPlain ? 16 : F == ATTN_DECODE_KV_INT4 ? 4 : 8;
-  // 16-key tiles per softmax step (H200: two gained 2-10% for FP8 and INT4,
-  // results/trial_cuda_decode_quant_tiles_per_step_*; for INT8 they lost up to 8% there, and
-  // gained 0-3% since the swapped products, trial_cuda_decode_int8_tiles_H200_20261123d.log)
+  // 16-key tiles per softmax step (H200: two gain 2-10% for FP8 and INT4, 0-3% for INT8)
   static constexpr int kTilesPerStep = kPlain ? 1 : ATTN_DECODE_QUANT_TILES_PER_STEP;
 };
 
@@ -85,7 +83,7 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // C: CTAs per SM the kernel is built for. C = 2 (INT8/INT4 at <= 8 rows, AttnDecodeArgs::ctas_per_sm)
 // halves the registers (128) and the pipeline (2 stages of one tile per softmax step), so that
 // four warps share each scheduler on grids of more than one wave. (INT4 with 3 or 4 stages, which
-// fit, ran at 0.86-1.01x: results/trial_cuda_decode_int4_c2_stages_H200_20261123d.log.)
+// fit, runs at 0.86-1.01x on an H200.)
 template <int D, int F, int C = 1>
 struct Layout {
   static constexpr int kRowBytes = D * Storage<F>::kBits / 8 + 16;  // one padded key row in shared memory
@@ -903,9 +901,9 @@ int dispatch(const AttnDecodeArgs& a, const Fn& f) {
   auto by_format = [&](auto t, auto d, auto nq) -> int {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, NQ = decltype(nq)::value;
-    // quantized caches; the two-CTA build for INT8/INT4 at D = 128 and <= 8 rows, where it was
-    // measured to pay (FP8: 1.00-1.05x the one-CTA build, 0.91-1.03x the Triton kernel on
-    // multi-wave grids, results/trial_cuda_decode_fp8_c2_H200_20261123d.log)
+    // quantized caches; the two-CTA build for INT8/INT4 at D = 128 and <= 8 rows, where it pays
+    // (not for FP8, H200: 1.00-1.05x the one-CTA build, 0.91-1.03x the Triton kernel on
+    // multi-wave grids)
     auto quant = [&](auto format, auto scale_fp32) -> int {
       constexpr int F = decltype(format)::value;
       constexpr bool S = decltype(scale_fp32)::value;

@@ -87,11 +87,10 @@ static_assert(kCluster == 1 || (kPaged && kCluster == 2), "clusters: paged kerne
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
 // operand, see kOverlapSoftmax) in the plain grid, and at 128 keys in the persistent grid, which
-// runs short sequences (torch_ops.cutlass.PERSISTENT_SHORT; 1.01-1.08x the 192-key tiles up to
-// 2k keys, 0.99x at 4k: results/trial_cutlass_persistent_tiles_H200_20261122t.log), unless
-// -DATTN_BLOCK_N overrides the key tile (for tuning runs;
-// run the GPU tests on any other tile: bf16 160-key tiles in the overlapped loop gave wrong
-// outputs in a trial, results/trial_cutlass_bf16_tiles_H200_20261122m.log, not investigated).
+// runs short sequences (torch_ops.cutlass.PERSISTENT_SHORT; H200: 1.01-1.08x the 192-key tiles up
+// to 2k keys, 0.99x at 4k), unless -DATTN_BLOCK_N overrides the key tile (for tuning runs;
+// run the GPU tests on any other tile: bf16 160-key tiles in the overlapped loop give wrong
+// outputs, for a reason not known).
 #ifdef ATTN_BLOCK_N
 using TileShape = Shape<_128, Int<ATTN_BLOCK_N>, Int<kHeadDim>>;
 #else
@@ -114,10 +113,9 @@ constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
 // The persistent FP8 D = 128 kernels read V token-major, as K, and two warps of the producer
 // warpgroup transpose each tile in shared memory into the interleaved layout the PV product reads
 // (transpose_tiles): a tile passes through three pipeline stages, K, raw V and transposed V. H200,
-// S = 512: 1.07x / 1.12x (non-causal / causal; results/trial_cutlass_v_transpose_final_H200_20261122v.log).
+// S = 512: 1.07x / 1.12x (non-causal / causal).
 // The plain kernels read V transposed and interleaved by torch_ops/kernels/transpose.py: with their
-// 192-key tiles in 6 stages (against 5 stages of K and V) transposing here ran 0.96x at S = 4k-8k
-// (results/trial_cutlass_v_transpose_H200_20261122v.log).
+// 192-key tiles in 6 stages (against 5 stages of K and V) transposing here runs 0.96x at S = 4k-8k.
 constexpr bool kTransposeV = kInterleavedV && kPersistent;
 #ifdef ATTN_OVERLAP_SOFTMAX  // tuning runs only: the paged kernels then skip the V tail zeroing
 constexpr bool kOverlapSoftmax = ATTN_OVERLAP_SOFTMAX || kInterleavedV;
@@ -245,7 +243,7 @@ struct PagedLayouts {
 
 // -DATTN_PAGED=2: boxes of 16 tokens over (64 dims, 16 tokens, 2 halves), 16 consecutive rows per
 // half: for 16-token boxes 1.00-1.06x as fast as PagedLayouts' (64, 8, 2, 2) boxes (the same bytes,
-// 8 boxes per tile; results/trial_cutlass_paged_layouts_H200_20261123g.log), and they take caches
+// 8 boxes per tile; H200), and they take caches
 // whose blocks TMA cannot see as one line of tokens. A stage then holds key a, dim d at element
 //   2048 (a / 16) + 1024 (d / 64) + 64 (a % 16) + d % 64,
 // and the products read it through "logical" key orders whose 8-key groups lie at one stride, as
@@ -855,12 +853,10 @@ struct VarlenMainloop : Base {
   // j's softmax before waiting for that product (FA3's intra-warpgroup overlap). ptxas moves the wait
   // above the softmax, though, to interleave the P conversion (which rewrites the product's operand
   // registers) with the exps: each warpgroup overlaps the other's products, not its own. Forcing the
-  // source order (a block boundary before the wait) measured 0.87-1.00x, and a row max in four
-  // chains 0.94-1.00x (results/trial_softmax_{overlap,max_chains}_H200_20261123m.log). As in the
-  // example, only the first QK^T takes the warpgroup ordering barrier (so that the two
-  // warpgroups start staggered); locking every tile's pair of issues (ping-pong) measured 1-5%
-  // slower, and within 1% again after the softmax got cheaper (session 15; so did 6-8 K/V stages:
-  // results/trial_cutlass_pingpong_stages_H200_20261122t.log). K and V tiles share the pipeline,
+  // source order (a block boundary before the wait) runs 0.87-1.00x, and a row max in four
+  // chains 0.94-1.00x (H200). As in the example, only the first QK^T takes the warpgroup ordering
+  // barrier (so that the two warpgroups start staggered); locking every tile's pair of issues
+  // (ping-pong) gains nothing (within 1%), nor do 6-8 K/V stages. K and V tiles share the pipeline,
   // read in the order K0 V0 K1 V1 ... (with kTransposeV each V stage follows its raw V stage, which
   // the load warp consumes); tile j's K stage is released once its QK^T has completed, its V stage
   // once its PV product has.
@@ -1028,8 +1024,8 @@ struct VarlenMainloop : Base {
 // reloads that block during the epilogue, stage in buffers of their own (the kernel keeps the
 // epilogue's storage apart from the mainloop's when persistent) where those fit beside the
 // mainloop's storage (every instantiation of PERSISTENT_SHORT), else store from registers (pairs
-// of values per thread). H200, one process (results/trial_cutlass_persistent_epilogue_H200_20261122u.log):
-// without any output stores the persistent kernels ran 1.16-1.23x faster at S = 512.
+// of values per thread). H200, one process: without any output stores the persistent kernels run
+// 1.16-1.23x faster at S = 512.
 struct VarlenEpilogue {
   static constexpr int kRows = get<0>(TileShape{}) / VarlenMainloop::NumMmaWarpGroups;  // per consumer warpgroup
   static constexpr int kOwnBytes = kRows * kHeadDim * 2;  // a 16-bit output tile
@@ -1257,7 +1253,7 @@ bool encode_pages(cute::TmaDescriptor* map, void const* cache, int64_t row_strid
   std::array<cuuint64_t, 4> strides;
   std::array<cuuint32_t, 5> box, unit = {1, 1, 1, 1, 1};
   int rank = 5;
-  if (kHalves == 1) {  // ranks 3 and 4: 1.01-1.02x rank 5 (results/trial_cutlass_paged_d64_ranks_H200_20261123h.log)
+  if (kHalves == 1) {  // ranks 3 and 4: 1.01-1.02x rank 5 (H200)
     rank = line_stride ? 3 : 4;
     dims = {kBoxDims, line_stride ? tokens : rows, heads, blocks};
     strides = {row, head, block};
