@@ -85,7 +85,7 @@ from .interpreter import exact_cast
 NUM_WARPS = 4
 MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this many programs per SM
 # INT8/INT4: registers per thread kept at 96, five 4-warp programs per SM (INT8 with a query
-# otherwise took 100, four per SM: rope_qk at T = 16k 104.5 -> 111.0 us on an H200)
+# otherwise takes 100, four per SM: rope_qk at T = 16k 104.5 -> 111.0 us on an H200)
 GROUP_MAX_REGISTERS = 96
 MAX_HEAD_DIM = 1024
 STREAM_MIN_TOKENS = 2048   # from this many tokens on, streaming cache hints (module docstring)

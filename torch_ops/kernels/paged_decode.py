@@ -94,8 +94,8 @@ from .launcher import TritonLaunch, no_launch, scale_operands
 # ---- knobs -------------------------------------------------------------------------------------
 FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
 MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
-MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (64 before: 1.2-2.3x slower
-                                      # at 16k-32k keys); 384 and 512 ran 2-4x slower (one-tile merge)
+MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (a cap of 64: 1.2-2.3x slower
+                                      # at 16k-32k keys); 384 and 512 run 2-4x slower (one-tile merge)
 MERGE_TILE = 4096                     # partial values per merge program (more splits: fewer dims each)
 REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
                                       # this many keys per split (`config`)
@@ -724,8 +724,8 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # up, `large_tile_splits` takes over.
         return one_warp
     if fmt == FMT_PLAIN:
-        # D = 128: 32 keys: 64-key tiles took 168 registers and 72 KB (3 programs per SM), and
-        # 512 programs then ran in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
+        # D = 128: 32 keys: 64-key tiles take 168 registers and 72 KB (3 programs per SM), and
+        # 512 programs then run in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
         # D <= 64: 64 keys (H200, 32/8 heads, D = 64: B=32 ctx 2k 45.6 -> 41.5 us, B=64 ctx 4k
         # 154 -> 132 us, B=128 ctx 2k 159 -> 149 us; B=1 and B=8 within 0.5-1 us).
         warps = 8 if block_m * block_d >= 64 * 256 else 4
