@@ -4,11 +4,14 @@
 Recognized, in Dynamo's torch-level graph: `F.scaled_dot_product_attention(q [B, Hq, 1, D],
 k, v [B, Hkv, S, D], attn_mask=..., scale=...)` with k/v repeated to Hq heads (Hugging Face's
 `repeat_kv`, `repeat_interleave`, MQA `expand`) or passed with `enable_gqa`, no dropout, and a
-mask that is absent (all S keys) or a bool mask that `index_mask.is_key_prefix` proves keeps the
-same prefix of the keys in every row, of a length known only at run time: what Hugging Face
-builds for a `StaticCache` decode step, `arange(S_max) <= arange(1) + cumulative_length`. The
-cache becomes one page per sequence (`k.transpose(1, 2)`, block table `arange(B)[:, None]`) and
-the length is the number of true keys of the mask's first row (an `[S]` reduction). When the
+mask that is absent (all S keys), a bool mask that `index_mask.is_key_prefix` proves keeps the
+same prefix of the keys in every row, of a length known only at run time (what Hugging Face
+builds inside the graph for a `StaticCache` decode step, `arange(S_max) <= arange(1) +
+cumulative_length`), or any other bool mask shared by the heads (a graph input, as
+`generate()` passes it: left padding included). The cache becomes one page per sequence
+(`k.transpose(1, 2)`, block table `arange(B)[:, None]`); with a prefix, the length is the number
+of true keys of the mask's first row (an `[S]` reduction); with another mask, each sequence's
+length is its last true key + 1 and the mask goes to the op as `key_mask`. When the
 batch (and, without a mask, the cache length) is static, the block table (and the lengths) are
 graph constants shared by every layer (`torch_ir.graph_constant`), not made by kernels per layer.
 
@@ -17,8 +20,7 @@ per layer and step, read and written), with a masked SDPA kernel on top; `paged_
 each KV head once for its group of query heads and stops at the length.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes`: `is_causal=True` (top-left:
-the one query would see key 0 only), masks it cannot prove (float masks, padding masks, sliding
-windows), dropout, query dtypes other than fp16/bf16 or other op rejections, autograd. Queries
+the one query would see key 0 only), float masks and masks that differ between heads, dropout, query dtypes other than fp16/bf16 or other op rejections, autograd. Queries
 of more than one token are left to `sdpa_to_attn`. At the edge: a length of 0 (an all-false
 mask row) gives zeros where SDPA gives NaN.
 """
@@ -85,19 +87,25 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
     (k, k_reps, k_nodes), (v, v_reps, v_nodes) = unrepeat(c.arg(1, "key")), unrepeat(c.arg(2, "value"))
     if not known_equal(k_reps, v_reps):
         raise Decline(f"key and value are repeated differently ({k_reps} vs {v_reps} times)")
+    key_mask = False
     if mask is not None:
         if not is_tensor(mask):
             raise Decline("attn_mask is not a tensor")
         check_mask_shape(mask, (*value(q).shape[:-1], value(k).shape[-2]))
         if not index_mask.is_key_prefix(mask):
-            raise Decline(f"attn_mask {mask.name} is not recognized as a prefix of the keys of one run-time "
-                          "length (served: none, or Hugging Face's static-cache decode mask)")
+            # any other bool mask (e.g. one built outside the graph, as `generate()` does) is
+            # passed to the op row by row; it must be the same for every head
+            shape = value(mask).shape
+            if value(mask).dtype != torch.bool or (len(shape) >= 3 and not known_equal(shape[-3], 1)):
+                raise Decline(f"attn_mask {mask.name} is neither a bool mask shared by the heads nor a prefix of "
+                              "the keys (float masks are not served)")
+            key_mask = True
     scale, q_factor = c.arg(6, "scale"), None
     if is_scalar_node(scale):  # known at run time only: it multiplies the query
         scale, q_factor = 1.0, scale
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline(f"scale {scale} is not a number")
-    kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor}
+    kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor, "key_mask": key_mask}
     return (q, k, v, mask), kwargs, k_nodes + v_nodes
 
 

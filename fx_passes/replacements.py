@@ -51,22 +51,29 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     out, _ = torch.ops.attn.context_attention(
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
         out_scale=out_scale, window_left=window_left, softcap=softcap,
-        sinks=sinks.float() if sinks is not None else None, **rope)
+        sinks=sinks.float() if sinks is not None else None, alibi_slopes=alibi_slopes, **rope)
     return out.view(b, sq, hq, d).transpose(1, 2)
 
 
 def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None,
-                      block_tables=None, seq_lens=None):
+                      block_tables=None, seq_lens=None, key_mask: bool = False):
     """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key`/`value [B, Hkv, S, D]`
     (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in place: each
     sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1], ...]`).
     `mask` (bool `[..., 1, S]`, proven by `index_mask.is_key_prefix` to keep the same prefix of
     the keys in every row; None: all S keys) gives the sequence length: its number of true keys.
+    With `key_mask`, `mask` (bool, one for all heads) is any pattern: it goes to the op as each
+    sequence's `key_mask` row, and the length is its last true key + 1.
     `block_tables` (int32 `[B, 1]`) and `seq_lens` (int32 `[B]`), when given, are those tables
     already made (graph constants when B and S are static). Returns `[B, Hq, 1, D]`;
     `q_factor`/`out_scale` as in `context_attention_bhsd`."""
     b, s = query.shape[0], key.shape[2]
     device = query.device
+    rows = None
+    if key_mask:
+        rows = mask.expand(b, 1, 1, s)[:, 0, 0, :]
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        seq_lens = (rows * torch.arange(1, s + 1, device=device)).amax(-1).to(torch.int32)
     if seq_lens is None and mask is None:
         seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
     elif seq_lens is None:
@@ -77,5 +84,5 @@ def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_fa
     if block_tables is None:
         block_tables = torch.arange(b, dtype=torch.int32, device=device).unsqueeze(1)
     out, _ = torch.ops.attn.paged_decode(query[:, :, 0], key.transpose(1, 2), value.transpose(1, 2), block_tables,
-                                         seq_lens, scale=scale, out_scale=out_scale)
+                                         seq_lens, scale=scale, out_scale=out_scale, key_mask=rows)
     return out.unsqueeze(2)

@@ -36,12 +36,12 @@ class StaticCacheDecode(torch.nn.Module):
         position = torch.arange(1, device=q.device) + self.length
         keys = torch.arange(CAPACITY, device=q.device)[None, None, None, :]
         mask = keys <= position[None, None, :, None]
-        if self.mask == "window":
+        if self.mask.startswith("window"):
             mask = mask & (keys > position[None, None, :, None] - WINDOW)
         self.k_cache.index_copy_(2, position, k)
         self.v_cache.index_copy_(2, position, v)
         self.length.add_(1)
-        mask = None if self.mask == "none" else mask.expand(b, -1, 1, CAPACITY)
+        mask = None if self.mask == "none" else mask.expand(b, hq if self.mask == "window_per_head" else -1, 1, CAPACITY)
         n = hq // self.k_cache.shape[1]
         if self.spelling == "repeat_kv":
             k, v = repeat_kv(self.k_cache, n), repeat_kv(self.v_cache, n)
@@ -61,7 +61,7 @@ def truth(model: StaticCacheDecode, q: torch.Tensor) -> torch.Tensor:
     n = q.shape[1] // model.k_cache.shape[1]
     keys = torch.arange(CAPACITY, device=q.device).view(1, 1, 1, CAPACITY)
     visible = keys < (1 if model.spelling == "causal" else model.length)  # is_causal: top-left, key 0 only
-    if model.mask == "window":
+    if model.mask.startswith("window"):
         visible = visible & (keys >= model.length - WINDOW)
     k, v = (repeat_kv(c.double(), n) for c in (model.k_cache, model.v_cache))
     none = model.mask == "none" and model.spelling != "causal"
@@ -90,9 +90,11 @@ def run_steps(model: StaticCacheDecode, steps=3):
     return codes[0]
 
 
-@pytest.mark.parametrize("spelling,mask", [("repeat_kv", "prefix"), ("enable_gqa", "prefix"), ("repeat_kv", "none")])
+@pytest.mark.parametrize("spelling,mask", [("repeat_kv", "prefix"), ("enable_gqa", "prefix"), ("repeat_kv", "none"),
+                                           ("repeat_kv", "window")])
 def test_static_cache_steps_onto_paged_decode(spelling, mask):
-    """The length advances at run time in one graph; the cache is read in place (no repeat)."""
+    """The length advances at run time in one graph; the cache is read in place (no repeat). A
+    mask that is not a prefix of the keys (a sliding window) goes to the op as `key_mask`."""
     code = run_steps(StaticCacheDecode(spelling, mask))
     assert counters["attn"]["decode_to_paged_matched"] == 1
     assert OP in code
@@ -108,9 +110,9 @@ def test_static_cache_steps_cuda():
 
 @pytest.mark.parametrize("spelling,mask,dtype,reason", [
     ("causal", "none", torch.bfloat16, "is_causal=True with one query"),
-    ("repeat_kv", "window", torch.bfloat16, "not recognized as a prefix"),
+    ("repeat_kv", "window_per_head", torch.bfloat16, "neither a bool mask shared by the heads"),
     ("repeat_kv", "prefix", torch.float32, "paged_decode rejects the inputs"),
-], ids=["is_causal", "sliding_window_mask", "float32"])
+], ids=["is_causal", "mask_per_head", "float32"])
 def test_declines_with_reason(spelling, mask, dtype, reason, caplog):
     caplog.set_level(logging.DEBUG, logger="fx_passes")
     code = run_steps(StaticCacheDecode(spelling, mask, dtype=dtype), steps=2)
