@@ -26,3 +26,13 @@ def test_llama_paged():
     result = subprocess.run([sys.executable, "examples/llama_paged.py", "--steps", "2"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and "logits match the plain formulation" in result.stdout, result.stderr
+
+
+def test_readme_tour():
+    """The README's tour runs as shown and says what it says."""
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("## Use")[1].split("```python\n")[1].split("```")[0]
+    result = subprocess.run([sys.executable, "-c", tour], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "prefill matches context attention: True" in result.stdout
+    assert "attn::paged_decode runs on" in result.stdout
