@@ -195,6 +195,13 @@ def _eval(c, v: torch.Tensor, nodes: list) -> Affine | Conj | None:
         if not d.is_known:
             return None  # `!=` of varying or run-time values is a disjunction
         return TRUE if statically_known_true(d.const != 0) else FALSE if known_equal(d.const, 0) else None
+    if name == "mul" and not is_bool:  # by a known integer constant
+        a, b = analyze(c.input, nodes), analyze(c.arg(1, "other"), nodes)
+        if not (isinstance(a, Affine) and isinstance(b, Affine)):
+            return None
+        if b.is_known and isinstance(b.const, int):
+            return a.scaled(b.const)
+        return b.scaled(a.const) if a.is_known and isinstance(a.const, int) else None
     if name in ("and", "and_", "logical_and", "bitwise_and") or (name == "mul" and is_bool):
         a, b = analyze(c.input, nodes), analyze(c.arg(1, "other"), nodes)
         return Conj(a.ge + b.ge) if isinstance(a, Conj) and isinstance(b, Conj) else None
@@ -249,35 +256,40 @@ def _getitem(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine | Conj
     index = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, fx.Node) for i in index):
         return _advanced_index(a, ndim, index, v, nodes)
+    return _map(a, lambda f: basic_index(f, ndim, index))
+
+
+def basic_index(f: Affine, ndim: int, index) -> Affine | None:
+    """`f` (of an `ndim`-D tensor) after `x[index]` with basic indices only: None, one Ellipsis,
+    non-negative ints, slices with a non-negative start and a positive step; else None."""
+    index = index if isinstance(index, tuple) else (index,)
     if sum(i is Ellipsis for i in index) > 1:
         return None
     explicit = sum(i is not None and i is not Ellipsis for i in index)
+    if explicit > ndim:
+        return None
     if Ellipsis in index:
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (ndim - explicit) + index[at + 1:]
     index = index + (slice(None),) * (ndim - sum(i is not None for i in index))
-
-    def apply(f: Affine) -> Affine | None:
-        f, coef, const, d = f.aligned(ndim), [], f.const, 0
-        for i in index:
-            if i is None:
-                coef.append(0)
-                continue
-            k = f.coef[d]
-            d += 1
-            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
-                const = const + k * i
-            elif isinstance(i, slice):
-                start, step = i.start or 0, i.step or 1
-                if not (isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0):
-                    return None
-                coef.append(k * step)
-                const = const + k * start
-            else:
+    f, coef, const, d = f.aligned(ndim), [], f.const, 0
+    for i in index:
+        if i is None:
+            coef.append(0)
+            continue
+        k = f.coef[d]
+        d += 1
+        if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+            const = const + k * i
+        elif isinstance(i, slice):
+            start, step = i.start or 0, i.step or 1
+            if not (isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0):
                 return None
-        return Affine(tuple(coef), const, f.runtime)
-
-    return _map(a, apply)
+            coef.append(k * step)
+            const = const + k * start
+        else:
+            return None
+    return Affine(tuple(coef), const, f.runtime)
 
 
 def _advanced_index(a, ndim: int, index, v: torch.Tensor, nodes: list) -> Affine | None:

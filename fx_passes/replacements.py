@@ -22,7 +22,7 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple, neox: bool) 
 
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
-                           softcap: float = 0.0, sinks=None):
+                           softcap: float = 0.0, sinks=None, alibi_slopes=None):
     """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
     `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
 
@@ -30,9 +30,10 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     run time; the op's `scale` is a float). `window_left`: the op's sliding window (causal
     attention to keys `q - window_left .. q`; -1: none) and `softcap` (scores `softcap * tanh(s /
     softcap)`; 0: none) are the op's, and so are `sinks` (`[Hq]` learned sink logits, any float
-    dtype). `out_scale` (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin`
-    (broadcastable to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated
-    (RoPE, partial when R < D) inside the op."""
+    dtype) and `alibi_slopes` (`[Hq]` fp32: `-slope * |q - k|` added to the scores). `out_scale`
+    (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin` (broadcastable
+    to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated (RoPE, partial when
+    R < D) inside the op."""
     b, hq, sq, d = query.shape
     sk = key.shape[2]
 

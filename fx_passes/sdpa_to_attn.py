@@ -4,7 +4,9 @@ Recognized spellings, in Dynamo's torch-level graph:
 
 * `F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` without
   dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
-  Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`);
+  Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`),
+  or a float mask of such a mask and an ALiBi bias (`alibi.additive_mask`: Falcon's
+  `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent);
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
   scalings by constants (`*`, `/`, also in place; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
@@ -15,7 +17,16 @@ Recognized spellings, in Dynamo's torch-level graph:
   `dynamic=True`: then declined); float casts around the softmax (fp32 softmax) and eval-mode
   dropout are allowed; learned sinks: the softmax over `cat([scores, sinks.reshape(1, -1, 1,
   1).expand(...)], -1)` (minus its row max or not) with the last probability column dropped
-  before `@ v` (`sinks=`; gpt-oss's spelling).
+  before `@ v` (`sinks=`; gpt-oss's spelling); ALiBi biases added to the scores (any number,
+  each under the scalings after it) and the mask folded with one (Falcon's eager spelling);
+* the same with `bmm` over `[B*H, S, D]` views of `[B, H, S, D]` q, k, v, the scores
+  `baddbmm(bias, q, k^T, beta=b, alpha=a)` (`b * bias + a * q @ k^T`) and viewed as `[B, H, S,
+  S]` for the mask (BLOOM's spelling); the result is the op's output viewed as `[B*H, S, D]`.
+
+ALiBi: a bias that `alibi` proves is per-head slopes times key positions, up to a term constant
+per row, becomes the op's `alibi_slopes` (constant slopes fold into a graph constant; slopes
+from a buffer and symbolic factors such as BLOOM's lifted `beta` are applied at run time). Only
+with a causal mask: `slope * k` is `-slope * |q - k|` plus a row constant only where `k <= q`.
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -29,13 +40,14 @@ read with `.item()`) multiply the query instead (`q_factor`; RoPE, which the op 
 linear, so scaling before it is the same), and the op's `scale` keeps the constant part.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
-other mask (padding, a mask passed in), dropout in training, dtypes other than fp16/bf16/fp32, devices other than CPU/CUDA,
-attention that autograd records (the op has no autograd formula: compile under no_grad),
-one query over many keys (a decode step over a `[B, H, S, D]` cache: the op would repack the
-cache every call; on an H200 that made a 1B Llama decode step 2.3x slower than stock compile),
-q/k/v head dims that differ, attention weights used elsewhere, and causal attention unless
-Sq == Sk is guaranteed: SDPA's `is_causal` (and a `triu` mask) is aligned top-left, the op's
-causal mask bottom-right.
+other mask or bias (padding, a mask passed in, positions from a padding mask, a bias not
+provably ALiBi, ALiBi without a causal mask), dropout in training, dtypes other than
+fp16/bf16/fp32, devices other than CPU/CUDA, attention that autograd records (the op has no
+autograd formula: compile under no_grad), one query over many keys (a decode step over a `[B,
+H, S, D]` cache: the op would repack the cache every call; on an H200 that made a 1B Llama
+decode step 2.3x slower than stock compile), q/k/v head dims that differ, attention weights
+used elsewhere, and causal attention unless Sq == Sk is guaranteed: SDPA's `is_causal` (and a
+`triu` mask) is aligned top-left, the op's causal mask bottom-right.
 
 A direct walk of the pre-grad graph rather than `register_replacement`: the pattern matcher
 matches ATen graphs, in which SDPA has already been lowered to a device-, dtype- and
@@ -55,7 +67,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import index_mask
+from . import alibi, index_mask
 from .replacements import context_attention_bhsd
 from .torch_ir import Call, Decline, call, declined, erase_unused, insert_call, is_tensor, known_equal, value
 
@@ -84,6 +96,8 @@ class Attention:
     window_left: int = -1   # causal with a sliding window: the keys q - window_left .. q
     softcap: float = 0.0    # soft-capped scores: softcap * tanh(s / softcap)
     sinks: fx.Node | None = None   # learned sink logits [Hq]: one more softmax column without a value
+    alibi: list[alibi.Term] | None = None   # ALiBi slopes (`alibi.frame_slopes`), summed by `alibi.slopes_node`
+    merged: bool = False    # `node` returns [B*Hq, Sq, D] (bmm over [B*H, S, D] views)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -116,17 +130,25 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
     causal, scale = c.arg(5, "is_causal", False), c.arg(6, "scale")
     if not isinstance(causal, bool):
         raise Decline("is_causal is not a constant bool")
-    mask, mask_nodes = c.arg(3, "attn_mask"), []
+    mask, mask_nodes, slopes = c.arg(3, "attn_mask"), [], None
     if mask is not None:
         q, k = value(c.arg(0, "query")), value(c.arg(1, "key"))
         if causal or not is_tensor(mask) or not is_tensor(q) or not is_tensor(k):
             raise Decline("attn_mask is given with is_causal=True or is not a tensor")
-        check_mask_shape(mask, (*q.shape[:-1], k.shape[-2]))
-        window = index_mask.causal_window(mask, mask_nodes)
-        if window is None:
-            raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
-                          "(only is_causal and a bool mask provably equal to k <= q, or to q - w <= k <= q, "
-                          "are served)")
+        scores_shape = (*q.shape[:-1], k.shape[-2])
+        check_mask_shape(mask, scores_shape)
+        if value(mask).dtype == torch.bool:
+            window = index_mask.causal_window(mask, mask_nodes)
+            if window is None:
+                raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
+                              "(only is_causal and a bool mask provably equal to k <= q, or to q - w <= k <= q, "
+                              "are served)")
+        else:
+            window, terms = alibi.additive_mask(mask, mask_nodes) or (None, None)
+            if window is None:
+                raise Decline(f"float attn_mask {mask.name} is not recognized as where(causal mask, 0 or an ALiBi "
+                              "bias, -inf) (an ALiBi bias: per-head slopes times key positions)")
+            slopes = _frame_slopes([(terms, value(mask).shape, scores_shape, False, 1.0, ())], q) if terms else []
         causal = True
     else:
         window = -1
@@ -137,15 +159,25 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
         raise Decline(f"scale {scale} is not a number")
     return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
                       scale=None if scale is None else float(scale), nodes=[node, *mask_nodes], q_factors=factors,
-                      window_left=window)
+                      window_left=window, alibi=slopes)
 
 
 def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
-    """`softmax(scores) @ v`, or None if `node` is some other matmul."""
-    x, v = c.input, c.arg(1, "other")
+    """`softmax(scores) @ v`, or None if `node` is some other matmul. With `bmm`, the operands
+    may be `[B*H, S, D]` views of `[B, H, S, D]` tensors (BLOOM), and the scores `baddbmm(bias,
+    q, k^T)` with an ALiBi bias."""
+    x, v = c.input, c.arg(1, "mat2" if c.name == "bmm" else "other")
+    merged = merged_output = _is_3d(node)   # the [B*H, ...] frame (views of [B, H, ...])
+    heads = []   # the [B, H] of each view between the frames
     chain = []  # from the probabilities back to q @ k^T: each must have one user
-    while (cx := call(x)) is not None and (_is_float_cast(x, cx) or cx.name == "dropout"):
-        _check_eval_dropout(cx)
+    while (cx := call(x)) is not None:
+        if _is_float_cast(x, cx) or cx.name == "dropout":
+            _check_eval_dropout(cx)
+        elif merged and (x4 := _unmerged(x)) is not None:
+            merged = False
+            heads.append(value(x4).shape[:2])
+        elif not _is_same_shape_view(x, cx):
+            break
         chain.append(x)
         x = cx.input
     sink_dropped = cx is not None and cx.name == "getitem" and _drops_last_key(cx)
@@ -156,16 +188,22 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     if cx is None or cx.name != "softmax":
         return None
     chain.append(x)
-    if cx.arg(1, "dim") not in (-1, 3):
-        raise Decline(f"softmax over dim {cx.arg(1, 'dim')}, not the key dim")
+    dim, ndim = cx.arg(1, "dim"), value(x).dim()
+    if not isinstance(dim, int) or dim % ndim != ndim - 1:
+        raise Decline(f"softmax over dim {dim}, not the key dim")
     scale, causal, window, softcap, mask_nodes, factors = 1.0, False, -1, 0.0, [], []
+    biases = []  # (terms, bias shape, scores shape, merged, factor, symbolic factors) of each ALiBi bias
     x, sinks = cx.input, None
     if sink_dropped:
         x, sinks = _split_sinks(x, mask_nodes)
-    while (cx := call(x)) is not None and cx.name != "matmul":
+    while (cx := call(x)) is not None and cx.name not in _PRODUCTS:
         chain.append(x)
-        if _is_float_cast(x, cx):
+        if _is_float_cast(x, cx) or _is_same_shape_view(x, cx):
             x = cx.input
+        elif not merged and (x3 := _unsplit(x)) is not None:
+            merged = True
+            heads.append(value(x).shape[:2])
+            x = x3
         elif cx.name in _SCALINGS:
             x, factor = _scaling(cx)
             divides = _SCALINGS[cx.name] == "div"
@@ -180,30 +218,98 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
             x, softcap = cx.input, scale   # the factors before the tanh keep multiplying `scale`
         elif cx.name == "masked_fill" and not causal and not softcap:
             x, causal = _causal_fill(cx, mask_nodes), True
-        elif cx.name == "add" and not causal and not softcap:
-            (x, window), causal = _causal_bias(cx, mask_nodes), True
+        elif cx.name == "add" and not softcap:
+            x, bias, found_window, terms = _additive(cx, mask_nodes)
+            if found_window is not None:
+                if causal:
+                    raise Decline("two causal masks on the scores")
+                check_mask_shape(bias, value(x).shape)
+                causal, window = True, found_window
+            if terms:
+                biases.append((terms, value(bias).shape, value(x).shape, merged, scale, tuple(factors)))
         else:
             raise Decline(f"the scores pass through {cx.name} (understood: constant scaling, casts, "
-                          "one causal masked_fill or causal additive mask, soft-capping before the mask)")
+                          "one causal masked_fill or causal additive mask, ALiBi biases, soft-capping before the mask)")
     if cx is None:
         raise Decline("the scores are not q @ k^T")
     chain.append(x)
     for n in chain:
         if len(n.users) != 1:
             raise Decline(f"{n.name} is used outside the attention (e.g. returned attention weights)")
+    q, kt = cx.input, cx.arg(1, "mat2" if cx.name == "bmm" else "other")
+    if cx.name == "baddbmm":
+        q, kt = cx.arg(1, "batch1"), cx.arg(2, "batch2")
+        scale, factors, found_window = _baddbmm(x, cx, scale, factors, biases, softcap, mask_nodes)
+        if found_window is not None:
+            if causal:
+                raise Decline("two causal masks on the scores")
+            causal, window = True, found_window
     if scale <= 0:
         raise Decline(f"scale {scale} is not positive")
-    kt = cx.arg(1, "other")
-    return _attention(node, cx.input, _untransposed(kt), v, causal=causal, scale=scale,
+    q, k, v = _heads_of((q, merged), (_untransposed(kt), merged), (v, merged_output), heads=heads)
+    slopes = _frame_slopes(biases, value(q))
+    return _attention(node, q, k, v, causal=causal, scale=scale,
                       nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window, softcap=softcap,
-                      sinks=sinks)
+                      sinks=sinks, alibi=slopes, merged=merged_output)
 
 
-_MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul}
+_PRODUCTS = ("matmul", "bmm", "baddbmm")
+
+
+def _additive(c: Call, nodes: list) -> tuple[fx.Node, fx.Node, int | None, tuple | None]:
+    """(scores, mask, window, ALiBi terms) of `scores + mask` (either order), where `mask` is
+    `where(causal, 0, -inf)`, an ALiBi bias, or both (`alibi.additive_mask`); collects the mask's
+    nodes into `nodes`."""
+    a, b = c.input, c.arg(1, "other")
+    if c.kwargs.get("alpha", 1) == 1 and is_tensor(a) and is_tensor(b):
+        for scores, mask in ((a, b), (b, a)):
+            read = []
+            found = alibi.additive_mask(mask, read)
+            if found is not None:
+                nodes += read
+                return scores, mask, *found
+    raise Decline(f"the scores pass through add of {getattr(b, 'name', b)}, not of where(causal mask, 0, -inf) "
+                  "or of an ALiBi bias (per-head slopes times key positions)")
+
+
+def _baddbmm(node: fx.Node, c: Call, scale: float, factors: list, biases: list, softcap: float, nodes: list):
+    """`baddbmm(bias, q, k^T, beta=b, alpha=a)`, i.e. `b * bias + a * q @ k^T`: returns the scale
+    and symbolic factors of `q @ k^T` and the bias's causal window; appends its ALiBi terms to
+    `biases`."""
+    beta, alpha = c.kwargs.get("beta", 1), c.kwargs.get("alpha", 1)
+    bias_factors, bias_scale = list(factors), scale
+    for f in (alpha, beta):
+        if not (is_scalar_node(f) or (isinstance(f, (int, float)) and not isinstance(f, bool))):
+            raise Decline(f"baddbmm with beta/alpha {getattr(f, 'name', f)}, not numbers")
+    if is_scalar_node(alpha):
+        factors = factors + [(alpha, False)]
+    else:
+        scale = scale * alpha
+    if is_scalar_node(beta):
+        bias_factors.append((beta, False))
+    else:
+        bias_scale = bias_scale * beta
+    if isinstance(beta, (int, float)) and beta == 0:   # the input is ignored
+        return scale, factors, None
+    found = alibi.additive_mask(c.input, nodes)
+    if found is None:
+        raise Decline(f"baddbmm adds {getattr(c.input, 'name', c.input)} to the scores: not where(causal mask, 0, "
+                      "-inf) or an ALiBi bias (per-head slopes times key positions)")
+    if softcap:
+        raise Decline("a bias under the soft-cap")
+    window, terms = found
+    if window is not None:
+        check_mask_shape(c.input, value(node).shape)
+    if terms:
+        biases.append((terms, value(c.input).shape, value(node).shape, True, bias_scale, tuple(bias_factors)))
+    return scale, factors, window
+
+
+_MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul, "bmm": _match_matmul}
 
 
 def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0,
-               sinks=None) -> Attention:
+               sinks=None, alibi=None, merged=False) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -233,7 +339,10 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
                       "aligns the mask top-left, context_attention bottom-right")
     if sinks is not None and not known_equal(value(sinks).shape, (qv.shape[1],)):
         raise Decline(f"sink logits of shape {tuple(value(sinks).shape)}, not one per query head ({qv.shape[1]})")
-    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks)
+    if alibi and not causal:
+        raise Decline("an ALiBi bias without a causal mask: slope * k is the op's -slope * |q - k| (up to a "
+                      "constant per row) only where k <= q")
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks, alibi, merged)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
@@ -246,8 +355,11 @@ def _example_output(attention: Attention) -> torch.Tensor:
         factor = term if factor is None else factor * term
     try:
         with args[0].fake_mode:
-            return context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
-                                          window_left=a.window_left, softcap=a.softcap, sinks=value(a.sinks))
+            slopes = torch.zeros(args[0].shape[1], dtype=torch.float32, device=args[0].device) if a.alibi else None
+            out = context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
+                                         window_left=a.window_left, softcap=a.softcap, sinks=value(a.sinks),
+                                         alibi_slopes=slopes)
+            return out.flatten(0, 1) if a.merged else out
     except (TypeError, ValueError) as e:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
@@ -258,13 +370,19 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
     for node, divides in a.q_factors:
         term = insert_call(graph, a.node, operator.truediv, (1.0, node)) if divides else node
         factor = term if factor is None else insert_call(graph, a.node, operator.mul, (factor, term))
+    slopes = None
+    if a.alibi:
+        q = value(a.query)
+        slopes = alibi.slopes_node(graph, a.node, a.alibi, q.shape[1], q.device)
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
-                                   "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks})
+                                   "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks,
+                                   "alibi_slopes": slopes})
     new.meta.update(a.node.meta)
-    new.meta["example_value"] = example
-    a.node.replace_all_uses_with(new)
+    new.meta["example_value"] = example.unflatten(0, value(a.query).shape[:2]) if a.merged else example
+    out = insert_call(graph, a.node, "flatten", (new, 0, 1), method=True) if a.merged else new
+    a.node.replace_all_uses_with(out)
     erase_unused(graph, a.nodes)
 
 
@@ -313,32 +431,6 @@ def _causal_fill(c: Call, nodes: list) -> fx.Node:
     return scores
 
 
-def _causal_bias(c: Call, nodes: list) -> tuple[fx.Node, int]:
-    """(scores, window_left) of `scores + where(mask, 0, -inf or finfo.min)` (Hugging Face's eager
-    spelling), where `mask` is provably `k <= q` (window -1) or `q - w <= k <= q` (window w);
-    collects the bias's nodes into `nodes`."""
-    scores, bias = c.input, c.arg(1, "other")
-    if call(scores) is not None and call(scores).name == "where":
-        scores, bias = bias, scores
-    w = call(bias)
-    if w is None or w.name != "where" or not is_tensor(scores) or not is_tensor(bias):
-        raise Decline(f"the scores pass through add of {getattr(bias, 'name', bias)}, not of "
-                      "where(causal mask, 0, -inf)")
-    mask, keep, fill = w.input, w.arg(1, "input"), w.arg(2, "other")
-    zero = keep == 0 if isinstance(keep, (int, float)) else _is_zeros(keep)
-    if not zero or not isinstance(fill, (int, float)) or not fill <= torch.finfo(value(scores).dtype).min:
-        raise Decline(f"additive mask where({mask}, {getattr(keep, 'name', keep)}, {fill}) is not "
-                      "where(mask, 0, -inf)")
-    check_mask_shape(bias, value(scores).shape)
-    window = index_mask.causal_window(mask, nodes)
-    if window is None:
-        raise Decline(f"additive mask from {getattr(mask, 'name', mask)}, not recognized as causal or a sliding window")
-    nodes.append(bias)
-    if isinstance(keep, fx.Node):
-        nodes.append(keep)
-    return scores, window
-
-
 def _drops_last_key(c: Call) -> bool:
     """`probs[..., :-1]`: the probabilities without their last column (a sink's)."""
     index = c.args[1] if len(c.args) > 1 else None
@@ -379,11 +471,6 @@ def _is_row_max(m, x) -> bool:
     elif c is None or c.name != "amax":
         return False
     return c.input is x and c.arg(1, "dim") in (-1, 3, [-1], [3], (-1,), (3,)) and c.arg(2, "keepdim", False) is True
-
-
-def _is_zeros(x) -> bool:
-    c = call(x)
-    return c is not None and c.name in ("zeros", "zeros_like", "new_zeros") and is_tensor(x)
 
 
 def _is_causal_complement(mask, nodes: list) -> bool:
@@ -436,19 +523,84 @@ def _all_ones(x, nodes: list) -> bool:
 
 
 def _untransposed(kt) -> fx.Node:
-    """`k` of `k.transpose(-2, -1)` (any spelling of the last two dims) or `k.permute(0, 1, 3, 2)`."""
+    """`k` of `k.transpose(-2, -1)` (any spelling of the last two dims) or `k.permute(0, 1, 3, 2)`,
+    for a 4-D or 3-D `k`."""
     c = call(kt)
-    if c is not None and _is_4d(c.input):
+    n = value(c.input).dim() if c is not None and is_tensor(c.input) else 0
+    if n in (3, 4):
         if c.name in ("transpose", "swapaxes", "swapdims"):
-            dims, swapped = (c.arg(1, "dim0"), c.arg(2, "dim1")), ([2, 3], [3, 2])
+            dims, swapped = (c.arg(1, "dim0"), c.arg(2, "dim1")), ([n - 2, n - 1], [n - 1, n - 2])
         elif c.name == "permute":
             dims = c.args[1] if len(c.args) == 2 and isinstance(c.args[1], (tuple, list)) else c.args[1:]
-            swapped = ([0, 1, 3, 2],)
+            swapped = ([*range(n - 2), n - 1, n - 2],)
         else:
             dims, swapped = (), ()
-        if all(isinstance(d, int) for d in dims) and [d % 4 for d in dims] in swapped:
+        if all(isinstance(d, int) for d in dims) and [d % n for d in dims] in swapped:
             return c.input
     raise Decline("the keys in q @ k^T are not k transposed in the last two dims")
+
+
+def _is_same_shape_view(x, c: Call) -> bool:
+    """`view`/`reshape` to the shape the tensor has (Falcon's `scores.view(B, H, Sq, Sk)`)."""
+    return c.name in ("view", "reshape") and is_tensor(c.input) and is_tensor(x) \
+        and value(x).dtype == value(c.input).dtype and known_equal(value(x).shape, value(c.input).shape)
+
+
+def _is_3d(x) -> bool:
+    return is_tensor(x) and value(x).dim() == 3
+
+
+def _unmerged(x) -> fx.Node | None:
+    """`x4` if `x` is `x4 [B, H, S, T]` viewed as `[B*H, S, T]` (view, reshape, flatten(0, 1))."""
+    c = call(x)
+    if c is None or c.name not in ("view", "reshape", "flatten") or not _is_4d(c.input) or not _is_3d(x):
+        return None
+    b, h, s, t = value(c.input).shape
+    if value(x).dtype != value(c.input).dtype or not known_equal(value(x).shape, (b * h, s, t)):
+        return None
+    return c.input
+
+
+def _unsplit(x) -> fx.Node | None:
+    """`x3` if `x` is `x3 [B*H, S, T]` viewed as `[B, H, S, T]`."""
+    c = call(x)
+    if c is None or c.name not in ("view", "reshape") or not _is_3d(c.input) or not _is_4d(x):
+        return None
+    b, h, s, t = value(x).shape
+    if value(x).dtype != value(c.input).dtype or not known_equal(value(c.input).shape, (b * h, s, t)):
+        return None
+    return c.input
+
+
+def _heads_of(*operands: tuple[fx.Node, bool], heads: list) -> list[fx.Node]:
+    """q, k, v as `[B, H, S, D]` tensors: the merged ones (flag set) are `[B*H, S, D]` views of
+    those; they and every view between the frames (`heads`: their [B, H]) must split B*H as the
+    query's [B, H]."""
+    out = [_unmerged(x) if merged else x for x, merged in operands]
+    if any(x is None for x in out):
+        raise Decline("the [B*H, S, D] operands are not views of [B, H, S, D] tensors")
+    if not is_tensor(out[0]) or value(out[0]).dim() != 4:
+        return out
+    bh = value(out[0]).shape[:2]
+    views = heads + [value(x).shape[:2] for x, (_, merged) in zip(out, operands) if merged]
+    if not all(known_equal(s, bh) for s in views):
+        raise Decline("the [B*H, ...] views do not all split B*H as the query's [B, H]")
+    return out
+
+
+def _frame_slopes(biases: list, q: torch.Tensor) -> list[alibi.Term]:
+    """The ALiBi slope terms of `biases` (see `_match_matmul`) for the query heads of `q [B, Hq, S, D]`."""
+    if not biases:
+        return []
+    if q.dim() != 4:
+        raise Decline(f"a {q.dim()}-D query, not [B, H, S, D]")
+    if not isinstance(q.shape[1], int):
+        raise Decline(f"ALiBi with a symbolic number of heads ({q.shape[1]})")
+    terms = []
+    for bias_terms, shape, scores_shape, merged, factor, scalars in biases:
+        for t in alibi.frame_slopes(bias_terms, shape, scores_shape, 0 if merged else 1, q.shape[1]):
+            terms.append(dataclasses.replace(t, coef=t.coef * factor, scalars=t.scalars + scalars))
+    return terms
 
 
 def unrepeat(x) -> tuple[fx.Node, int, list[fx.Node]]:

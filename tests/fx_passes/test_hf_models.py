@@ -2,7 +2,7 @@
 `torch.compile(model, fullgraph=True, dynamic=True)` under `fx_passes.enabled()`: every
 attention layer (Llama, GPT-NeoX, GPT-J, Qwen3, Phi-3, GPT-2, OPT, Falcon (both spellings), and the sliding windows
 of Mistral, Starcoder2, Gemma 3's local layers and gpt-oss as `window_left`, with gpt-oss's
-learned sinks) is rewritten onto
+learned sinks, and the ALiBi of BLOOM and Falcon as `alibi_slopes`) is rewritten onto
 `attn::context_attention`, one graph serves three sequence
 lengths, and the logits are as close to a float64 eager run as eager float32 is.
 
@@ -75,6 +75,10 @@ def tiny(name, impl):
                                           max_position_embeddings=64),
         "falcon": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          new_decoder_architecture=False, multi_query=True),
+        "falcon_alibi": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
+                                               alibi=True),
+        "bloom": lambda: t.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
     }[name]()
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
@@ -111,8 +115,9 @@ class AttnOpRecorder(CustomGraphPass):
                 q, k = (a.meta["val"] for a in node.args[:2])
                 table = node.kwargs.get("cos_sin_cache")
                 rope = f" rope={_style(node.kwargs.get('rope_neox', True))}/{table.meta['val'].shape[1]}" if table else ""
+                alibi = " alibi" if node.kwargs.get("alibi_slopes") is not None else ""
                 self.ops.append(f"{name} q[*, {q.shape[1]}, {q.shape[2]}] k[*, {k.shape[1]}, {k.shape[2]}] "
-                                f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}{rope}")
+                                f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}{alibi}{rope}")
             elif "scaled_dot_product" in name or name.startswith("aten.bmm"):
                 self.ops.append(name)
 
@@ -139,6 +144,7 @@ def passes_then_eager(ops):
                 window = f" window_left={window}" if window >= 0 else ""
                 window += " sinks" if node.kwargs.get("sinks") is not None else ""
                 window += f" softcap={node.kwargs['softcap']}" if node.kwargs.get("softcap") else ""
+                window += " alibi" if node.kwargs.get("alibi_slopes") is not None else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
                            f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
             elif node.target is paged_decode_bhsd:
@@ -146,7 +152,7 @@ def passes_then_eager(ops):
                 mask = "prefix" if node.args[3] is not None else "none"
                 ops.append(f"{name} q[*, {q.shape[1]}, 1, {q.shape[3]}] cache[*, {k.shape[1]}, {k.shape[2]}, "
                            f"{k.shape[3]}] scale={node.kwargs['scale']} mask={mask}")
-            elif name in ("scaled_dot_product_attention", "matmul", "softmax"):
+            elif name in ("scaled_dot_product_attention", "matmul", "bmm", "baddbmm", "softmax"):
                 ops.append(name)
         return gm.forward
 
@@ -263,6 +269,51 @@ matmul""")
         lines = self.compile_and_check(tiny("falcon", "eager")).splitlines()
         self.assertEqual([line for line in lines if "context_attention" in line], [
             "context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=0.25 rope=neox/16"] * 2)
+
+    def test_bloom_eager_alibi_inductor(self):
+        """BLOOM: `baddbmm(alibi, q, k^T, beta, alpha)` over `[B*H, S, D]` views, the alibi `slopes *
+        arange(S)` repeated over the batch; `beta` and `alpha` are lifted attributes (the slopes are
+        multiplied by `beta` at run time, the query by `alpha`)."""
+        self.assertExpectedInline(self.compile_and_check(tiny("bloom", "eager"), inductor=True, rope=False), """\
+attn.context_attention.default q[*, 4, 16] k[*, 4, 16] causal=True scale=1.0 alibi
+attn.context_attention.default q[*, 4, 16] k[*, 4, 16] causal=True scale=1.0 alibi""")
+
+    def test_bloom_eager_alibi(self):
+        self.assertExpectedInline(self.compile_and_check(tiny("bloom", "eager"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor alibi
+context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_factor alibi""")
+
+    def test_falcon_alibi_sdpa(self):
+        """Falcon with `alibi=True`: the bias (bfloat16 slopes times positions, over sqrt(D)) folded
+        into the float causal mask that SDPA gets."""
+        lines = [line for line in self.compile_and_check(tiny("falcon_alibi", "sdpa"), rope=False).splitlines()
+                 if line != "matmul"]   # the linear layers
+        self.assertExpectedInline("\n".join(lines), """\
+context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=None alibi
+context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=None alibi""")
+
+    def test_falcon_alibi_eager(self):
+        """Falcon's eager ALiBi adds the bias twice: before its scaling (a lifted attribute) and in
+        the mask; the slopes are the sum."""
+        lines = self.compile_and_check(tiny("falcon_alibi", "eager"), rope=False).splitlines()
+        self.assertEqual([line for line in lines if line != "matmul"], [
+            "context_attention_bhsd q[*, 4, *, 16] k[*, 1, *, 16] causal=True scale=1.0 q_factor alibi"] * 2)
+
+    def test_bloom_padding_declined(self):
+        """With a padding mask the positions come from the mask (`cumsum`) and the causal mask
+        from a user input: nothing is proven, nothing is rewritten, the logits stay eager's."""
+        model = tiny("bloom", "eager").eval()
+        ops = []
+        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
+        ids = torch.randint(0, VOCAB, (2, 7))
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, :3] = 0   # left padding
+        with fx_passes.enabled(), torch.no_grad():
+            out = compiled(ids, attention_mask=mask, use_cache=False).logits
+            torch.testing.assert_close(out, model(ids, attention_mask=mask, use_cache=False).logits)
+        self.assertEqual(counters["attn"]["sdpa_to_attn_matched"], 0)
+        self.assertEqual(counters["attn"]["sdpa_to_attn_declined"], 2)
+        self.assertEqual(ops.count("bmm"), 2)
 
     def test_gpt_oss_eager_sinks_and_sliding_window(self):
         """Learned sinks (a softmax column without a value) on every layer; a window on every other

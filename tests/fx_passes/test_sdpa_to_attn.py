@@ -160,6 +160,62 @@ def matmul_sinks(q, k, v):
     return torch.softmax(combined, dim=-1)[..., :-1] @ v
 
 
+def alibi_slopes(h, device):
+    """BLOOM's and Falcon's slopes for `h` heads (a power of two), as they compute them."""
+    powers = torch.arange(1, h + 1, device=device, dtype=torch.int32)
+    return torch.pow(torch.full((), 2 ** (-8 / h), device=device), powers)
+
+
+def hf_additive_mask(b, s, dtype, device):
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(hf_index_mask(b, s, device), zero, torch.finfo(dtype).min)
+
+
+def sdpa_hf_float_mask(q, k, v):
+    """Hugging Face's eager mask (`where(causal, 0, min)`) given to SDPA: a float causal mask."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_additive_mask(q.shape[0], q.shape[2], q.dtype, q.device))
+
+
+def sdpa_falcon_alibi(q, k, v):
+    """Falcon's spelling: bfloat16 slopes times positions, over sqrt(D), folded into the float causal
+    mask SDPA gets (masked where `where(causal, 0, min) < -1`)."""
+    b, h, s, d = q.shape
+    ones = torch.ones(b, s, dtype=torch.long, device=q.device)
+    positions = ((ones.cumsum(dim=-1) - 1) * ones)[:, None, :]
+    alibi = (alibi_slopes(h, q.device)[..., None].bfloat16() * positions).reshape(b * h, 1, s).to(q.dtype)
+    alibi = alibi.reshape(b, -1, *alibi.shape[1:])
+    causal = hf_additive_mask(b, s, q.dtype, q.device)
+    mask = torch.masked_fill(alibi / math.sqrt(d), causal < -1, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def bmm_bloom_alibi(q, k, v):
+    """BLOOM's spelling: `baddbmm(alibi, q, k^T)` over `[B*H, S, D]` views, the alibi `slopes *
+    arange(S)` repeated over the batch, the causal mask added to a `[B, H, S, S]` view."""
+    b, h, s, d = q.shape
+    alibi = (alibi_slopes(h, q.device)[:, None, None] * torch.arange(s, device=q.device)).repeat(b, 1, 1).to(q.dtype)
+    scores = alibi.baddbmm(batch1=q.reshape(b * h, -1, d), batch2=k.reshape(b * h, -1, d).transpose(-1, -2),
+                           beta=2.0, alpha=d ** -0.5)
+    probs = F.softmax(scores.view(b, h, s, -1) + hf_additive_mask(b, s, q.dtype, q.device), dim=-1, dtype=torch.float32)
+    probs = F.dropout(probs.to(q.dtype), p=0.1, training=False)
+    return torch.bmm(probs.view(b * h, s, -1), v.reshape(b * h, -1, d)).view(b, h, s, d)
+
+
+class RelativeAlibi(torch.nn.Module):
+    """Slopes in a buffer times relative positions `k - q`, after the scaling, then `triu` masked."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor([0.5, 0.3, 0.2, 0.1][:heads]))
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        i = torch.arange(s, device=q.device)
+        scores = q @ k.transpose(-1, -2) * 0.25 + self.slopes.view(1, -1, 1, 1) * (i[None, :] - i[:, None])
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), diagonal=1)
+        return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
 # Declined spellings.
 
 
@@ -212,6 +268,43 @@ def matmul_additive_mask(q, k, v):
     s = q.shape[2]
     mask = torch.triu(torch.full((s, s), float("-inf"), device=q.device), diagonal=1)
     return torch.softmax(q @ k.transpose(-2, -1) + mask, dim=-1) @ v
+
+
+def causal_bias(b, s, bias, device):
+    """`bias` where Hugging Face's causal mask is true, -inf elsewhere."""
+    return torch.where(hf_index_mask(b, s, device), bias, -math.inf)
+
+
+def sdpa_alibi_quadratic(q, k, v):
+    """Slopes times the square of the key position: not ALiBi."""
+    b, h, s, _ = q.shape
+    j = torch.arange(s, device=q.device)
+    bias = alibi_slopes(h, q.device)[:, None, None] * (j * j)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(b, s, bias, q.device))
+
+
+def sdpa_alibi_per_query(q, k, v):
+    """Slopes that vary with the query, not with the head."""
+    b, _, s, _ = q.shape
+    slopes = torch.linspace(0.1, 1.0, s, device=q.device)[:, None]
+    bias = slopes * torch.arange(s, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(b, s, bias, q.device))
+
+
+def matmul_alibi_not_causal(q, k, v):
+    """ALiBi without a causal mask: `slope * k` differs from `-slope * |q - k|` past the diagonal."""
+    b, h, s, _ = q.shape
+    bias = alibi_slopes(h, q.device)[:, None, None] * torch.arange(s, device=q.device)
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, dim=-1) @ v
+
+
+BIAS = torch.randn(4, 1, 6)
+
+
+def sdpa_bias_not_from_positions(q, k, v):
+    """A bias tensor whose values the pass cannot see (not slopes times positions)."""
+    b, _, s, _ = q.shape
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(b, s, BIAS, q.device))
 
 
 def qkv(b=2, hq=4, hkv=4, sq=6, sk=6, d=16, dv=None, dtype=torch.float32, requires_grad=False):
@@ -274,6 +367,10 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(matmul_sinks_kept, {}, "the scores pass through cat", id="sink_column_kept"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
     pytest.param(sdpa, dict(sq=1, sk=9), "a decode step", id="decode_step_over_cache"),
+    pytest.param(sdpa_alibi_quadratic, {}, "not recognized as where(causal mask", id="alibi_quadratic"),
+    pytest.param(sdpa_alibi_per_query, {}, "per-head factor along dim 2", id="alibi_per_query"),
+    pytest.param(matmul_alibi_not_causal, {}, "without a causal mask", id="alibi_not_causal"),
+    pytest.param(sdpa_bias_not_from_positions, {}, "not recognized as where(causal mask", id="bias_tensor"),
 ])
 def test_declines_with_reason(fn, shapes, reason, caplog):
     caplog.set_level(logging.DEBUG, logger="fx_passes")
@@ -308,8 +405,9 @@ def run_pass_without_inductor(fn, inputs):
     (matmul_hf_additive_mask, {}),
     (matmul_inplace_div_additive_mask, {}),
     (matmul_sinks, {}),
+    (sdpa_hf_float_mask, {}),
 ], ids=["permute_unsqueeze_invert", "logical_not_swapaxes", "hf_index_mask", "hf_additive_mask", "inplace_div",
-        "sinks"])
+        "sinks", "sdpa_float_mask"])
 def test_more_spellings_without_inductor(fn, shapes):
     inputs = qkv(**shapes)
     out, rewrites, targets = run_pass_without_inductor(fn, inputs)
@@ -429,3 +527,68 @@ def test_soft_capping_becomes_softcap():
     out = torch.compile(matmul_softcap_causal, backend=backend, fullgraph=True)(*inputs)
     assert seen == [(0.25, 5.0, True)]
     check_close(matmul_softcap_causal, inputs, out)
+
+
+def run_recording_slopes(fn, calls):
+    """`fn` through Dynamo (automatic dynamic shapes) with `sdpa_to_attn` applied, run eagerly on
+    each input tuple of `calls`; returns (outputs, the `alibi_slopes` each rewritten attention got,
+    rewrites per compiled graph)."""
+    slopes, rewrites = [], []
+
+    def recording(*args, **kwargs):
+        slopes.append(kwargs["alibi_slopes"])
+        return context_attention_bhsd(*args, **kwargs)
+
+    def backend(gm, example_inputs):
+        rewrites.append(sdpa_to_attn.apply(gm.graph))
+        for n in gm.graph.nodes:
+            if n.target is context_attention_bhsd:
+                n.target = recording
+        gm.recompile()
+        return gm.forward
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(*inputs) for inputs in calls]
+    return outs, slopes, rewrites
+
+
+def standard_slopes(h):
+    return 2.0 ** (-8.0 / h * torch.arange(1, h + 1))
+
+
+class Unbound(torch.nn.Module):
+    """`fn(q, k, v)` on one `[3, B, H, S, D]` input: q, k and v share their (symbolic) sizes."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(*x.unbind(0))
+
+
+@pytest.mark.parametrize("fn, slopes", [
+    (sdpa_falcon_alibi, standard_slopes(4).bfloat16().float() / 4),
+    (bmm_bloom_alibi, standard_slopes(4) * 2.0),
+    (RelativeAlibi(), torch.tensor([0.5, 0.3, 0.2, 0.1])),
+], ids=["falcon_sdpa_mask", "bloom_baddbmm", "relative_buffer"])
+def test_alibi_becomes_alibi_slopes(fn, slopes):
+    """The bias's slopes (times its scaling: BLOOM's `beta`, Falcon's `1 / sqrt(D)`) reach the op;
+    the second length recompiles with a symbolic one."""
+    model = Unbound(fn)
+    calls = [(torch.randn(3, 2, 4, s, 16),) for s in (6, 9)]
+    outs, seen, rewrites = run_recording_slopes(model, calls)
+    assert rewrites == [1, 1] and len(seen) == 2
+    for got, inputs, out in zip(seen, calls, outs):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, slopes.float())
+        check_close(model, inputs, out)
+
+
+def test_alibi_inductor():
+    inputs = qkv()
+    out, code = compile_and_run(sdpa_falcon_alibi, inputs)
+    assert counters["attn"]["sdpa_to_attn_matched"] == 1
+    assert OP in code and "alibi_slopes" in code
+    check_close(sdpa_falcon_alibi, inputs, out)
