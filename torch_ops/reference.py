@@ -101,6 +101,16 @@ def attend(
     return out.to(softmax_dtype).transpose(0, 1), lse.transpose(0, 1)
 
 
+def _ranges(bounds: list[int], size: int) -> list[tuple[int, int]]:
+    """Each sequence's `[start, end)` from its boundaries, clamped into `[0, size]` as the kernels
+    clamp them (a bad length touches nothing outside the tensor)."""
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        lo = min(max(lo, 0), size)
+        out.append((lo, min(max(hi, lo), size)))
+    return out
+
+
 def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int, dtype: torch.dtype) -> torch.Tensor:
     """The first `length` tokens of one sequence, dequantized to `[length, Hkv, D]` in `dtype`."""
     block_size = cache.shape[1]
@@ -118,9 +128,11 @@ def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, 
     acc = _acc_dtype(compute_dtype)
     out = torch.zeros(query.shape, dtype=acc, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=acc, device=query.device)
-    starts, lens = q_starts.tolist(), seq_lens.tolist()
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    q_rows, lens = _ranges(q_starts.tolist(), query.shape[0]), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
-        q0, q1 = starts[b], starts[b + 1]
+        q0, q1 = q_rows[b]
+        seq_len = min(max(seq_len, 0), capacity)
         if q1 == q0:
             continue
         k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len, acc)
@@ -172,9 +184,9 @@ def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=F
     t, hq, _ = query.shape
     out = torch.zeros(t, hq, value.shape[-1], dtype=acc, device=query.device)
     lse = torch.full((t, hq), float("-inf"), dtype=acc, device=query.device)
-    qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(qs) - 1):
-        q0, q1, k0, k1 = qs[b], qs[b + 1], ks[b], ks[b + 1]
+    q_rows, k_rows = _ranges(cu_seqlens_q.tolist(), t), _ranges(cu_seqlens_k.tolist(), key.shape[0])
+    for b in range(len(q_rows)):
+        (q0, q1), (k0, k1) = q_rows[b], k_rows[b]
         if q1 == q0:
             continue
         positions = torch.arange((k1 - k0) - (q1 - q0), k1 - k0, device=query.device)

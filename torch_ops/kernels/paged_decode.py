@@ -141,6 +141,13 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _seq_len(SeqLens, b, kv_cap):
+    """Sequence `b`'s key count, clamped into the block table's capacity: a bad length reads no
+    memory outside it."""
+    return tl.minimum(tl.maximum(tl.load(SeqLens + b).to(tl.int32), 0), kv_cap)
+
+
+@triton.jit
 def _split_geometry(L, window_left, split, num_splits, min_split,
                     QPS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key range of split `split` of a sequence of `L` keys: (kv_lo, start, end, n_active).
@@ -468,7 +475,7 @@ def _paged_decode_kernel(
     stride_fp8s,
     stride_btb, stride_btp,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len, kv_cap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
     PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
@@ -488,7 +495,7 @@ def _paged_decode_kernel(
 
     CHUNK: tl.constexpr = R * BLOCK_N       # keys per loop step
     RP: tl.constexpr = BLOCK_M // R         # query rows per replica
-    L = tl.load(SeqLens + b).to(tl.int32)
+    L = _seq_len(SeqLens, b, kv_cap)
     kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
                                                   QPS, HAS_WINDOW, CHUNK)
     if SPLIT:
@@ -641,7 +648,7 @@ def _merge_kernel(
     POut, PLse, Out, Lse, SeqLens, Sinks, OutScale,
     window_left, num_splits, min_split,
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
-    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh, kv_cap,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NS_P: tl.constexpr, CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -652,7 +659,7 @@ def _merge_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
-    L = tl.load(SeqLens + t // QPS).to(tl.int32)
+    L = _seq_len(SeqLens, t // QPS, kv_cap)
     _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, CHUNK)
     s = tl.arange(0, NS_P)
     s_ok = s < n_active
@@ -989,6 +996,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides, *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
+        max_blocks * page,
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
@@ -1010,7 +1018,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         merge_d = min(block_d, max(16, MERGE_TILE // ns_p))
         merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
             int(window_left), num_splits, min_split, *p_strides,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), max_blocks * page,
         ), dict(
             NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=merge_d,
             NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=has_window,

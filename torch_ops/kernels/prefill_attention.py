@@ -247,12 +247,12 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs"])   # a per-step value: one compiled kernel for every batch
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_cap"])   # per-step values: one kernel for every batch
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,
     QScale, KScale, VScale, Alibi, Sinks, OutScale,
-    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries,
+    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries, num_tokens, kv_cap,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btp,
@@ -281,8 +281,10 @@ def _prefill_kernel(
     else:
         slot = tl.num_programs(0) // HEAD_PROGS - 1 - pid // HEAD_PROGS   # heaviest tiles first
         b = _find_sequence(CuQ, num_seqs, slot, TOK)
-    q_start = tl.load(CuQ + b).to(tl.int32)
-    q_len = tl.load(CuQ + b + 1).to(tl.int32) - q_start
+    # lengths clamped into the tensors (T query rows; the block table's or Tk keys): bad
+    # metadata reads and writes no memory outside them
+    q_start = tl.minimum(tl.maximum(tl.load(CuQ + b).to(tl.int32), 0), num_tokens)
+    q_len = tl.minimum(tl.maximum(tl.load(CuQ + b + 1).to(tl.int32), q_start), num_tokens) - q_start
     if SHORT:
         tok0 = q_len * 0
         if q_len > TOK or q_len > max_queries:
@@ -295,10 +297,10 @@ def _prefill_kernel(
         return
     if PAGED:   # KvLens: seq_lens [B]
         kv_start = q_len * 0
-        kv_len = tl.load(KvLens + b).to(tl.int32)
+        kv_len = tl.minimum(tl.maximum(tl.load(KvLens + b).to(tl.int32), 0), kv_cap)
     else:       # KvLens: cu_seqlens_k [B + 1]
-        kv_start = tl.load(KvLens + b).to(tl.int32)
-        kv_len = tl.load(KvLens + b + 1).to(tl.int32) - kv_start
+        kv_start = tl.minimum(tl.maximum(tl.load(KvLens + b).to(tl.int32), 0), kv_cap)
+        kv_len = tl.minimum(tl.maximum(tl.load(KvLens + b + 1).to(tl.int32), kv_start), kv_cap) - kv_start
 
     # ---- rows: TOK tokens x HPT heads of KV head kh's group ------------------------------------
     m = tl.arange(0, BLOCK_M)
@@ -547,6 +549,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
         SHORT_BLOCK_M // group if short_cfg else 0,
         2**31 - 1 if max_queries is None else max_queries,   # None: a constant, one kernel specialization
+        t, block_tables.shape[1] * k.shape[1] if paged else k.shape[0],
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
