@@ -183,15 +183,21 @@ def _check_block_tables(block_tables, seq_lens, dev) -> None:
             f"got shape {tuple(block_tables.shape)}")
 
 
+def check_key_mask(key_mask, query) -> None:
+    """`key_mask`: None, or bool `[T, N]` on the query's device with unit stride along N."""
+    if key_mask is None:
+        return
+    check_tensor(key_mask, "key_mask", 2, "[T, N] bool", query.device, (torch.bool,))
+    if not (key_mask.shape[0] == query.shape[0] and key_mask.stride(-1) == 1):
+        raise ValueError(f"key_mask must be [T, N] = [{query.shape[0]}, N] with unit stride along N, "
+                         f"got shape {tuple(key_mask.shape)} and strides {key_mask.stride()}")
+
+
 def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale, v_scale, key_mask=None,
                        **options):
     _check_query(query)
     dev = query.device
-    if key_mask is not None:
-        check_tensor(key_mask, "key_mask", 2, "[T, N] bool", dev, (torch.bool,))
-        if not (key_mask.shape[0] == query.shape[0] and key_mask.stride(-1) == 1):
-            raise ValueError(f"key_mask must be [T, N] = [{query.shape[0]}, N] with unit stride along N, "
-                             f"got shape {tuple(key_mask.shape)} and strides {key_mask.stride()}")
+    check_key_mask(key_mask, query)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     _check_block_tables(block_tables, seq_lens, dev)
     fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, max_block_size=None)
@@ -209,9 +215,10 @@ def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_sca
 
 
 def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal,
-                        k_scale, v_scale, **options):
+                        k_scale, v_scale, key_mask=None, **options):
     _check_query(query)
     dev = query.device
+    check_key_mask(key_mask, query)
     _check_block_tables(block_tables, seq_lens, dev)
     check_vector(cu_seqlens_q, "cu_seqlens_q", seq_lens.shape[0] + 1, dev, INDEX_DTYPES, "[B + 1]")
     fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale)
@@ -235,10 +242,12 @@ def check_rope(positions, cos_sin_cache, tokens: int, head_dim: int, device) -> 
 
 
 def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal, q_scale,
-                            k_scale, v_scale, out_dtype, positions, cos_sin_cache, rope_neox, **options):
+                            k_scale, v_scale, out_dtype, positions, cos_sin_cache, rope_neox, key_mask=None,
+                            **options):
     if not isinstance(query, torch.Tensor):
         raise TypeError("query must be a tensor [Tq, Hq, D]")
     dev = query.device
+    check_key_mask(key_mask, query)
     inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D]"))
     for name, t, desc in inputs:
         check_tensor(t, name, 3, desc, dev, QUERY_DTYPES + (torch.float8_e4m3fn,))

@@ -109,6 +109,7 @@ V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED = 0, 1, 2   # AttnValueLayout
 UNSUPPORTED_OPTIONS = {  # option -> (value meaning "off", what the kernel lacks)
     "alibi_slopes": (None, "ALiBi"), "window_left": (-1, "sliding windows"), "sink_tokens": (0, "sink tokens"),
     "sinks": (None, "learned sinks"), "softcap": (0.0, "soft-capping"), "positions": (None, "fused RoPE"),
+    "key_mask": (None, "a per-key mask"),
 }
 
 

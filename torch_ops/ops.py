@@ -33,12 +33,12 @@ ATTENTION_OPS = {
     "paged_prefill": (
         "Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
         "Tensor seq_lens",
-        f"bool causal=True, {_COMMON}, {_KV_SCALES}",
+        f"bool causal=True, {_COMMON}, {_KV_SCALES}, Tensor? key_mask=None",
     ),
     "context_attention": (
         "Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k",
         f"bool causal=False, {_COMMON}, Tensor? q_scale=None, {_KV_SCALES}, ScalarType? out_dtype=None, "
-        "Tensor? positions=None, Tensor? cos_sin_cache=None, bool rope_neox=True",
+        "Tensor? positions=None, Tensor? cos_sin_cache=None, bool rope_neox=True, Tensor? key_mask=None",
     ),
     "merge_states": ("Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b", ""),
 }

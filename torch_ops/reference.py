@@ -101,6 +101,16 @@ def attend(
     return out.to(softmax_dtype).transpose(0, 1), lse.transpose(0, 1)
 
 
+def _mask_rows(key_mask, q0: int, q1: int, num_keys: int):
+    """`key_mask`'s rows `q0:q1` over a sequence's `num_keys` keys (keys past its width hidden)."""
+    if key_mask is None:
+        return None
+    rows = torch.zeros(q1 - q0, num_keys, dtype=torch.bool, device=key_mask.device)
+    n = min(num_keys, key_mask.shape[1])
+    rows[:, :n] = key_mask[q0:q1, :n]
+    return rows
+
+
 def _ranges(bounds: list[int], size: int) -> list[tuple[int, int]]:
     """Each sequence's `[start, end)` from its boundaries, clamped into `[0, size]` as the kernels
     clamp them (a bad length touches nothing outside the tensor)."""
@@ -138,13 +148,8 @@ def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, 
         k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len, acc)
         v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len, acc)
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        rows = None
-        if key_mask is not None:   # keys past the mask's width are hidden
-            rows = torch.zeros(q1 - q0, seq_len, dtype=torch.bool, device=query.device)
-            n = min(seq_len, key_mask.shape[1])
-            rows[:, :n] = key_mask[q0:q1, :n]
-        o, l = attend(query[q0:q1], k, v, positions, causal=causal, key_mask=rows, compute_dtype=compute_dtype,
-                      **options)
+        o, l = attend(query[q0:q1], k, v, positions, causal=causal, key_mask=_mask_rows(key_mask, q0, q1, seq_len),
+                      compute_dtype=compute_dtype, **options)
         out[q0:q1], lse[q0:q1] = o, l
     return finish_output(out, attention_output_dtype(query, out_scale), out_scale), lse
 
@@ -170,7 +175,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 
 def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, q_scale=None,
                       k_scale=None, v_scale=None, out_scale=None, out_dtype=None, positions=None,
-                      cos_sin_cache=None, rope_neox=True, compute_dtype=torch.float32, **options):
+                      cos_sin_cache=None, rope_neox=True, key_mask=None, compute_dtype=torch.float32, **options):
     """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`.
     With `positions [T]`, query and key are rotated first (RoPE), rounded to their dtype as a
     separate RoPE op would leave them (the float64 oracle keeps them unrounded)."""
@@ -191,7 +196,7 @@ def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=F
             continue
         positions = torch.arange((k1 - k0) - (q1 - q0), k1 - k0, device=query.device)
         o, l = attend(query[q0:q1], key[k0:k1], value[k0:k1], positions, causal=causal,
-                      compute_dtype=compute_dtype, **options)
+                      key_mask=_mask_rows(key_mask, q0, q1, k1 - k0), compute_dtype=compute_dtype, **options)
         out[q0:q1], lse[q0:q1] = o, l
     return finish_output(out, dtype, out_scale), lse
 

@@ -29,13 +29,13 @@ attn::paged_decode.out(
         self.assertExpectedInline(schema("paged_prefill"), """\
 attn::paged_prefill(
   Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens,
-  *, bool causal=True, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse)""")
+  *, bool causal=True, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? key_mask=None) -> (Tensor out, Tensor lse)""")
 
     def test_context_attention(self):
         self.assertExpectedInline(schema("context_attention"), """\
 attn::context_attention(
   Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
-  *, bool causal=False, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? q_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, ScalarType? out_dtype=None, Tensor? positions=None, Tensor? cos_sin_cache=None, bool rope_neox=True) -> (Tensor out, Tensor lse)""")
+  *, bool causal=False, float? scale=None, float q_scaling=1., Tensor? alibi_slopes=None, int window_left=-1, int sink_tokens=0, Tensor? sinks=None, float softcap=0., Tensor? out_scale=None, Tensor? q_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, ScalarType? out_dtype=None, Tensor? positions=None, Tensor? cos_sin_cache=None, bool rope_neox=True, Tensor? key_mask=None) -> (Tensor out, Tensor lse)""")
 
     def test_kv_cache_write(self):
         self.assertExpectedInline(schema("kv_cache_write"), """\

@@ -98,7 +98,7 @@ def run(*args, **kwargs) -> None:
 def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=False, scale=None, q_scaling=1.0,
             alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
             q_scale=None, k_scale=None, v_scale=None, out_dtype=None, positions=None, cos_sin_cache=None,
-            rope_neox=True):
+            rope_neox=True, key_mask=None):
     """`launch(*args, **kwargs)` for calls of this signature. `out_dtype` only chose the dtype of
     `out`, which the kernel writes in whatever dtype it has."""
     rotate = None
@@ -109,15 +109,16 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
         query, key, value, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, causal=causal,
         scale=scale, q_scaling=q_scaling, alibi_slopes=alibi_slopes, window_left=window_left,
         sink_tokens=sink_tokens, sinks=sinks, softcap=softcap, out_scale=out_scale, q_scale=q_scale,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, key_mask=key_mask)
 
     def launch(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, alibi_slopes=None, sinks=None,
-               out_scale=None, q_scale=None, k_scale=None, v_scale=None, positions=None, cos_sin_cache=None, **_):
+               out_scale=None, q_scale=None, k_scale=None, v_scale=None, positions=None, cos_sin_cache=None,
+               key_mask=None, **_):
         if rotate is not None:
             query, key = rotate[0](query, positions, cos_sin_cache), rotate[1](key, positions, cos_sin_cache)
         forward(query, key, value, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 alibi_slopes=alibi_slopes, sinks=sinks, out_scale=out_scale, q_scale=q_scale, k_scale=k_scale,
-                v_scale=v_scale)
+                v_scale=v_scale, key_mask=key_mask)
 
     launch.describe = ("Triton RoPE of q and k, then " if rotate else "") + getattr(forward, "describe", "")
     return launch

@@ -16,20 +16,20 @@ def run(*args, **kwargs) -> None:
 
 def prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, causal=True, scale=None,
             q_scaling=1.0, alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0,
-            out_scale=None, k_scale=None, v_scale=None, max_queries=None):
+            out_scale=None, k_scale=None, v_scale=None, max_queries=None, key_mask=None):
     """`launch(*args, **kwargs)` for calls of this signature. `max_queries`: serve only the
     sequences of at most that many queries (the `mixed` backend)."""
     forward = prefill_attention.prepare(
         query, k_cache, v_cache, out, lse, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
         seq_lens=seq_lens, causal=causal, scale=scale, q_scaling=q_scaling, alibi_slopes=alibi_slopes,
         window_left=window_left, sink_tokens=sink_tokens, sinks=sinks, softcap=softcap,
-        out_scale=out_scale, k_scale=k_scale, v_scale=v_scale, max_queries=max_queries)
+        out_scale=out_scale, k_scale=k_scale, v_scale=v_scale, max_queries=max_queries, key_mask=key_mask)
 
     def launch(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, alibi_slopes=None,
-               sinks=None, out_scale=None, k_scale=None, v_scale=None, **_):
+               sinks=None, out_scale=None, k_scale=None, v_scale=None, key_mask=None, **_):
         forward(query, k_cache, v_cache, out, lse, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
                 seq_lens=seq_lens, alibi_slopes=alibi_slopes, sinks=sinks, out_scale=out_scale, k_scale=k_scale,
-                v_scale=v_scale)
+                v_scale=v_scale, key_mask=key_mask)
 
     launch.describe = getattr(forward, "describe", "")
     return launch

@@ -140,11 +140,11 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
 def _attend_tile(
     acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-    stride_ksb, stride_kst, stride_vsb, stride_vst,
+    stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
 ):
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units).
@@ -188,6 +188,9 @@ def _attend_tile(
             visible = visible & (dist >= 0)
         if HAS_WINDOW:
             visible = visible & ((dist <= window_left) | (offs_n < sink_tokens)[None, :])
+        if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for padding rows); every tile is masked
+            visible = visible & (tl.load(km_rows[:, None] + offs_n[None, :],
+                                         mask=visible & (offs_n < km_len)[None, :], other=0) != 0)
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -210,11 +213,11 @@ def _attend_range(
     acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-    stride_ksb, stride_kst, stride_vsb, stride_vst,
+    stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -229,9 +232,9 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-                stride_ksb, stride_kst, stride_vsb, stride_vst,
+                stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
             it += 1
     else:
         for it in range(it_lo, it_hi):
@@ -241,9 +244,9 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-                stride_ksb, stride_kst, stride_vsb, stride_vst,
+                stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
     return acc, m_i, l_i
 
 
@@ -251,13 +254,13 @@ def _attend_range(
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,
-    QScale, KScale, VScale, Alibi, Sinks, OutScale,
+    QScale, KScale, VScale, Alibi, Sinks, OutScale, KeyMask,
     qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries, num_tokens, kv_cap,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btp,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    stride_qs, stride_ks, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    stride_qs, stride_ks, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_kmt, km_len,
     GROUP: tl.constexpr, HPT: tl.constexpr, HEAD_CHUNKS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
@@ -265,7 +268,7 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
-    SHORT: tl.constexpr, SEQ_SLOTS: tl.constexpr, INTERPRET: tl.constexpr,
+    SHORT: tl.constexpr, SEQ_SLOTS: tl.constexpr, INTERPRET: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // HPT
     HEAD_PROGS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
@@ -312,6 +315,7 @@ def _prefill_kernel(
     pos = kv_len - q_len + tl.minimum(tok, last_tok)   # padding rows borrow a real row's position
     p_min = kv_len - q_len + tok0
     p_max = kv_len - q_len + last_tok
+    km_rows = KeyMask + tl.where(row_ok, q_start + tok, 0).to(tl.int64) * stride_kmt
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -348,6 +352,8 @@ def _prefill_kernel(
     n_sink = t_lo * 0
     if HAS_WINDOW:
         n_sink = tl.cdiv(tl.minimum(sink_tokens, t_lo * BLOCK_N), BLOCK_N)
+    if HAS_KEY_MASK:   # no tile is seen whole by every row
+        f_hi = f_lo
 
     Kh = K + kh.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_kt
     Vh = V + kh.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vt
@@ -363,23 +369,23 @@ def _prefill_kernel(
             acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-            stride_ksb, stride_kst, stride_vsb, stride_vst,
+            stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-            HAS_ALIBI, True, True, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+            HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-        stride_ksb, stride_kst, stride_vsb, stride_vst,
+        stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-        HAS_ALIBI, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
-        stride_ksb, stride_kst, stride_vsb, stride_vst,
+        stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-        HAS_ALIBI, True, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
 
     # ---- epilogue ----------------------------------------------------------------------------
     if HAS_SINKS:   # one more logit, with no value
@@ -488,7 +494,7 @@ def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
 
 def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
             causal, scale, q_scaling, alibi_slopes, window_left, sink_tokens, sinks, softcap, out_scale,
-            q_scale=None, k_scale=None, v_scale=None, max_queries=None):
+            q_scale=None, k_scale=None, v_scale=None, max_queries=None, key_mask=None):
     """The launch of a call of this signature (only the arguments' metadata is read): `launch(query,
     k, v, out, lse, **tensors)`, with the tensor arguments of `prepare` by keyword, fills `out [T,
     Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries` queries, if
@@ -554,6 +560,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         stride_qs, stride_ks, *group_strides,
+        *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
     )
     constants = dict(
         GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)),
@@ -562,7 +569,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
-        ROUND_P_BF16=round_p_bf16, INTERPRET=interpret,
+        ROUND_P_BF16=round_p_bf16, INTERPRET=interpret, HAS_KEY_MASK=key_mask is not None,
     )
     kernels = [_kernel(scalars, constants, cfg, t, num_seqs, hkv, short=False, device=query.device,
                        max_queries=max_queries)]
@@ -570,7 +577,8 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         kernels.append(_kernel(scalars, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device))
 
     def launch(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
-               alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None, **_):
+               alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None,
+               key_mask=None, **_):
         global LAST_KERNEL
         if kv_fmt in (1, 2):
             k, v = k.view(torch.uint8), v.view(torch.uint8)
@@ -580,7 +588,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         tensors = (query, k, v, out, lse, cu_seqlens_q, seq_lens if paged else cu_seqlens_k,
                    block_tables if paged else lse, q_scale if q_fp8 else lse, k_scale, v_scale,
                    lse if alibi_slopes is None else alibi_slopes, lse if sinks is None else sinks,
-                   lse if out_scale is None else out_scale)
+                   lse if out_scale is None else out_scale, lse if key_mask is None else key_mask.view(torch.uint8))
         for kernel in kernels:
             kernel(*tensors)
         LAST_KERNEL = kernels[0].kernel

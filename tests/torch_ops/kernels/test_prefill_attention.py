@@ -23,6 +23,8 @@ from torch_ops import quant, kv_cache, reference
 from torch_ops.kernels import paged_prefill, prefill_attention as pa
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
+from .. import samples
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INT8, INT4 = torch.int8, torch.uint8
@@ -583,3 +585,21 @@ def test_context_rope_opcheck():
     problem = make_context("cpu", q_lens=lens, k_lens=lens, hq=4, hkv=2, d=16)
     options = dict(causal=True, **rope_options("cpu", 16, 8, False, sum(lens)))
     torch.library.opcheck(torch.ops.attn.context_attention.default, problem, options)
+
+
+@pytest.mark.parametrize("op", ["context_attention", "paged_prefill"])
+def test_key_mask_hides_the_keys_it_marks_false(kernel_device, op):
+    """`key_mask [T, N]` (keys indexed within each sequence): a row sees only its true keys, on
+    top of causality; a row with none gets zeros and -inf."""
+    args, kwargs = samples.sample(op, "causal" if op == "context_attention" else "mixed")
+    args = tuple(a.to(kernel_device) for a in args)
+    kwargs = {k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    mask = torch.rand(args[0].shape[0], 12, device=kernel_device) < 0.6
+    mask[0] = False
+    with torch_ops.use_backend("triton"):
+        out, lse = getattr(torch.ops.attn, op)(*args, **kwargs, key_mask=mask)
+    truth = getattr(reference, op)(*args, **kwargs, key_mask=mask, compute_dtype=torch.float64)
+    base = getattr(reference, op)(*args, **kwargs, key_mask=mask, compute_dtype=args[0].dtype)
+    assert_error_ratio(out, truth[0], base[0])
+    assert_error_ratio(lse, truth[1], base[1], name="lse")
+    assert (out[0].float() == 0).all() and (lse[0] == float("-inf")).all()
