@@ -22,7 +22,7 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple, neox: bool) 
 
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
-                           softcap: float = 0.0, sinks=None, alibi_slopes=None):
+                           softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None):
     """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
     `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
 
@@ -33,7 +33,8 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     dtype) and `alibi_slopes` (`[Hq]` fp32: `-slope * |q - k|` added to the scores). `out_scale`
     (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin` (broadcastable
     to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated (RoPE, partial when
-    R < D) inside the op."""
+    R < D) inside the op. `key_mask` (bool, broadcastable to `[B, 1, Sq, Sk]`): which keys each
+    query sees (any pattern: e.g. left padding), the op's `key_mask` row by row."""
     b, hq, sq, d = query.shape
     sk = key.shape[2]
 
@@ -49,10 +50,11 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     if cos is not None:
         positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)
         rope = dict(positions=positions, cos_sin_cache=table, rope_neox=rope_neox)
+    rows = None if key_mask is None else key_mask.expand(b, 1, sq, sk)[:, 0].reshape(b * sq, sk)
     out, _ = torch.ops.attn.context_attention(
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
         out_scale=out_scale, window_left=window_left, softcap=softcap,
-        sinks=sinks.float() if sinks is not None else None, alibi_slopes=alibi_slopes, **rope)
+        sinks=sinks.float() if sinks is not None else None, alibi_slopes=alibi_slopes, key_mask=rows, **rope)
     return out.view(b, sq, hq, d).transpose(1, 2)
 
 

@@ -6,7 +6,9 @@ Recognized spellings, in Dynamo's torch-level graph:
   dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
   Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`),
   or a float mask of such a mask and an ALiBi bias (`alibi.additive_mask`: Falcon's
-  `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent);
+  `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent); any
+  other bool mask that the heads share (e.g. a padding mask passed in, as in Hugging Face's
+  `generate()`) goes to the op as `key_mask`, row by row, without causality;
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
   scalings by constants (`*`, `/`, also in place; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
@@ -40,8 +42,8 @@ read with `.item()`) multiply the query instead (`q_factor`; RoPE, which the op 
 linear, so scaling before it is the same), and the op's `scale` keeps the constant part.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
-other mask or bias (padding, a mask passed in, positions from a padding mask, a bias not
-provably ALiBi, ALiBi without a causal mask), dropout in training, dtypes other than
+other mask or bias (bool masks that differ between heads, float masks that are not a causal
+mask with an ALiBi bias, positions from a padding mask, ALiBi without a causal mask), dropout in training, dtypes other than
 fp16/bf16/fp32, devices other than CPU/CUDA, attention that autograd records (the op has no
 autograd formula: compile under no_grad), one query over many keys (a decode step over a `[B,
 H, S, D]` cache: the op would repack the cache every call; on an H200 that made a 1B Llama
@@ -98,6 +100,7 @@ class Attention:
     sinks: fx.Node | None = None   # learned sink logits [Hq]: one more softmax column without a value
     alibi: list[alibi.Term] | None = None   # ALiBi slopes (`alibi.frame_slopes`), summed by `alibi.slopes_node`
     merged: bool = False    # `node` returns [B*Hq, Sq, D] (bmm over [B*H, S, D] views)
+    key_mask: fx.Node | None = None   # a bool mask shared by the heads, of any pattern (not causal)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -130,7 +133,7 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
     causal, scale = c.arg(5, "is_causal", False), c.arg(6, "scale")
     if not isinstance(causal, bool):
         raise Decline("is_causal is not a constant bool")
-    mask, mask_nodes, slopes = c.arg(3, "attn_mask"), [], None
+    mask, mask_nodes, slopes, key_mask = c.arg(3, "attn_mask"), [], None, None
     if mask is not None:
         q, k = value(c.arg(0, "query")), value(c.arg(1, "key"))
         if causal or not is_tensor(mask) or not is_tensor(q) or not is_tensor(k):
@@ -140,16 +143,20 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
         if value(mask).dtype == torch.bool:
             window = index_mask.causal_window(mask, mask_nodes)
             if window is None:
-                raise Decline(f"attn_mask {mask.name} is given and not recognized as the causal mask "
-                              "(only is_causal and a bool mask provably equal to k <= q, or to q - w <= k <= q, "
-                              "are served)")
+                # another bool mask (e.g. one built outside the graph, with padding) goes to the op
+                # row by row, if the heads share it
+                shape = value(mask).shape
+                if len(shape) >= 3 and not known_equal(shape[-3], 1):
+                    raise Decline(f"attn_mask {mask.name} is neither the causal mask (k <= q, or q - w <= k <= q) "
+                                  "nor a bool mask shared by the heads")
+                key_mask, window, mask_nodes = mask, -1, []
         else:
             window, terms = alibi.additive_mask(mask, mask_nodes) or (None, None)
             if window is None:
                 raise Decline(f"float attn_mask {mask.name} is not recognized as where(causal mask, 0 or an ALiBi "
                               "bias, -inf) (an ALiBi bias: per-head slopes times key positions)")
             slopes = _frame_slopes([(terms, value(mask).shape, scores_shape, False, 1.0, ())], q) if terms else []
-        causal = True
+        causal = key_mask is None
     else:
         window = -1
     factors = []
@@ -159,7 +166,7 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
         raise Decline(f"scale {scale} is not a number")
     return _attention(node, c.arg(0, "query"), c.arg(1, "key"), c.arg(2, "value"), causal=causal,
                       scale=None if scale is None else float(scale), nodes=[node, *mask_nodes], q_factors=factors,
-                      window_left=window, alibi=slopes)
+                      window_left=window, alibi=slopes, key_mask=key_mask)
 
 
 def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
@@ -309,7 +316,7 @@ _MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmu
 
 
 def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0,
-               sinks=None, alibi=None, merged=False) -> Attention:
+               sinks=None, alibi=None, merged=False, key_mask=None) -> Attention:
     """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
@@ -342,7 +349,8 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
     if alibi and not causal:
         raise Decline("an ALiBi bias without a causal mask: slope * k is the op's -slope * |q - k| (up to a "
                       "constant per row) only where k <= q")
-    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks, alibi, merged)
+    return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks, alibi, merged,
+                     key_mask)
 
 
 def _example_output(attention: Attention) -> torch.Tensor:
@@ -378,7 +386,7 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
                                    "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks,
-                                   "alibi_slopes": slopes})
+                                   "alibi_slopes": slopes, "key_mask": a.key_mask})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example.unflatten(0, value(a.query).shape[:2]) if a.merged else example
     out = insert_call(graph, a.node, "flatten", (new, 0, 1), method=True) if a.merged else new

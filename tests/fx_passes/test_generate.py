@@ -1,6 +1,7 @@
 """Hugging Face `generate()` with a static cache and a compiled forward: transformers builds each
-step's mask outside the graph (a graph input), and the decode steps still run on
-`attn::paged_decode`, taking the mask as `key_mask`, with left-padded batches."""
+step's mask outside the graph (a graph input), and both the prefill of the left-padded prompts
+(`attn::context_attention`) and the decode steps (`attn::paged_decode`) run on the ops, taking
+the mask as `key_mask`."""
 
 import pytest
 import torch
@@ -62,5 +63,7 @@ def test_generate_decodes_on_paged_decode_with_the_mask_from_outside_the_graph(c
                 config._compile_all_devices = True
                 got = _generate(model, ids, mask, compile_config=config)
     assert counters["attn"]["decode_to_paged_matched"] == LAYERS   # one decode graph, every layer
+    if compiled_by == "user":   # transformers compiles the decode steps only
+        assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS   # the prefill of the padded prompts
     assert sum(counters["graph_break"].values()) == 0
     _agree(*got, *want)

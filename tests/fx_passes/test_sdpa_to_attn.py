@@ -245,6 +245,13 @@ def sdpa_tril_mask(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def sdpa_mask_per_head(q, k, v):
+    """A bool mask that differs between heads."""
+    mask = torch.ones(q.shape[1], q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    mask[0] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def sdpa_dropout(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 
@@ -341,6 +348,8 @@ REWRITTEN = [
     (matmul_div, dict(sq=5, sk=7)),
     (matmul_causal_triu, {}),
     (matmul_hf_eager, dict(hkv=2, dtype=torch.bfloat16)),
+    (sdpa_tril_mask, {}),   # bool masks of other patterns: the op's key_mask
+    (sdpa_band_mask, {}),
 ]
 
 
@@ -354,7 +363,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
 
 
 @pytest.mark.parametrize("fn, shapes, reason", [
-    pytest.param(sdpa_tril_mask, {}, "not recognized as the causal mask", id="attn_mask"),
+    pytest.param(sdpa_mask_per_head, {}, "nor a bool mask shared by the heads", id="mask_per_head"),
     pytest.param(sdpa_dropout, {}, "dropout_p", id="dropout"),
     pytest.param(sdpa, dict(dtype=torch.float64), "dtypes", id="float64"),
     pytest.param(sdpa, dict(dv=8), "head dims differ", id="value_head_dim"),
@@ -362,7 +371,6 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(sdpa, dict(requires_grad=True), "autograd records it", id="requires_grad"),
     pytest.param(matmul_returns_weights, {}, "used outside the attention", id="returns_weights"),
     pytest.param(matmul_buffer_mask, {}, "not recognized as causal", id="buffer_mask"),
-    pytest.param(sdpa_band_mask, {}, "not recognized as the causal mask", id="band_mask"),
     pytest.param(matmul_mask_under_tanh, {}, "soft-capping before the mask", id="mask_under_tanh"),
     pytest.param(matmul_sinks_kept, {}, "the scores pass through cat", id="sink_column_kept"),
     pytest.param(matmul_additive_mask, {}, "pass through add", id="additive_mask"),
