@@ -9,17 +9,21 @@ from torch._dynamo.utils import counters
 
 import fx_passes
 
+from .test_hf_models import gemma3, llama, mistral, tiny
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
 LAYERS, NEW_TOKENS = 2, 6
 NEAR_TIE = 0.1   # a bf16 run of another kernel may flip tokens whose top-2 logits are this close
+FAMILIES = {"llama": llama, "mistral": mistral, "gemma3": gemma3,   # Mistral and Gemma 3: sliding windows
+            **{name: lambda impl, name=name: tiny(name, impl)
+               for name in ("qwen3", "phi3", "starcoder2", "gpt2", "opt", "falcon")}}
 
 
-def _model():
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(torch.bfloat16)
+def _model(family):
+    model = FAMILIES[family]("sdpa").eval().to(torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def _generate(model, ids, mask, **kwargs):
@@ -42,12 +46,12 @@ def _agree(tokens, logits, want_tokens, want_logits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compiled_by", ["user", "transformers"])
-def test_generate_decodes_on_paged_decode_with_the_mask_from_outside_the_graph(compiled_by):
+@pytest.mark.parametrize("family,compiled_by", [*((f, "user") for f in FAMILIES), ("llama", "transformers")])
+def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, compiled_by):
     """`torch.compile(model.forward)` by the user, or transformers' own compile of the decode
     steps (`CompileConfig`; on CPU only when asked for every device)."""
     torch.manual_seed(0)
-    model = _model()
+    model = _model(family)
     ids = torch.randint(1, 128, (3, 7))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0   # left padding
