@@ -1,0 +1,105 @@
+"""Compile the Triton launches of representative calls for sm_90 without a GPU: GPU-only
+compile errors (inline PTX, layouts, shared memory) show on a CPU machine. Run with
+TRITON_INTERPRET unset: `python -m tests.torch_ops.kernels.sm90_compile`; prints one line per
+call and exits non-zero if one fails."""
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from torch_ops import kv_cache
+from torch_ops.kernels import context_attention, kv_cache_write, launcher, paged_decode, paged_prefill
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
+         torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+compiled: list[str] = []
+
+
+def compile_launch(self: launcher.TritonLaunch, *tensors) -> None:
+    """Stands in for `TritonLaunch.__call__`: compiles the launch's kernel instead of running it."""
+    values = [*tensors, *self.scalars]
+    signature, constants = {}, {}
+    for i, p in enumerate(self.fn.params):
+        if p.name in self.meta or p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constants[p.name] = self.meta.get(p.name, p.default)
+        elif isinstance(values[i], torch.Tensor):
+            signature[p.name] = "*" + TYPES[values[i].dtype]
+        elif isinstance(values[i], int):
+            signature[p.name] = "i64" if abs(values[i]) >= 2**31 else "i32"
+        else:
+            signature[p.name] = "fp32"
+    options = {k: self.meta[k] for k in ("num_warps", "num_stages") if k in self.meta}
+    triton.compile(ASTSource(self.fn, signature, constants), target=TARGET, options=options)
+    compiled.append(self.fn.__name__)
+
+
+def _cache(fmt, blocks=64, page=16):
+    group = 32 if fmt in (torch.int8, torch.uint8) else None
+    cache = kv_cache.PagedKVCache.allocate(blocks, page, 8, 128, fmt, quant_group=group, scale_dtype=torch.float16)
+    return cache, {k: v for k, v in cache.scale_kwargs().items() if v is not None}
+
+
+def decode(fmt, key_mask=False, splits=None):
+    paged_decode.DEQUANT_ASM, paged_decode.FORCE_NUM_SPLITS = True, splits   # the GPU's dequantizing PTX
+    cache, kw = _cache(fmt)
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    args = (q, cache.k, cache.v, torch.zeros(4, 8, dtype=torch.int32), torch.full((4,), 100, dtype=torch.int32))
+    if key_mask:
+        kw["key_mask"] = torch.ones(4, 128, dtype=torch.bool)
+    out, lse = torch.empty_like(q), torch.empty(4, 32)
+    paged_decode.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
+
+
+def prefill(paged, key_mask=False, fmt=torch.bfloat16):
+    q = torch.zeros(256, 32, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(256, 32)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    kw = {"key_mask": torch.ones(256, 300, dtype=torch.bool)} if key_mask else {}
+    if paged:
+        cache, scales = _cache(fmt)
+        args = (q, cache.k, cache.v, torch.zeros(2, 20, dtype=torch.int32), cu, torch.tensor([150, 300], dtype=torch.int32))
+        kw.update(scales)
+        paged_prefill.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
+    else:
+        k = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
+        args = (q, k, k, cu, torch.tensor([0, 100, 300], dtype=torch.int32))
+        context_attention.prepare(*args, out=out, lse=lse, causal=True, **kw)(*args, out=out, lse=lse, **kw)
+
+
+def cache_write(fmt):
+    cache, kw = _cache(fmt)
+    key, slots = torch.zeros(32, 8, 128, dtype=torch.bfloat16), torch.arange(32, dtype=torch.int32)
+    kv_cache_write.prepare(key, key, cache.k, cache.v, slots, **kw)(key, key, cache.k, cache.v, slots, **kw)
+
+
+CALLS = {
+    "paged_decode bf16, key_mask, split-K": lambda: decode(torch.bfloat16, key_mask=True, splits=2),
+    "paged_decode FP8, key_mask": lambda: decode(torch.float8_e4m3fn, key_mask=True),
+    "paged_decode INT4, split-K": lambda: decode(torch.uint8, splits=2),
+    "context_attention, key_mask": lambda: prefill(False, key_mask=True),
+    "paged_prefill INT8, key_mask": lambda: prefill(True, key_mask=True, fmt=torch.int8),
+    "kv_cache_write INT8": lambda: cache_write(torch.int8),
+}
+
+
+def main() -> int:
+    launcher.TritonLaunch.__call__ = compile_launch
+    failed = 0
+    for name, call in CALLS.items():
+        compiled.clear()
+        try:
+            call()
+            print(f"ok {name}: {', '.join(compiled)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every call
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The Triton kernels compile for Hopper (sm_90) on any machine (tests/torch_ops/kernels/sm90_compile.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no CUDA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.torch_ops.kernels.sm90_compile"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.count("ok ") == 6, result.stdout
