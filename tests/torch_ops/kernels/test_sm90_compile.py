@@ -1,5 +1,6 @@
 """The Triton kernels compile for Hopper (sm_90) on any machine (tests/torch_ops/kernels/sm90_compile.py)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,9 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this Triton has no CUDA backend to compile with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.torch_ops.kernels.sm90_compile"], cwd=ROOT, env=env,
