@@ -28,7 +28,7 @@ IMG = ROOT / "docs" / "img"
 # file-name prefix -> benchmark (the committed names, and the names the scripts write)
 PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", "bench_prefill": "prefill",
             "fp8": "fp8", "kvwrite": "kvwrite", "bench_kv_cache_write": "kvwrite", "bench_host": "host",
-            "e2e_compile": "e2e", "serving": "serving", "serving_grid": "serving",
+            "e2e_compile": "e2e", "generate": "generate", "bench_generate": "generate", "serving": "serving", "serving_grid": "serving",
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
             "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass"}
 # nominal limits per GPU (matched in env.gpu): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
@@ -413,6 +413,36 @@ def e2e(data: dict, name: str):
     return text, table(header, body), plot, shlex.join(["python", "benchmarks/bench_e2e_compile.py", *flags])
 
 
+def generate(data: dict, name: str):
+    rows = [r for r in data["rows"] if "error" not in r]
+    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["model"], r["batch"], r["mode"]): r for r in rows}
+    new = rows[0]["new_tokens"] if rows else "-"
+    text = ("`model.generate(..., cache_implementation=\"static\")` of random-weight bf16 models (a 1B Llama; "
+            "the same size in Gemma 2's shape, which transformers runs through eager attention) on left-padded "
+            f"prompts of random lengths, {new} new tokens, greedy: eager, transformers' own compile of the "
+            "decode steps (`compile`), and the same inside `fx_passes.enabled()` (`passes`); `/graphs`: "
+            "`mode=\"reduce-overhead\"`. Tokens/s = batch x new tokens / seconds, prefill included; "
+            "`= eager`: the same tokens as eager. The whole model, so no single hardware limit applies.")
+    header = ["model", "B", *[f"{m} tok/s" for m in modes], "passes / compile", "= eager"]
+    body = []
+    for model, batch in keys:
+        cells = [by.get((model, batch, m), {}).get("tokens_per_s") for m in modes]
+        c, p = (by.get((model, batch, m), {}).get("tokens_per_s") for m in ("compile", "passes"))
+        equal = {by[(model, batch, m)].get("tokens_equal_eager") for m in modes if (model, batch, m) in by} - {None}
+        body.append([model, str(batch), *[num(v, 0) for v in cells], ratio(p, c) if c and p else "-",
+                     "yes" if equal == {"yes"} else "no" if "no" in equal else "-"])
+
+    def plot(plt):
+        series = [(m, [by.get((model, batch, m), {}).get("tokens_per_s", 0) for model, batch in keys]) for m in modes]
+        return bars(plt, [f"{model} B={batch}" for model, batch in keys], series, "tokens/s", "generate()")
+
+    args = data.get("args", {})
+    flags = ["--quick"] * bool(args.get("quick")) + ["--batch", *map(str, args["batch"])] * bool(args.get("batch"))
+    return text, table(header, body), plot, shlex.join(["python", "benchmarks/bench_generate.py", *flags])
+
+
 def serving(data: dict, name: str):
     m, rows = data["model"], data["rows"]
     text = (f"The serving engine's decode steps (Triton backend, a CUDA graph per batch size) on a random-weight "
@@ -481,6 +511,7 @@ SECTIONS = {
     "kvwrite": ("KV-cache write: `kv_cache_write`", kvwrite),
     "host": ("Host time per eager call", host),
     "e2e": ("End to end: `torch.compile` with the passes", e2e),
+    "generate": ("`generate()`: transformers' static-cache compile, stock and with the passes", generate),
     "serving": ("Serving: engine decode against transformers", serving),
     "serving_metadata": ("Serving: host time per step", serving_metadata),
 }

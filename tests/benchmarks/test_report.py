@@ -162,6 +162,20 @@ def test_serving_sections():
     assert "- engine decode 256 failed: ValueError: bad" in lines
 
 
+def test_generate_section():
+    def row(model, mode, tps, equal=None):
+        r = {"model": model, "batch": 8, "prompt_lengths": [600] * 8, "new_tokens": 128, "mode": mode,
+             "tokens_per_s": tps, "seconds": 1.0, "first_s": 30.0}
+        return r if equal is None else {**r, "tokens_equal_eager": equal}
+    rows = [row("llama", "eager", 100.0), row("llama", "compile", 400.0, "yes"), row("llama", "passes", 600.0, "yes"),
+            {"model": "gemma2", "batch": 8, "mode": "passes", "error": "RuntimeError: boom"}]
+    data = {"env": ENV, "args": {"batch": [8], "quick": False}, "rows": rows}
+    text, lines, _, cmd = report.generate(data, "generate_H200_x")
+    assert "128 new tokens" in text
+    assert "| llama | 8 | 100 | 400 | 600 | 1.50 | yes |" in lines
+    assert cmd == "python benchmarks/bench_generate.py --batch 8"
+
+
 def test_committed_results_hold_only_the_latest_runs():
     """benchmarks/results/ keeps the latest JSON of each benchmark on each GPU and nothing else."""
     kept = {path for path, _ in report.latest(report.RESULTS.glob("*.json")).values()}
