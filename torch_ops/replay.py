@@ -45,12 +45,14 @@ def _compiler() -> str:
 
 
 def _compile_command(target: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    toolkit = Path(nvcc.find_nvcc() or "/usr/local/cuda/bin/nvcc").resolve().parent.parent
-    torch_lib = Path(torch.__file__).parent / "lib"
+    compiler = Path(nvcc.find_nvcc() or "/usr/local/cuda/bin/nvcc")   # the toolkit's headers: cuda.h
+    toolkits = dict.fromkeys((compiler.parent.parent, compiler.resolve().parent.parent))
+    torch_dir = Path(torch.__file__).parent
+    torch_lib = torch_dir / "lib"
+    includes = (torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
+                *(t / "include" for t in toolkits))
     return [_compiler(), "-O2", "-std=c++20", "-fPIC", "-shared", str(SOURCE), "-o", str(target),
-            *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{toolkit / 'include'}",
+            *(f"-I{p}" for p in includes),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch", "-ldl"]
 
