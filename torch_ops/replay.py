@@ -46,7 +46,8 @@ def _compiler() -> str:
 
 def _compile_command(target: Path) -> list[str]:
     compiler = Path(nvcc.find_nvcc() or "/usr/local/cuda/bin/nvcc")   # the toolkit's headers: cuda.h
-    toolkits = dict.fromkeys((compiler.parent.parent, compiler.resolve().parent.parent))
+    toolkits = dict.fromkeys((compiler.parent.parent, compiler.resolve().parent.parent,
+                              Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")))
     torch_dir = Path(torch.__file__).parent
     torch_lib = torch_dir / "lib"
     includes = (torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
