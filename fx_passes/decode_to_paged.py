@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from . import index_mask
 from .replacements import paged_decode_bhsd
-from .sdpa_to_attn import check_mask_shape, is_scalar_node, unrepeat
+from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_scalar_node, unrepeat
 from .torch_ir import Decline, call, declined, erase_unused, graph_constant, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,7 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
         if not index_mask.is_key_prefix(mask):
             # any other bool mask (e.g. one built outside the graph, as `generate()` does) is
             # passed to the op row by row; it must be the same for every head
-            shape = value(mask).shape
-            if value(mask).dtype != torch.bool or (len(shape) >= 3 and not known_equal(shape[-3], 1)):
+            if not is_head_shared_bool(mask):
                 raise Decline(f"attn_mask {mask.name} is neither a bool mask shared by the heads nor a prefix of "
                               "the keys (float masks are not served)")
             key_mask = True

@@ -145,8 +145,7 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
             if window is None:
                 # another bool mask (e.g. one built outside the graph, with padding) goes to the op
                 # row by row, if the heads share it
-                shape = value(mask).shape
-                if len(shape) >= 3 and not known_equal(shape[-3], 1):
+                if not is_head_shared_bool(mask):
                     raise Decline(f"attn_mask {mask.name} is neither the causal mask (k <= q, or q - w <= k <= q) "
                                   "nor a bool mask shared by the heads")
                 key_mask, window, mask_nodes = mask, -1, []
@@ -490,6 +489,13 @@ def _is_causal_complement(mask, nodes: list) -> bool:
         nodes.append(mask)
         return True
     return False
+
+
+def is_head_shared_bool(mask) -> bool:
+    """Whether `mask` (broadcasting to scores `[B, H, Sq, Sk]`) is bool and the same for every head:
+    the op's `key_mask`, row by row."""
+    shape = value(mask).shape
+    return value(mask).dtype == torch.bool and (len(shape) < 3 or known_equal(shape[-3], 1))
 
 
 def check_mask_shape(mask, scores_shape) -> None:

@@ -5,7 +5,8 @@ what the call's prepared launch did: the buffers it allocated, each Triton kerne
 (`kernels.launcher.TritonLaunch`) and each call into a CUDA library (`c_call`), every address
 as an op argument's or a buffer's plus an offset. csrc/replay.cpp keeps the recording; later
 calls of the signature allocate the buffers and repeat the launches with their own addresses,
-without Python (10-25 µs a call instead of 25-100 on an H200 host). A call is recorded only
+without Python (H200 host, `benchmarks/bench_host.py`: 9-40 µs a call against 25-178 µs through
+Python). A call is recorded only
 when it did nothing else: a prepared launch that converts, copies or reads a tensor, or passes
 an address that lies inside several of the call's tensors, keeps going through the Python front.
 
@@ -17,6 +18,7 @@ send every call through the Python front.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -58,6 +60,7 @@ def _compile_command(target: Path) -> list[str]:
             f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch", "-ldl"]
 
 
+@functools.cache
 def _build_folder() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
     try:

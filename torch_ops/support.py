@@ -111,10 +111,6 @@ _AXES = {
 }
 
 
-def _serves(check: Callable, args: tuple, kwargs: dict) -> bool:
-    return not check(*args, **kwargs)
-
-
 def served(op: str) -> dict[str, dict[str, list]]:
     """`{property: {backend: [values it serves]}}` for `op` (values the op's validation rejects
     are left out: no backend serves them)."""
@@ -132,7 +128,7 @@ def served(op: str) -> dict[str, dict[str, list]]:
                 continue
             table[prop]["vanilla"].append(value)
             for name, check in checkers.items():
-                if _serves(check, args, kwargs):
+                if not check(*args, **kwargs):
                     table[prop][name].append(value)
     return table
 

@@ -9,15 +9,16 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import backends, cuda_decode, cutlass, replay
+from . import backends, cuda_decode, cutlass, gpu, replay
 
 
 def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True, progress: bool = True) -> float:
     """Build the libraries the automatic choice would use but never builds (cached on disk): the
-    C++ op front (`torch_ops.replay`, about 30 s) on any CUDA GPU, and on a Hopper GPU with nvcc
-    the CUTLASS library (about 105 s on 16 cores) and the CUDA decode library (20-30 s). Then
-    run each of `calls` once and synchronize: a call compiles its Triton kernels (or loads them
-    from Triton's disk cache) and caches its plan. Pass one call per shape class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
+    C++ op front (`torch_ops.replay`, 12 s) on any CUDA GPU, and on a Hopper GPU with nvcc the
+    CUTLASS library (about 125 s) and the CUDA decode library (about 34 s), side by side (H200
+    machine, 16 cores). Then run each of `calls` once and synchronize: a call compiles its Triton
+    kernels (or loads them from Triton's disk cache) and caches its plan. Pass one call per shape
+    class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
     start = time.perf_counter()
 
     def say(message: str) -> None:
@@ -26,7 +27,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
 
     if libraries and torch.cuda.is_available():
         steps = [("C++ op front", replay.installed, lambda: replay.install(build=True))]
-        if torch.cuda.get_device_capability() == (9, 0):
+        if gpu.capability() == (9, 0):
             steps += [(name, module.library_built, module.library_path)
                       for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass))]
 

@@ -124,8 +124,7 @@ class Engine:
         start = time.perf_counter()
         top = self.max_num_tokens
         sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
-        builder = getattr(self.attention, "builder", None)   # sequences fit its block tables
-        capacity = builder.max_blocks_per_seq * self.kv.block_size if builder is not None else top + 16
+        capacity = self.attention.builder.max_blocks_per_seq * self.kv.block_size   # tokens a sequence holds
         longest = capacity - 2
         ids = itertools.count(-1, -1)   # ids no caller uses
         for n in sizes:
