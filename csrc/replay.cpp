@@ -19,6 +19,7 @@
 #include <dlfcn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -54,8 +55,9 @@ const Driver& driver() {
 
 // --- recipes ------------------------------------------------------------------------------------
 
-// Where an address comes from: nothing (null), the op's argument `index`, or buffer `index`.
-enum Source : int64_t { kNull = 0, kArgument = 1, kBuffer = 2 };
+// Where an address comes from: nothing (null), the op's argument `index`, buffer `index`, or a
+// tensor alive for the whole process (its address is the offset).
+enum Source : int64_t { kNull = 0, kArgument = 1, kBuffer = 2, kConstant = 3 };
 
 struct Address {
   int64_t source = kNull, index = 0, offset = 0;
@@ -115,6 +117,8 @@ struct State {
   std::mutex mutex;
   std::unordered_map<Key, std::shared_ptr<const Recipe>, KeyHash> recipes;
   bool bypass = false;  // every call goes to the Python front (debug checks on)
+  // per operator (its schema's address): the integer arguments keyed by their power-of-two bucket
+  std::unordered_map<const void*, std::vector<int64_t>> bucketed;
   std::atomic<int64_t> replayed{0}, redispatched{0};
   std::unique_ptr<torch::Library> impls;
 };
@@ -134,13 +138,25 @@ int64_t bits_of(T value) {
   return out;
 }
 
+// A positive integer's power-of-two bucket (torch_ops/ops.py `bucket`); others stand for themselves.
+int64_t bucket(int64_t v) {
+  if (v <= 0) return v;
+  int64_t b = 1;
+  while (b < v) b <<= 1;
+  return b;
+}
+
 // Appends the signature of `args` to `key`; false if an argument's kind is not one a signature
 // covers. Besides torch_ops/backends.py's signature, it notes which tensors share an address
-// (the recording resolves such an address to the first of them).
-bool append_signature(Key& key, c10::ArrayRef<c10::IValue> args) {
+// (the recording resolves such an address to the first of them). The integers at the positions
+// `bucketed` enter by their bucket.
+bool append_signature(Key& key, c10::ArrayRef<c10::IValue> args, const std::vector<int64_t>* bucketed) {
   const void* addresses[32];
   int64_t num_tensors = 0;
-  for (const c10::IValue& v : args) {
+  for (size_t position = 0; position < args.size(); ++position) {
+    const c10::IValue& v = args[position];
+    const bool by_bucket =
+        bucketed != nullptr && std::find(bucketed->begin(), bucketed->end(), position) != bucketed->end();
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (num_tensors == 32) return false;
@@ -165,12 +181,12 @@ bool append_signature(Key& key, c10::ArrayRef<c10::IValue> args) {
       key.push_back(0);
     } else if (v.isInt()) {
       key.push_back(2);
-      key.push_back(v.toInt());
+      key.push_back(by_bucket ? bucket(v.toInt()) : v.toInt());
     } else if (v.isSymInt()) {
       auto s = v.toSymInt().maybe_as_int();
       if (!s) return false;
       key.push_back(2);
-      key.push_back(*s);
+      key.push_back(by_bucket ? bucket(*s) : *s);
     } else if (v.isDouble()) {
       key.push_back(3);
       key.push_back(bits_of(v.toDouble()));
@@ -198,6 +214,7 @@ void replay(const Recipe& recipe, torch::jit::Stack* stack, size_t num_args) {
   for (const Buffer& b : recipe.buffers) buffers.push_back(at::empty_strided(b.sizes, b.strides, options.dtype(b.dtype)));
   auto address = [&](const Address& a) -> uint64_t {
     if (a.source == kNull) return 0;
+    if (a.source == kConstant) return static_cast<uint64_t>(a.offset);
     const at::Tensor& t = a.source == kArgument ? args[a.index].toTensor() : buffers[a.index];
     return reinterpret_cast<uint64_t>(t.data_ptr()) + a.offset;
   };
@@ -243,7 +260,9 @@ void front(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack
   key.reserve(64);
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&op.schema())));
   key.push_back(requested_backend);
-  const bool keyed = !s.bypass && append_signature(key, torch::jit::last(*stack, num_args));
+  auto found = s.bucketed.find(&op.schema());  // written only at install
+  const bool keyed = !s.bypass && append_signature(key, torch::jit::last(*stack, num_args),
+                                                   found == s.bucketed.end() ? nullptr : &found->second);
   if (keyed) {
     std::shared_ptr<const Recipe> recipe;
     {
@@ -339,10 +358,21 @@ void store(std::vector<int64_t> code, std::vector<at::Tensor> buffers) {
   state().recipes[*pending] = std::move(recipe);
 }
 
-void install(std::vector<std::string> qualnames) {
+// `bucketed`: pairs (index into `qualnames`, argument position) of the integers keyed by bucket.
+void install(std::vector<std::string> qualnames, std::vector<int64_t> bucketed) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.impls) return;
+  TORCH_CHECK(bucketed.size() % 2 == 0, "attn replay: bucketed takes (op, position) pairs");
+  for (size_t i = 0; i < bucketed.size(); i += 2) {
+    const std::string& qualname = qualnames.at(static_cast<size_t>(bucketed[i]));
+    const auto dot = qualname.find('.');
+    const std::string name = "attn::" + qualname.substr(0, dot);
+    const std::string overload = dot == std::string::npos ? "" : qualname.substr(dot + 1);
+    auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+    TORCH_CHECK(handle.has_value(), "attn replay: no operator ", qualname);
+    s.bucketed[&handle->schema()].push_back(bucketed[i + 1]);
+  }
   s.impls = std::make_unique<torch::Library>(torch::Library::IMPL, "attn", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   for (const std::string& name : qualnames) s.impls->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&front>());
 }
@@ -368,7 +398,7 @@ std::vector<int64_t> counters() {
 
 TORCH_LIBRARY(_attn_replay, m) {
   m.def("store(int[] code, Tensor[] buffers) -> ()", &store);
-  m.def("install(str[] qualnames) -> ()", &install);
+  m.def("install(str[] qualnames, int[] bucketed) -> ()", &install);
   m.def("configure(bool bypass) -> ()", &configure);
   m.def("request(int backend) -> ()", &request);
   m.def("counters() -> int[]", &counters);

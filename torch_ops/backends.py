@@ -10,8 +10,9 @@ the ones before it do not. Choosing compiles and builds nothing: a backend whose
 built yet declines (`torch_ops.warmup()` builds them).
 
 Everything a call's launch depends on besides its tensors' data is in its *signature*: each
-tensor's dtype, shape, strides, device and 16-byte alignment, every other argument's value, and
-the requested backend. The first call of a signature validates it, chooses the backend and asks
+tensor's dtype, shape, strides, device and 16-byte alignment, every other argument's value (the
+power-of-two bucket of an op's `OpSpec.bucketed` integers, which its launches read only as upper
+bounds), and the requested backend. The first call of a signature validates it, chooses the backend and asks
 it to `prepare` a launch; the result (a `Plan`) is cached, so later calls cost a dictionary
 lookup, the output allocation and the backend's launch. Module knobs and environment variables
 (`ATTN_BACKEND`, `ATTN_DEBUG` and the backends' own) are read when a signature is first planned,
@@ -200,12 +201,26 @@ class _Schema:
         schema = getattr(getattr(torch.ops.attn, name), overload or "default")._schema
         self.op, self.with_out = name, overload == "out"
         self.position = {a.name: i for i, a in enumerate(schema.arguments)}
+        self.bucketed = tuple(self.position[n] for n in ops.SPECS[name].bucketed)
         positional = [a for a in schema.arguments if not a.kwarg_only]
         self.positional_defaults = tuple(a.default_value for a in positional)
         self.keyword_defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only}
 
     def complete(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args + self.positional_defaults[len(args):], {**self.keyword_defaults, **kwargs}
+
+    def bucket(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments with each bucketed integer replaced by its bucket (`ops.bucket`)."""
+        if not self.bucketed:
+            return args, kwargs
+        args, kwargs = list(args), dict(kwargs)
+        names = {i: n for n, i in self.position.items()}
+        for i in self.bucketed:
+            if i < len(args):
+                args[i] = ops.bucket(args[i])
+            elif names[i] in kwargs:
+                kwargs[names[i]] = ops.bucket(kwargs[names[i]])
+        return tuple(args), kwargs
 
     def tensors(self, args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor]]:
         """The call's tensors, each with its position in the schema."""
@@ -246,7 +261,9 @@ def _allocator(spec: ops.OpSpec, args: tuple, options: dict) -> Callable[[], tup
 
 
 def _make_plan(schema: _Schema, args: tuple, kwargs: dict) -> Plan:
-    args, kwargs = schema.complete(args, kwargs)
+    """The plan of the call's signature; a prepared launch is made for the call with its bucketed
+    integers at their buckets (it runs every call of the bucket)."""
+    args, kwargs = schema.complete(*schema.bucket(args, kwargs))
     op = schema.op
     options = {k: v for k, v in kwargs.items() if k not in ("out", "lse")}
     spec = ops.SPECS[op]
@@ -275,7 +292,7 @@ def _front(qualname: str):
     schema = _Schema(qualname)
 
     def impl(*args, **kwargs):
-        key = _signature(args, kwargs)
+        key = _signature(*schema.bucket(args, kwargs))
         plan = plans.get(key)
         if plan is None:
             plan = _make_plan(schema, args, kwargs)
@@ -300,6 +317,11 @@ for _qualname in ops.SCHEMAS:
 
 def qualnames() -> list[str]:
     return list(ops.SCHEMAS)
+
+
+def bucketed_positions(qualnames: list[str]) -> list[int]:
+    """(index into `qualnames`, schema position) pairs, flattened, of every bucketed integer."""
+    return [v for i, name in enumerate(qualnames) for p in _Schema(name).bucketed for v in (i, p)]
 
 
 def hand_cuda_to_replay() -> None:

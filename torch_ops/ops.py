@@ -122,10 +122,13 @@ def _merge_output_spec(out_a, *args):
 class OpSpec:
     """How the fronts treat an op: `check(*args, **kwargs)` validates it (metadata only);
     attention ops have `output_spec(*args, **kwargs) -> (query, value_dim, out_dtype)`, which
-    gives `out [T, Hq, value_dim]` and `lse [T, Hq]`."""
+    gives `out [T, Hq, value_dim]` and `lse [T, Hq]`. `bucketed` names integer arguments that
+    change from call to call (e.g. a growing max length) and that a launch may read only as an
+    upper bound: calls are planned, and replayed, per power-of-two `bucket` of their value."""
 
     check: Callable
     output_spec: Callable | None = None
+    bucketed: tuple[str, ...] = ()
 
     def new_outputs(self, args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         query, value_dim, out_dtype = self.output_spec(*args, **kwargs)
@@ -145,8 +148,13 @@ SPECS = {
     "context_attention": OpSpec(checks.check_context_attention, _context_output_spec),
     "merge_states": OpSpec(checks.check_merge_states, _merge_output_spec),
     "kv_cache_write": OpSpec(checks.check_kv_cache_write),
-    "cache_attention": OpSpec(checks.check_cache_attention),
+    "cache_attention": OpSpec(checks.check_cache_attention, bucketed=("max_kvlen",)),
 }
+
+
+def bucket(value: int) -> int:
+    """The power of two a positive `value` rounds up to (other values stand for themselves)."""
+    return 1 << (value - 1).bit_length() if value > 0 else value
 
 
 def _attention_fakes(spec: OpSpec):

@@ -38,6 +38,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "replay.cpp"
 LIBRARY_NAME = "libattn_replay.so"
 _installed = False
 RECORDERS: list["Recording"] = []   # the recordings watching this process's launches, innermost last
+_KEPT: list[torch.Tensor] = []       # tensors alive for the whole process: recordings keep their addresses
 
 # --- build and load -------------------------------------------------------------------------------
 
@@ -105,7 +106,8 @@ def install(build: bool = False) -> bool:
 
     torch.ops.load_library(str(path))
     backends.hand_cuda_to_replay()
-    torch.ops._attn_replay.install(sorted(backends.qualnames()))
+    qualnames = sorted(backends.qualnames())
+    torch.ops._attn_replay.install(qualnames, backends.bucketed_positions(qualnames))
     _installed = True
     backends.clear_plans()   # calls planned before go through the C++ front and are recorded
     return True
@@ -136,6 +138,13 @@ def counters() -> dict[str, int]:
     return {"replayed": replayed, "python": redispatched, "recorded": recorded}
 
 
+def keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark `tensor` as alive for the whole process (e.g. the device error flag): a recording
+    that passes its address replays that same address."""
+    _KEPT.append(tensor)
+    return tensor
+
+
 # --- recording ------------------------------------------------------------------------------------
 
 _VIEWS = {
@@ -146,7 +155,7 @@ _VIEWS = {
 _ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided"}
 _SCALAR_BYTES = {"i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
 _TRITON, _C_CALL = 1, 2
-_NULL, _ARGUMENT, _BUFFER = 0, 1, 2
+_NULL, _ARGUMENT, _BUFFER, _CONSTANT = 0, 1, 2, 3
 
 
 class NotRecordable(Exception):
@@ -210,6 +219,8 @@ class Recording(TorchDispatchMode):
             0 and an address (source, index, byte offset) or its size in bytes and its bits;
           2 (C call), entry address, #bytes, the argument struct's bytes, #pointers, per pointer
             its byte offset in the struct and an address.
+        An address is a source (0 null, 1 argument, 2 buffer, 3 a `keep` tensor's: the
+        address itself in the offset), an index and a byte offset.
         Raises `NotRecordable` where a replay would not do what the call did."""
         if self.refused:
             raise NotRecordable(self.refused)
@@ -254,9 +265,11 @@ class _Addresses:
         if exact:
             return [*min(exact), 0]
         inside = [(s, i, address - t.data_ptr()) for s, i, t in self.spans if 0 < address - t.data_ptr() < _extent(t)]
-        if len(inside) != 1:
-            raise NotRecordable("an address lies in none or several of its tensors")
-        return list(inside[0])
+        if len(inside) == 1:
+            return list(inside[0])
+        if not inside and any(0 <= address - t.data_ptr() < _extent(t) for t in _KEPT):
+            return [_CONSTANT, 0, address]
+        raise NotRecordable("an address lies in none or several of its tensors")
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
