@@ -20,9 +20,18 @@ per layer and step, read and written), with a masked SDPA kernel on top; `paged_
 each KV head once for its group of query heads and stops at the length.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes`: `is_causal=True` (top-left:
-the one query would see key 0 only), float masks and masks that differ between heads, dropout, query dtypes other than fp16/bf16 or other op rejections, autograd. Queries
-of more than one token are left to `sdpa_to_attn`. At the edge: a length of 0 (an all-false
-mask row) gives zeros where SDPA gives NaN.
+the one query would see key 0 only), float masks other than graph inputs and masks that differ
+between heads, dropout, query dtypes other than fp16/bf16 or other op rejections, autograd.
+Queries of more than one token are left to `sdpa_to_attn`.
+
+Also recognized: the matmul-softmax-matmul spellings over `[B, H, S, D]` tensors that
+`sdpa_to_attn.match_matmul` reads (Hugging Face's eager attention: Gemma 2's soft-cap, gpt-oss's
+learned sinks) with one query over the cache, and either no mask or one that goes to the op as
+`key_mask`: a float mask from a graph input (as `generate()` passes it to eager attention, see
+`replacements.key_mask_of`) or a bool one shared by the heads; soft-cap, sinks and ALiBi slopes
+go to the op. Declined there: `bmm` over `[B*H, S, D]` views (BLOOM) and causal masks.
+
+At the edge: a length of 0 (an all-false mask row) gives zeros where SDPA gives NaN.
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ import logging
 import torch
 import torch.fx as fx
 
-from . import index_mask
+from . import index_mask, sdpa_to_attn
 from .replacements import paged_decode_bhsd
-from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_scalar_node, unrepeat
+from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_input_mask, is_scalar_node, unrepeat
 from .torch_ir import Decline, call, declined, erase_unused, graph_constant, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
@@ -47,11 +56,17 @@ def apply(graph: fx.Graph) -> int:
     rewritten = 0
     for node in list(graph.nodes):
         c = call(node)
-        if c is None or c.name != "scaled_dot_product_attention" or not _is_decode(c):
-            continue
         try:
-            args, kwargs, repeats = _match(node, c)
-            example = _example_output(args, kwargs)
+            if c is not None and c.name == "scaled_dot_product_attention" and _is_decode(c):
+                args, kwargs, dead = _match(node, c)
+                example = _example_output(args, kwargs)
+            elif c is not None and c.name == "matmul" and _is_decode(c) \
+                    and (attention := sdpa_to_attn.match_matmul(node, c, decode=True)) is not None:
+                args, kwargs, dead, example = _match_eager(attention)
+                kwargs.update(q_factor=sdpa_to_attn.q_factor_node(graph, attention),
+                              alibi_slopes=sdpa_to_attn.slopes_node(graph, attention))
+            else:
+                continue
         except Decline as reason:
             declined(log, NAME, node, reason)
             continue
@@ -61,17 +76,32 @@ def apply(graph: fx.Graph) -> int:
         new.meta.update(node.meta)
         new.meta["example_value"] = example
         node.replace_all_uses_with(new)
-        erase_unused(graph, [node, *repeats])
+        erase_unused(graph, [node, *dead])
         rewritten += 1
     return rewritten
 
 
 def _is_decode(c) -> bool:
-    """One query over more than one key, all 4-D."""
-    q, k = c.arg(0, "query"), c.arg(1, "key")
+    """One query over more than one key, all 4-D: the query's (or the probabilities')
+    second-to-last size is 1, the key's (or value's) is not."""
+    q, k = (c.arg(0, "query"), c.arg(1, "key")) if c.name == "scaled_dot_product_attention" else (c.input, c.arg(1, "other"))
     if not (is_tensor(q) and is_tensor(k) and value(q).dim() == value(k).dim() == 4):
         return False
-    return known_equal(value(q).shape[2], 1) and not known_equal(value(k).shape[2], 1)
+    return known_equal(value(q).shape[-2], 1) and not known_equal(value(k).shape[-2], 1)
+
+
+def _match_eager(a: sdpa_to_attn.Attention) -> tuple[tuple, dict, list[fx.Node], torch.Tensor]:
+    """(args, kwargs of `paged_decode_bhsd` without the query factor and slopes, the nodes it
+    makes dead, its example output) of an eager-spelled decode attention."""
+    if a.merged:
+        raise Decline("bmm over [B*H, S, D] views (BLOOM's spelling) in a decode step")
+    args = (a.query, a.key, a.value, a.key_mask)
+    kwargs = {"scale": a.scale, "key_mask": a.key_mask is not None, "softcap": a.softcap, "sinks": a.sinks}
+    q = value(a.query)
+    with q.fake_mode:
+        slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if a.alibi else None
+    example = _example_output(args, {**kwargs, "q_factor": sdpa_to_attn.q_factor_value(a), "alibi_slopes": slopes})
+    return args, kwargs, a.nodes, example
 
 
 def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
@@ -95,9 +125,9 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
         if not index_mask.is_key_prefix(mask):
             # any other bool mask (e.g. one built outside the graph, as `generate()` does) is
             # passed to the op row by row; it must be the same for every head
-            if not is_head_shared_bool(mask):
+            if not is_head_shared_bool(mask) and not is_input_mask(mask):
                 raise Decline(f"attn_mask {mask.name} is neither a bool mask shared by the heads nor a prefix of "
-                              "the keys (float masks are not served)")
+                              "the keys nor a float mask from a graph input shared by the heads")
             key_mask = True
     scale, q_factor = c.arg(6, "scale"), None
     if is_scalar_node(scale):  # known at run time only: it multiplies the query

@@ -20,6 +20,18 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple, neox: bool) 
     return positions, table
 
 
+def key_mask_of(mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask of `mask`: itself if bool; for a float additive mask whose every value is 0
+    or at most the dtype's lowest (`-inf`, Hugging Face's `finfo.min`), `mask == 0`, with a
+    device-side assert that fails the call on any other value (the rewrite would not be exact)."""
+    if mask.dtype == torch.bool:
+        return mask
+    keep = mask == 0
+    torch._assert_async(torch.all(keep | (mask <= torch.finfo(mask.dtype).min)),
+                        "attn key_mask: a float attention mask holds values other than 0 and -inf")
+    return keep
+
+
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
                            softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None):
@@ -33,8 +45,9 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     dtype) and `alibi_slopes` (`[Hq]` fp32: `-slope * |q - k|` added to the scores). `out_scale`
     (0-d fp32): FP8 e4m3 output, `clamp(out / out_scale, -448, 448)`. `cos`/`sin` (broadcastable
     to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated (RoPE, partial when
-    R < D) inside the op. `key_mask` (bool, broadcastable to `[B, 1, Sq, Sk]`): which keys each
-    query sees (any pattern: e.g. left padding), the op's `key_mask` row by row."""
+    R < D) inside the op. `key_mask` (bool, or a 0/-inf float mask: `key_mask_of`; broadcastable to
+    `[B, 1, Sq, Sk]`): which keys each query sees (any pattern: e.g. left padding), the op's
+    `key_mask` row by row."""
     b, hq, sq, d = query.shape
     sk = key.shape[2]
 
@@ -50,7 +63,7 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     if cos is not None:
         positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)
         rope = dict(positions=positions, cos_sin_cache=table, rope_neox=rope_neox)
-    rows = None if key_mask is None else key_mask.expand(b, 1, sq, sk)[:, 0].reshape(b * sq, sk)
+    rows = None if key_mask is None else key_mask_of(key_mask).expand(b, 1, sq, sk)[:, 0].reshape(b * sq, sk)
     out, _ = torch.ops.attn.context_attention(
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
         out_scale=out_scale, window_left=window_left, softcap=softcap,
@@ -59,22 +72,24 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
 
 
 def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None,
-                      block_tables=None, seq_lens=None, key_mask: bool = False):
+                      block_tables=None, seq_lens=None, key_mask: bool = False, softcap: float = 0.0, sinks=None,
+                      alibi_slopes=None):
     """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key`/`value [B, Hkv, S, D]`
     (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in place: each
     sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1], ...]`).
     `mask` (bool `[..., 1, S]`, proven by `index_mask.is_key_prefix` to keep the same prefix of
     the keys in every row; None: all S keys) gives the sequence length: its number of true keys.
-    With `key_mask`, `mask` (bool, one for all heads) is any pattern: it goes to the op as each
-    sequence's `key_mask` row, and the length is its last true key + 1.
+    With `key_mask`, `mask` (bool or a 0/-inf float mask, one for all heads; see `key_mask_of`) is
+    any pattern: it goes to the op as each sequence's `key_mask` row, and the length is its last
+    visible key + 1, the query's position (ALiBi's `-slope * |p - j|` is measured from it).
     `block_tables` (int32 `[B, 1]`) and `seq_lens` (int32 `[B]`), when given, are those tables
     already made (graph constants when B and S are static). Returns `[B, Hq, 1, D]`;
-    `q_factor`/`out_scale` as in `context_attention_bhsd`."""
+    `q_factor`, `out_scale`, `softcap`, `sinks` and `alibi_slopes` as in `context_attention_bhsd`."""
     b, s = query.shape[0], key.shape[2]
     device = query.device
     rows = None
     if key_mask:
-        rows = mask.expand(b, 1, 1, s)[:, 0, 0, :]
+        rows = key_mask_of(mask).expand(b, 1, 1, s)[:, 0, 0, :]
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         seq_lens = (rows * torch.arange(1, s + 1, device=device)).amax(-1).to(torch.int32)
     if seq_lens is None and mask is None:
@@ -87,5 +102,7 @@ def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_fa
     if block_tables is None:
         block_tables = torch.arange(b, dtype=torch.int32, device=device).unsqueeze(1)
     out, _ = torch.ops.attn.paged_decode(query[:, :, 0], key.transpose(1, 2), value.transpose(1, 2), block_tables,
-                                         seq_lens, scale=scale, out_scale=out_scale, key_mask=rows)
+                                         seq_lens, scale=scale, out_scale=out_scale, key_mask=rows, softcap=softcap,
+                                         sinks=sinks.float() if sinks is not None else None,
+                                         alibi_slopes=alibi_slopes)
     return out.unsqueeze(2)

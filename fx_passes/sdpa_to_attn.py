@@ -8,13 +8,15 @@ Recognized spellings, in Dynamo's torch-level graph:
   or a float mask of such a mask and an ALiBi bias (`alibi.additive_mask`: Falcon's
   `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent); any
   other bool mask that the heads share (e.g. a padding mask passed in, as in Hugging Face's
-  `generate()`) goes to the op as `key_mask`, row by row, without causality;
+  `generate()`) goes to the op as `key_mask`, row by row, without causality, and so does a float
+  mask that is a graph input shared by the heads (`is_input_mask`: Hugging Face's eager masks
+  under `generate()`, 0 or `finfo.min`; `replacements.key_mask_of` checks the values on the device);
 * `softmax(q @ k.transpose(-2, -1) <ops>, dim=-1) @ v`, where `<ops>` are any number of
   scalings by constants (`*`, `/`, also in place; none means scale 1) and at most one causal
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
   (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
   `+ where(mask, 0, -inf or finfo.min)` with a provably causal or sliding-window mask (Hugging
-  Face's eager spelling), and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
+  Face's eager spelling) or `+ mask` of a float graph-input mask as above, and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
   (`softcap=c`; Gemma 2's spelling, whose cap Dynamo lifts to a graph input under
   `dynamic=True`: then declined); float casts around the softmax (fp32 softmax) and eval-mode
   dropout are allowed; learned sinks: the softmax over `cat([scores, sinks.reshape(1, -1, 1,
@@ -149,11 +151,14 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
                     raise Decline(f"attn_mask {mask.name} is neither the causal mask (k <= q, or q - w <= k <= q) "
                                   "nor a bool mask shared by the heads")
                 key_mask, window, mask_nodes = mask, -1, []
+        elif is_input_mask(mask):
+            key_mask, window = mask, -1
         else:
             window, terms = alibi.additive_mask(mask, mask_nodes) or (None, None)
             if window is None:
                 raise Decline(f"float attn_mask {mask.name} is not recognized as where(causal mask, 0 or an ALiBi "
-                              "bias, -inf) (an ALiBi bias: per-head slopes times key positions)")
+                              "bias, -inf) (an ALiBi bias: per-head slopes times key positions) nor is it a graph "
+                              "input shared by the heads")
             slopes = _frame_slopes([(terms, value(mask).shape, scores_shape, False, 1.0, ())], q) if terms else []
         causal = key_mask is None
     else:
@@ -168,10 +173,10 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
                       window_left=window, alibi=slopes, key_mask=key_mask)
 
 
-def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
+def match_matmul(node: fx.Node, c: Call, decode: bool = False) -> Attention | None:
     """`softmax(scores) @ v`, or None if `node` is some other matmul. With `bmm`, the operands
     may be `[B*H, S, D]` views of `[B, H, S, D]` tensors (BLOOM), and the scores `baddbmm(bias,
-    q, k^T)` with an ALiBi bias."""
+    q, k^T)` with an ALiBi bias. `decode`: match one query over many keys (see `_attention`)."""
     x, v = c.input, c.arg(1, "mat2" if c.name == "bmm" else "other")
     merged = merged_output = _is_3d(node)   # the [B*H, ...] frame (views of [B, H, ...])
     heads = []   # the [B, H] of each view between the frames
@@ -197,7 +202,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     dim, ndim = cx.arg(1, "dim"), value(x).dim()
     if not isinstance(dim, int) or dim % ndim != ndim - 1:
         raise Decline(f"softmax over dim {dim}, not the key dim")
-    scale, causal, window, softcap, mask_nodes, factors = 1.0, False, -1, 0.0, [], []
+    scale, causal, window, softcap, mask_nodes, factors, key_mask = 1.0, False, -1, 0.0, [], [], None
     biases = []  # (terms, bias shape, scores shape, merged, factor, symbolic factors) of each ALiBi bias
     x, sinks = cx.input, None
     if sink_dropped:
@@ -224,6 +229,9 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
             x, softcap = cx.input, scale   # the factors before the tanh keep multiplying `scale`
         elif cx.name == "masked_fill" and not causal and not softcap:
             x, causal = _causal_fill(cx, mask_nodes), True
+        elif cx.name == "add" and not softcap and key_mask is None and (found := _input_mask_added(cx)):
+            x, key_mask = found
+            check_mask_shape(key_mask, value(x).shape)
         elif cx.name == "add" and not softcap:
             x, bias, found_window, terms = _additive(cx, mask_nodes)
             if found_window is not None:
@@ -238,6 +246,8 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
                           "one causal masked_fill or causal additive mask, ALiBi biases, soft-capping before the mask)")
     if cx is None:
         raise Decline("the scores are not q @ k^T")
+    if key_mask is not None and causal:
+        raise Decline("a causal mask and an attention mask from a graph input on the same scores")
     chain.append(x)
     for n in chain:
         if len(n.users) != 1:
@@ -256,7 +266,7 @@ def _match_matmul(node: fx.Node, c: Call) -> Attention | None:
     slopes = _frame_slopes(biases, value(q))
     return _attention(node, q, k, v, causal=causal, scale=scale,
                       nodes=[node, *chain, kt, *mask_nodes], q_factors=factors, window_left=window, softcap=softcap,
-                      sinks=sinks, alibi=slopes, merged=merged_output)
+                      sinks=sinks, alibi=slopes, merged=merged_output, key_mask=key_mask, decode=decode)
 
 
 _PRODUCTS = ("matmul", "bmm", "baddbmm")
@@ -276,6 +286,30 @@ def _additive(c: Call, nodes: list) -> tuple[fx.Node, fx.Node, int | None, tuple
                 return scores, mask, *found
     raise Decline(f"the scores pass through add of {getattr(b, 'name', b)}, not of where(causal mask, 0, -inf) "
                   "or of an ALiBi bias (per-head slopes times key positions)")
+
+
+def _input_mask_added(c: Call) -> tuple[fx.Node, fx.Node] | None:
+    """(scores, mask) of `scores + mask` (either order) where `mask` is a float mask from a graph
+    input (`is_input_mask`), else None."""
+    a, b = c.input, c.arg(1, "other")
+    if c.kwargs.get("alpha", 1) != 1:
+        return None
+    for scores, mask in ((a, b), (b, a)):
+        if is_tensor(scores) and is_input_mask(mask):
+            return scores, mask
+    return None
+
+
+def is_input_mask(mask) -> bool:
+    """A float mask shared by the heads that is a graph input, or a slice of one (Hugging Face's
+    eager masks, built outside a compiled forward by `generate()`). Its values cannot be proven
+    0 or -inf at compile time: `replacements.key_mask_of` checks them on the device."""
+    x = mask
+    while (c := call(x)) is not None and c.name == "getitem" and is_tensor(c.input) \
+            and not any(isinstance(i, fx.Node) for i in torch.utils._pytree.tree_leaves(c.args[1])):
+        x = c.input
+    return isinstance(x, fx.Node) and x.op == "placeholder" and is_tensor(mask) \
+        and value(mask).dtype.is_floating_point and (value(mask).dim() < 3 or known_equal(value(mask).shape[-3], 1))
 
 
 def _baddbmm(node: fx.Node, c: Call, scale: float, factors: list, biases: list, softcap: float, nodes: list):
@@ -311,12 +345,15 @@ def _baddbmm(node: fx.Node, c: Call, scale: float, factors: list, biases: list, 
     return scale, factors, window
 
 
-_MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": _match_matmul, "bmm": _match_matmul}
+_MATCHERS = {"scaled_dot_product_attention": _match_sdpa, "matmul": match_matmul, "bmm": match_matmul}
 
 
 def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1, softcap=0.0,
-               sinks=None, alibi=None, merged=False, key_mask=None) -> Attention:
-    """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one."""
+               sinks=None, alibi=None, merged=False, key_mask=None, decode=False) -> Attention | None:
+    """Check what the op needs; strip K/V head repetition (GQA) when both carry the same one.
+    With `decode`, only one query over many keys is a candidate (None for others), with no
+    causal mask (aligned top-left, it would keep key 0 only); ALiBi needs none there: the op
+    measures `|p - k|` from the last visible key, the query's position."""
     if not all(is_tensor(x) for x in (q, k, v)):
         raise Decline("query, key or value is not a tensor")
     (k_base, k_reps, k_nodes), (v_base, v_reps, v_nodes) = unrepeat(k), unrepeat(v)
@@ -337,7 +374,13 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
     if not known_equal(kv.shape, vv.shape) or not known_equal(qv.shape[0], kv.shape[0]):
         raise Decline(f"shapes query {tuple(qv.shape)}, key {tuple(kv.shape)}, value {tuple(vv.shape)}: "
                       "need one batch size and key/value of one shape")
-    if known_equal(qv.shape[2], 1) and not known_equal(kv.shape[2], 1):
+    is_decode = known_equal(qv.shape[2], 1) and not known_equal(kv.shape[2], 1)
+    if decode:
+        if not is_decode:
+            return None
+        if causal:
+            raise Decline("a causal mask with one query: aligned top-left, it keeps key 0 only")
+    elif is_decode:
         raise Decline(f"a decode step (one query over {kv.shape[2]} cached keys): packing [B, H, S, D] "
                       "keys for context_attention copies the whole cache every call, SDPA reads it in place")
     if causal and not known_equal(qv.shape[2], kv.shape[2]):
@@ -345,21 +388,27 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
                       "aligns the mask top-left, context_attention bottom-right")
     if sinks is not None and not known_equal(value(sinks).shape, (qv.shape[1],)):
         raise Decline(f"sink logits of shape {tuple(value(sinks).shape)}, not one per query head ({qv.shape[1]})")
-    if alibi and not causal:
+    if alibi and not causal and not decode:
         raise Decline("an ALiBi bias without a causal mask: slope * k is the op's -slope * |q - k| (up to a "
                       "constant per row) only where k <= q")
     return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks, alibi, merged,
                      key_mask)
 
 
+def q_factor_value(attention: Attention):
+    """The example value of the product of the attention's symbolic query factors, or None."""
+    factor = None
+    for node, divides in attention.q_factors:
+        term = 1.0 / value(node) if divides else value(node)
+        factor = term if factor is None else factor * term
+    return factor
+
+
 def _example_output(attention: Attention) -> torch.Tensor:
     """The replacement's output on the example values; the op's own checks run here."""
     a = attention
     args = (value(a.query), value(a.key), value(a.value))
-    factor = None
-    for node, divides in a.q_factors:
-        term = 1.0 / value(node) if divides else value(node)
-        factor = term if factor is None else factor * term
+    factor = q_factor_value(a)
     try:
         with args[0].fake_mode:
             slopes = torch.zeros(args[0].shape[1], dtype=torch.float32, device=args[0].device) if a.alibi else None
@@ -371,16 +420,26 @@ def _example_output(attention: Attention) -> torch.Tensor:
         raise Decline(f"attn::context_attention rejects the inputs: {e}") from e
 
 
-def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
-    a = attention
-    factor = None
+def q_factor_node(graph: fx.Graph, attention: Attention) -> fx.Node | None:
+    """A node of the product of the attention's symbolic query factors (None if there are none)."""
+    a, factor = attention, None
     for node, divides in a.q_factors:
         term = insert_call(graph, a.node, operator.truediv, (1.0, node)) if divides else node
         factor = term if factor is None else insert_call(graph, a.node, operator.mul, (factor, term))
-    slopes = None
-    if a.alibi:
-        q = value(a.query)
-        slopes = alibi.slopes_node(graph, a.node, a.alibi, q.shape[1], q.device)
+    return factor
+
+
+def slopes_node(graph: fx.Graph, attention: Attention) -> fx.Node | None:
+    """A node of the attention's fp32 `[Hq]` ALiBi slopes (None without ALiBi)."""
+    if not attention.alibi:
+        return None
+    q = value(attention.query)
+    return alibi.slopes_node(graph, attention.node, attention.alibi, q.shape[1], q.device)
+
+
+def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
+    a = attention
+    factor, slopes = q_factor_node(graph, a), slopes_node(graph, a)
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
@@ -603,7 +662,7 @@ def _heads_of(*operands: tuple[fx.Node, bool], heads: list) -> list[fx.Node]:
 
 
 def _frame_slopes(biases: list, q: torch.Tensor) -> list[alibi.Term]:
-    """The ALiBi slope terms of `biases` (see `_match_matmul`) for the query heads of `q [B, Hq, S, D]`."""
+    """The ALiBi slope terms of `biases` (see `match_matmul`) for the query heads of `q [B, Hq, S, D]`."""
     if not biases:
         return []
     if q.dim() != 4:

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 import fx_passes
 
-from .test_hf_models import gemma3, llama, mistral, tiny
+from .test_hf_models import VOCAB, gemma2, gemma3, llama, mistral, passes_then_eager, tiny
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
@@ -20,15 +20,41 @@ FAMILIES = {"llama": llama, "mistral": mistral, "gemma3": gemma3,   # Mistral an
                for name in ("qwen3", "phi3", "starcoder2", "gpt2", "opt", "falcon")}}
 
 
+def gpt_oss(impl):
+    """Learned sinks, a sliding window of 4 keys on every other layer; every token takes both
+    experts (a routing choice would flip on bf16 noise and change the logits)."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+EAGER = {"gemma2": gemma2, "gpt_oss": gpt_oss}   # Hugging Face's eager attention gets float masks
+PROMPT_LENS, CAPACITY = (5, 7, 9), 16
+
+
 def _model(family):
     model = FAMILIES[family]("sdpa").eval().to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     return model
 
 
+def _padded_prompt(s):
+    """Three prompts of `s` tokens, two of them left-padded."""
+    ids = torch.randint(1, VOCAB, (3, s))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :1] = 0
+    return ids, mask
+
+
 def _generate(model, ids, mask, **kwargs):
+    """Greedy tokens and logits of `generate()` with a static cache (`cache_implementation`, or a
+    `past_key_values` cache given with `cache_implementation=None`)."""
+    kwargs = {"cache_implementation": "static", **kwargs}
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                         cache_implementation="static", return_dict_in_generate=True, output_logits=True, **kwargs)
+                         return_dict_in_generate=True, output_logits=True, **kwargs)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()   # [B, N], [B, N, V]
 
 
@@ -71,3 +97,35 @@ def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, c
         assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS   # the prefill of the padded prompts
     assert sum(counters["graph_break"].values()) == 0
     _agree(*got, *want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", EAGER)
+def test_generate_eager_attention_takes_the_float_masks(family):
+    """Eager attention adds `generate()`'s masks as float graph inputs (0, or `finfo.min` for
+    padding and outside sliding windows): the prefill of three prompt lengths (one graph,
+    `dynamic=True`) and the decode steps run on the ops with them as `key_mask`, Gemma 2's
+    soft-cap and gpt-oss's sinks included. One static cache capacity for every prompt, so one
+    decode graph too. Without Inductor (the passes on Dynamo's graph, run eagerly): ~8 s."""
+    torch.manual_seed(0)
+    model = EAGER[family]("eager").eval().to(torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    eager, ops = model.forward, []
+    compiled = torch.compile(eager, fullgraph=True, dynamic=True, backend=passes_then_eager(ops))
+
+    def generate(forward, ids, mask):
+        model.forward = forward
+        cache = transformers.StaticCache(config=model.config, max_cache_len=CAPACITY)
+        return _generate(model, ids, mask, disable_compile=True, past_key_values=cache, cache_implementation=None)
+
+    # a float soft-cap stays a constant (dynamic=True would lift it to a graph input)
+    with torch.no_grad(), fx_passes.enabled(), torch._dynamo.config.patch(specialize_float=True):
+        for s in PROMPT_LENS:
+            ids, mask = _padded_prompt(s)
+            want = generate(eager, ids, mask)
+            _agree(*generate(compiled, ids, mask), *want)
+    assert counters["stats"]["unique_graphs"] == 2   # prefill, decode
+    assert sum(counters["graph_break"].values()) == 0
+    rewritten = [line.split()[0] for line in ops if line.startswith(("context_attention", "paged_decode"))]
+    assert rewritten == ["context_attention_bhsd"] * LAYERS + ["paged_decode_bhsd"] * LAYERS
+    assert not [line for line in ops if line in ("matmul", "bmm", "scaled_dot_product_attention")]

@@ -58,6 +58,15 @@ def gemma3(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
+def gemma2(impl):
+    """Soft-capped scores (cap 5), a local layer (sliding window of 4 keys) and a global one."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+        attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
 def tiny(name, impl):
     """Tiny configs of more families: 2 layers, 4 query heads of 16 dims."""
     t, small = transformers, dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -327,11 +336,7 @@ softmax""")
     def test_gemma2_eager_soft_capping_under_default_compile(self):
         """Gemma 2's soft-cap is a float attribute: `dynamic=True` lifts it to a graph input (then
         declined), the default `torch.compile` keeps it a constant, which the op takes."""
-        config = transformers.Gemma2Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
-            attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        model = gemma2("eager").eval()
         model64 = copy.deepcopy(model).double()
         ops = []
         compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))

@@ -314,6 +314,20 @@ def sdpa_bias_not_from_positions(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(b, s, BIAS, q.device))
 
 
+def matmul_softcap_input_mask(q, k, v, mask):
+    """Gemma 2's eager spelling under `generate()`: soft-capped scores plus a float mask input."""
+    scores = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 5.0) * 5.0 + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def input_mask(b, sq, sk, dtype):
+    """Hugging Face's eager mask `[B, 1, Sq, Sk]`: 0 where a random pattern keeps the key (every
+    row keeps key 0), `finfo.min` elsewhere."""
+    keep = torch.rand(b, 1, sq, sk) < 0.7
+    keep[..., 0] = True
+    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
 def qkv(b=2, hq=4, hkv=4, sq=6, sk=6, d=16, dv=None, dtype=torch.float32, requires_grad=False):
     def randn(*shape):
         return torch.randn(*shape, dtype=dtype, requires_grad=requires_grad)
@@ -600,3 +614,23 @@ def test_alibi_inductor():
     assert counters["attn"]["sdpa_to_attn_matched"] == 1
     assert OP in code and "alibi_slopes" in code
     check_close(sdpa_falcon_alibi, inputs, out)
+
+
+@pytest.mark.parametrize("sq,op", [(6, OP), (1, "attn.paged_decode")], ids=["prefill", "decode"])
+def test_float_input_mask_becomes_key_mask(sq, op):
+    """A float mask that is a graph input: `== 0` is the op's key_mask, checked on the device."""
+    inputs = (*qkv(sq=sq, sk=6, dtype=torch.bfloat16), input_mask(2, sq, 6, torch.bfloat16))
+    out, code = compile_and_run(matmul_softcap_input_mask, inputs)
+    assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
+    assert op in code
+    check_close(matmul_softcap_input_mask, inputs, out)
+
+
+def test_float_input_mask_of_other_values_fails_the_call():
+    """A mask value other than 0 and -inf would make the rewrite inexact: the call fails."""
+    q, k, v = qkv(dtype=torch.bfloat16)
+    mask = input_mask(2, 6, 6, torch.bfloat16)
+    mask[1, 0, 3, 2] = -1.0
+    with pytest.raises(RuntimeError, match="values other than 0 and -inf"):
+        compile_and_run(matmul_softcap_input_mask, (q, k, v, mask))
+    assert counters["attn"]["sdpa_to_attn_matched"] == 1
