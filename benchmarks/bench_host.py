@@ -11,9 +11,10 @@ Method
 * Tiny problems so that the host (op dispatch, the Python front's checks, the backend choice,
   output allocation, launches) dominates: B = 32 sequences of 256 keys, 32/8 heads, D = 128,
   16-token pages; prefill 4 sequences of 64 queries over the cache; context 256 tokens, causal.
-* host_us: median over `repeats` loops of `iters` back-to-back calls of the loop's
-  time.perf_counter time per call, after warm-up; wall_us: the same loop up to one
-  torch.cuda.synchronize() at its end (about max(host, device) per call).
+* host_us: time.perf_counter time per call, median over `repeats` rounds of `iters` calls made
+  in bursts of 16 that each start after a sync (so that a full launch queue never holds the
+  host back), after warm-up; wall_us: `iters` calls back to back up to one
+  torch.cuda.synchronize() at their end (about max(host, device) per call).
 * device_us: the same call in a CUDA graph of 20 calls (common.time_us; device_timing says when it
   fell back to eager do_bench). bound = "host" when host_us > device_us.
 * first_ms: the row's first call in this process including a sync (compile, library load, plan):
@@ -241,19 +242,28 @@ PEERS = {
 # --- measurement -------------------------------------------------------------------------------
 
 
+BURST = 16   # calls between syncs while timing the host: the GPU's launch queue never fills
+
+
 def host_time_us(fn, iters: int, repeats: int, sync=_sync) -> tuple[float, float]:
-    """Median µs per call over `repeats` loops of `iters` calls: (the loop alone, the loop + one sync)."""
+    """Median µs per call over `repeats` rounds of `iters` calls: (the calls alone, timed in bursts
+    of `BURST` that each start on an idle GPU; the calls back to back up to one sync)."""
     host, wall = [], []
     for _ in range(repeats):
+        spent = 0.0
+        for start in range(0, iters, BURST):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(min(BURST, iters - start)):
+                fn()
+            spent += time.perf_counter() - t0
+        host.append(spent * 1e6 / iters)
         sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        t1 = time.perf_counter()
         sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) * 1e6 / iters)
-        wall.append((t2 - t0) * 1e6 / iters)
+        wall.append((time.perf_counter() - t0) * 1e6 / iters)
     return statistics.median(host), statistics.median(wall)
 
 

@@ -104,6 +104,9 @@ class Engine:
         self._todo = np.zeros(0, dtype=np.int64)
         self._left = np.zeros(0, dtype=np.int64)
         self._last = np.zeros(0, dtype=np.int64)
+        self._order = np.arange(max_num_seqs)                # `where` and `counts` of decode-only steps
+        self._ones = np.ones(max_num_seqs, dtype=np.int64)
+        self._order.flags.writeable = self._ones.flags.writeable = False
         self.finished: dict[int, Request] = {}
         self.buckets = tuple(sorted(graph_buckets))
         # bucket -> (graph, its logits output, the captured function, for eager comparisons)
@@ -161,12 +164,17 @@ class Engine:
         requests' cache appends are one `append_batch`; only when the cache is short of blocks
         do they go one by one, preempting as needed."""
         todo = self._todo
-        order = np.argsort(todo, kind="stable")
-        want = todo[order]
-        counts = np.minimum(want, self.max_num_tokens - (np.cumsum(want) - want))
-        k = int(np.count_nonzero(counts > 0))  # the budget runs out after the first k
-        where, counts = order[:k], counts[:k]
-        requests = [self.running[i] for i in where.tolist()]
+        n = len(todo)
+        if n <= self.max_num_tokens and n and todo.max() == 1:
+            # steady decoding: every running request, in order, one token each
+            where, counts, requests = self._order[:n], self._ones[:n], list(self.running)
+        else:
+            order = np.argsort(todo, kind="stable")
+            want = todo[order]
+            counts = np.minimum(want, self.max_num_tokens - (np.cumsum(want) - want))
+            k = int(np.count_nonzero(counts > 0))  # the budget runs out after the first k
+            where, counts = order[:k], counts[:k]
+            requests = [self.running[i] for i in where.tolist()]
         try:
             rows = self.kv.append_batch([r.id for r in requests],
                                         self._new_tokens(requests, todo[where], counts))
