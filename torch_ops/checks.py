@@ -1,8 +1,9 @@
 """Input validation for every op: shapes, dtypes, devices, head counts, layouts, scale shapes.
 
-Metadata-only checks run in both the fake and the real implementation, so bad input fails at
-trace time too. Checks that read data run only with `ATTN_DEBUG=1` (`check_paged_data`): the
-fast path never synchronizes with the device. Errors name the argument and the expectation.
+Metadata-only checks, and those of the Python-number options (`scale`, `q_scaling`, `softcap`),
+run in both the fake and the real implementation, so bad input fails at trace time too. Checks
+that read tensor data run only with `ATTN_DEBUG=1` (`check_data`): the fast path never
+synchronizes with the device. Errors name the argument and the expectation.
 """
 
 from __future__ import annotations
@@ -498,9 +499,10 @@ def check_data(op: str, args: tuple, kwargs: dict) -> None:
             raise ValueError(f"positions must be in 0..{rows - 1} (the rows of cos_sin_cache)")
     if kwargs.get("out_scale") is not None and not 0 < float(kwargs["out_scale"]) < math.inf:
         raise ValueError(f"out_scale must be finite and > 0, got {float(kwargs['out_scale'])}")
-    for name in ("sinks", "alibi_slopes"):
-        if kwargs.get(name) is not None and not bool(kwargs[name].isfinite().all()):
-            raise ValueError(f"{name} must be finite")
+    for name in ("sinks", "alibi_slopes", "q_scale", "k_scale", "v_scale"):
+        t = kwargs.get(name)
+        if t is not None and t.dim() <= 1 and not bool(t.isfinite().all()):   # not an INT8/INT4 scale cache
+            raise ValueError(f"{name} must be finite, got {t.tolist()}")
 
 
 def _check_cache_attention_data(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
@@ -509,6 +511,8 @@ def _check_cache_attention_data(query, current_key, current_value, seqstarts, kv
     seqlens = _check_cu_seqlens(seqstarts, "seqstarts", query.shape[0])
     kvlens = _check_cu_seqlens(kvstarts, "kvstarts", int(kvstarts.cpu()[-1]))
     pos = start_pos.cpu().long()
+    if not bool((pos >= 0).all()):
+        raise ValueError(f"start_pos must be >= 0, got {pos.tolist()}")
     if not torch.equal(kvlens, pos + seqlens):
         raise ValueError(f"kvstarts must hold start_pos + seqlen keys per sequence: kv lengths {kvlens.tolist()}, "
             f"start_pos {pos.tolist()}, seqlens {seqlens.tolist()}")

@@ -93,7 +93,7 @@ def attend(
         terms = torch.cat([s, sink], dim=-1)
     # normalized by the row max, not by lse: exp(s - lse) loses the precision of a large lse
     row_max = terms.amax(dim=-1, keepdim=True) if terms.shape[-1] else terms.new_zeros((*terms.shape[:-1], 1))
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)   # rows that see nothing
+    row_max = row_max.masked_fill(row_max == -math.inf, 0.0)   # rows that see nothing; +inf and NaN propagate
     denom = torch.exp(terms - row_max).sum(dim=-1, keepdim=True)
     probs = torch.exp(s - row_max) / torch.where(denom == 0, torch.ones_like(denom), denom)   # 0 where masked
     lse = (row_max + denom.log()).squeeze(-1)                                  # [Hq, Lq]; -inf: nothing seen
@@ -204,7 +204,7 @@ def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=F
 def merge_states(out_a, lse_a, out_b, lse_b):
     """Merge two partial states over disjoint keys; returns `(out, lse)`."""
     top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)   # both empty
+    top = top.masked_fill(top == -math.inf, 0.0)                       # both empty; +inf and NaN propagate
     wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)            # weights relative to the larger state
     total = wa + wb
     lse = top + total.log()
@@ -254,6 +254,15 @@ def _store(cache, scale, rows, x: torch.Tensor) -> None:
         scale[rows] = group_scales
 
 
+def _last_of_each_slot(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Bool `[T]`: True for the last token of each slot in `slot_mapping [T]` (the token that
+    lands when several share a slot)."""
+    slots, inverse = torch.unique(slot_mapping, return_inverse=True)
+    order = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    last = order.new_zeros(slots.shape[0]).scatter_reduce(0, inverse, order, "amax", include_self=False)
+    return last[inverse] == order
+
+
 def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
                    positions=None, cos_sin_cache=None, rope_neox=True):
     """Write `key/value [T, Hkv, D]` at `slot_mapping [T]` (RoPE on key and query first, if given).
@@ -269,6 +278,7 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, 
     if k_cache.dtype in quant.FLOAT_DTYPES:
         k = k.to(key.dtype)  # a plain cache holds exactly what a separate RoPE op would produce
     keep = slot_mapping >= 0
+    keep &= _last_of_each_slot(slot_mapping)   # repeated slots: the last token lands, whole
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     rows = (slots // block_size, slots % block_size)

@@ -423,12 +423,130 @@ def test_extreme_logits_keep_the_softmax_exact():
     assert (lse > 45_000).all() and (out - 1).abs().max() < 1e-5
 
 
+def dominant_key_inputs(op: str, top: float):
+    """`INPUTS[op]` (scale 1) with the logits of keys 0 and 1 of every sequence `top`, both keys
+    holding one value row, and the other logits at least 1,000 below `top` (their exp underflows
+    to 0 in fp32 and fp64). Returns `(args, kwargs, seen [T], value0 [T, Hq, D])`: how many of the
+    two keys each query row sees (causal), and its sequence's shared value row per query head."""
+    args, kwargs, _ = INPUTS[op](scale=1.0)
+    q, k, v = args[:3]
+    group = q.shape[1] // k.shape[-2]
+    q.zero_()[..., 0] = 1
+    k[..., 0] = top - 1024 * (1 + torch.rand(k.shape[:-1]))
+    if op == "context_attention":
+        q_bounds, k_bounds = args[3].tolist(), args[4].tolist()
+        k_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+        where = lambda b, j: (k_bounds[b] + j,)
+    else:
+        k_lens, block_size = args[-1].tolist(), k.shape[1]
+        q_bounds = (torch.arange(len(k_lens) + 1) * (q.shape[0] // len(k_lens))).tolist() if op == "paged_decode" \
+            else args[4].tolist()
+        where = lambda b, j: (int(args[3][b, j // block_size]), j % block_size)
+    seen = torch.zeros(q.shape[0], dtype=torch.long)
+    value0 = torch.zeros(q.shape, dtype=v.dtype)
+    for b, k_len in enumerate(k_lens):
+        q0, q1 = q_bounds[b], q_bounds[b + 1]
+        dominant = [where(b, j) for j in range(min(k_len, 2))]
+        for key in dominant:
+            k[key][:, 0] = top
+            v[key] = v[dominant[0]]
+        if dominant:
+            value0[q0:q1] = v[dominant[0]].repeat_interleave(group, dim=0)
+            seen[q0:q1] = (torch.arange(k_len - (q1 - q0), k_len) + 1).clamp(0, len(dominant))
+    return args, kwargs, seen, value0
+
+
+@pytest.mark.parametrize("top", [46080.0, -46080.0])
+@pytest.mark.parametrize("op", list(INPUTS))
+def test_extreme_dominant_logits_give_their_value_row_exactly(op, top):
+    """Max logits of +-46,080 (one or two keys with one value row) and the others far below:
+    every row that sees them is that value row bit for bit, in the input precision, fp32 and fp64
+    (normalizing by an fp32 lse, `exp(s - lse)`, would miss 1/2 by up to 0.2% for two keys); lse
+    is `top + log(keys seen)` to its rounding; rows that see no key are zeros with lse -inf."""
+    args, kwargs, seen, value0 = dominant_key_inputs(op, top)
+    sees = seen > 0
+    assert (seen == 2).any()
+    for dtype in (args[0].dtype, torch.float32, F64):
+        query = args[0].double() if dtype == F64 else args[0]
+        out, lse = getattr(reference, op)(query, *args[1:], **kwargs, compute_dtype=dtype)
+        assert torch.equal(out[sees].double(), value0[sees].double()), dtype
+        expected_lse = top + seen[sees].double().log().unsqueeze(1)   # every head
+        assert (lse[sees].double() - expected_lse).abs().max() <= abs(top) * torch.finfo(lse.dtype).eps, dtype
+        assert not out[~sees].any() and bool((lse[~sees] == -math.inf).all()), dtype
+
+
 def test_merge_states_at_extreme_lse_keeps_the_weights_exact():
     lse_a, lse_b = torch.full((4, 2), 46000.25), torch.full((4, 2), 46000.0) + torch.rand(4, 2)
     ones = torch.ones(4, 2, 8)
     out, lse = reference.merge_states(ones, lse_a, ones, lse_b)
     assert (out - 1).abs().max() < 1e-6
     assert torch.allclose(lse.double(), torch.logaddexp(lse_a.double(), lse_b.double()), rtol=0, atol=0.01)
+
+
+def _poisoned(case: str, q, k, v):
+    """Copies of `q, k, v` with one non-finite element in sequence 0 of CROSS_Q/CROSS_K (4 causal
+    queries over 6 keys, all seeing keys 0..2), and the affected `(out mask, lse mask)` of
+    `[T, Hq(, D)]`, Hq = 4 over Hkv = 2."""
+    q, k, v = q.clone(), k.clone(), v.clone()
+    out_hit, lse_hit = torch.zeros(q.shape, dtype=torch.bool), torch.zeros(q.shape[:2], dtype=torch.bool)
+    if case == "nan-query":
+        q[1, 3, 5] = math.nan
+        out_hit[1, 3], lse_hit[1, 3] = True, True
+    elif case == "inf-logit":   # q[..., 0] > 0: key 0's logit is +inf for query heads 0 and 1
+        k[0, 0, 0] = math.inf
+        out_hit[0:4, 0:2], lse_hit[0:4, 0:2] = True, True
+    elif case == "nan-key":
+        k[2, 1, 4] = math.nan
+        out_hit[0:4, 2:4], lse_hit[0:4, 2:4] = True, True
+    elif case == "inf-value":
+        v[1, 0, 6] = math.inf
+        out_hit[0:4, 0:2, 6] = True
+    return (q, k, v), out_hit, lse_hit
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("case", ["nan-query", "inf-logit", "nan-key", "inf-value"])
+def test_non_finite_inputs_reach_exactly_the_rows_that_read_them(case, compute_dtype):
+    """docs "Non-finite values": a NaN or +inf logit makes its row's out and lse NaN, a NaN/inf
+    in a weighted value row reaches out; every other row is as without it, bit for bit."""
+    (q, k, v, cu_q, cu_k), kwargs, _ = context_inputs(CROSS_Q, CROSS_K, 4, 2, causal=True)
+    q[..., 0] = q[..., 0].abs() + 0.25
+    run = lambda q, k, v: reference.context_attention(q, k, v, cu_q, cu_k, **kwargs, compute_dtype=compute_dtype)
+    out0, lse0 = run(q, k, v)
+    (q, k, v), out_hit, lse_hit = _poisoned(case, q, k, v)
+    out, lse = run(q, k, v)
+    if case == "inf-value":
+        assert bool(out[out_hit].isinf().all())
+    else:
+        assert bool(out[out_hit].isnan().all()) and bool(lse[lse_hit].isnan().all())
+    assert torch.equal(out[~out_hit], out0[~out_hit]) and torch.equal(lse[~lse_hit], lse0[~lse_hit])
+
+
+def test_a_minus_inf_logit_is_a_key_not_seen():
+    """A logit of -inf (an -inf key element against a positive query element) hides that key,
+    like `key_mask`."""
+    (q, k, v, cu_q, cu_k), kwargs, _ = context_inputs(CROSS_Q, CROSS_K, 4, 4, causal=True)
+    q[..., 0] = q[..., 0].abs() + 0.25
+    k[2, :, 0] = -math.inf
+    mask = torch.ones(q.shape[0], max(CROSS_K), dtype=torch.bool)
+    mask[0:4, 2] = False
+    out, lse = reference.context_attention(q, k, v, cu_q, cu_k, **kwargs)
+    out_m, lse_m = reference.context_attention(q, k, v, cu_q, cu_k, **kwargs, key_mask=mask)
+    assert torch.equal(out, out_m) and torch.equal(lse, lse_m)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_merge_states_of_a_non_finite_lse_is_nan(bad):
+    """An lse of +inf or NaN (not a partial state) gives NaN out and lse for its row, as the
+    kernel's; the other rows merge as usual."""
+    out_a, out_b = rand(4, 3, D, dtype=torch.float32), rand(4, 3, D, dtype=torch.float32)
+    lse_a, lse_b = torch.randn(4, 3), torch.randn(4, 3)
+    out0, lse0 = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    lse_b[2, 1] = bad
+    out, lse = reference.merge_states(out_a, lse_a, out_b, lse_b)
+    assert bool(out[2, 1].isnan().all()) and math.isnan(lse[2, 1])
+    out[2, 1], lse[2, 1] = out0[2, 1], lse0[2, 1]
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
 @pytest.mark.parametrize("scale,q_scaling", [(None, 1.0), (0.37, 1.0), (None, 2.5), (0.9, 0.6)])
@@ -580,11 +698,13 @@ def store_vector(cache, scale, where, x: list[float]) -> None:
         cache[where], scale[where] = quant_group_vector(x, 8 if cache.dtype == torch.int8 else 4, scale.dtype)
 
 
+@pytest.mark.parametrize("repeated", [False, True], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_kv_cache_write(fmt):
+def test_kv_cache_write(fmt, repeated):
     """Tokens land at `slot = block * block_size + offset` in the cache format (FP8 saturating,
     INT8/INT4 with new group scales, the 1e-5 scale floor on a tiny head); negative slots are
-    skipped and the rest of the cache is untouched. key/value are views of a fused QKV tensor."""
+    skipped and the rest of the cache is untouched. key/value are views of a fused QKV tensor.
+    Of tokens sharing a slot, the last one lands, whole (values and group scales)."""
     hkv, block_size, num_blocks, t = 2, 3, 5, 7
     dtype, kind = FORMATS[fmt]
     k_cache, v_cache, k_scale, v_scale = make_cache(num_blocks, block_size, hkv, fmt)
@@ -596,6 +716,9 @@ def test_kv_cache_write(fmt):
             amax = x.float().abs().amax(dim=(0, 2)) if kind == "head" else x.float().abs().amax()
             s.copy_(amax / (1.25 * FP8_MAX[dtype]))
     slots = random_slots(t, num_blocks * block_size)
+    if repeated:
+        written = (slots >= 0).nonzero().flatten()
+        slots[written[-1]] = slots[written[-3]] = slots[written[0]]
     expected = [x.clone() if x is not None else None for x in (k_cache, v_cache, k_scale, v_scale)]
     for i, slot in enumerate(slots.tolist()):
         if slot < 0:

@@ -82,8 +82,11 @@ BAD = [
     ("paged_decode", "gqa", _set("sinks", torch.ones(4, dtype=torch.float16)), TypeError, "sinks must have dtype"),
     ("paged_decode", "gqa", _set("scale", 0.0), ValueError, "scale must be finite and > 0"),
     ("paged_decode", "gqa", _set("scale", math.inf), ValueError, "scale must be finite and > 0"),
+    ("paged_decode", "gqa", _set("scale", math.nan), ValueError, "scale must be finite and > 0"),
+    ("paged_decode", "gqa", _set("scale", -0.5), ValueError, "scale must be finite and > 0"),
     ("paged_decode", "gqa", _set("q_scaling", math.nan), ValueError, "q_scaling must be finite"),
     ("context_attention", "causal", _set("softcap", math.inf), ValueError, "softcap must be finite"),
+    ("paged_prefill", "mixed", _set("softcap", math.nan), ValueError, "softcap must be finite"),
     ("context_attention", "causal", _set("out_dtype", torch.int8), TypeError, "out_dtype"),
     ("kv_cache_write", "rope", _set("positions", None), ValueError, "RoPE needs both"),
     ("kv_cache_write", "rope", _set("cos_sin_cache", lambda c: c[:, :3]), ValueError, "rotary_dim"),
@@ -143,6 +146,16 @@ def test_bad_input_raises_at_trace_time(case):
             getattr(torch.ops.attn, op)(*fake_args, **kwargs)
 
 
+@pytest.mark.parametrize("name,bad", [("scale", math.nan), ("softcap", -math.inf), ("q_scaling", 0.0)])
+def test_number_options_are_checked_on_every_call(name, bad):
+    """Python-number options are part of a call's signature: a planned signature with a good
+    value does not let a bad one through, without ATTN_DEBUG."""
+    args, kwargs = samples.paged_decode("gqa")
+    torch.ops.attn.paged_decode(*args, **kwargs, **{name: 0.5})
+    with pytest.raises(ValueError, match=f"{name} must be finite"):
+        torch.ops.attn.paged_decode(*args, **kwargs, **{name: bad})
+
+
 def test_out_buffers_are_checked():
     args, kwargs = samples.paged_decode("gqa")
     out, lse = torch.ops.attn.paged_decode(*args, **kwargs)
@@ -174,9 +187,47 @@ DATA_BAD = [
     ("kv_cache_write", "int4", _set("positions", lambda p: p - 40), "positions must be in"),
     ("kv_cache_write", "bf16", _set(4, lambda s: torch.cat([s[:1], s[:1], s[2:]])), "must not repeat a slot"),
     ("paged_decode", "fp8", _set("out_scale", torch.tensor(0.0)), "out_scale must be finite and > 0"),
+    ("paged_decode", "fp8", _set("out_scale", torch.tensor(-0.05)), "out_scale must be finite and > 0"),
+    ("paged_decode", "fp8", _set("out_scale", torch.tensor(math.inf)), "out_scale must be finite and > 0"),
+    ("paged_decode", "fp8", _set("out_scale", torch.tensor(math.nan)), "out_scale must be finite and > 0"),
     ("paged_decode", "features", _set("sinks", lambda s: s / 0), "sinks must be finite"),
+    ("paged_decode", "features", _set("sinks", lambda s: s.index_fill(0, torch.tensor([2]), math.nan)),
+     "sinks must be finite"),
+    ("context_attention", "causal", _set("sinks", torch.tensor([0.0, math.nan, 1.0, 2.0])), "sinks must be finite"),
+    ("paged_decode", "features", _set("alibi_slopes", lambda a: a.index_fill(0, torch.tensor([0]), math.inf)),
+     "alibi_slopes must be finite"),
+    ("paged_decode", "fp8", _set("k_scale", lambda s: s.index_fill(0, torch.tensor([1]), math.inf)),
+     "k_scale must be finite"),
+    ("context_attention", "fp8", _set("q_scale", torch.tensor(math.nan)), "q_scale must be finite"),
+    ("kv_cache_write", "fp8", _set("v_scale", torch.tensor(math.inf)), "v_scale must be finite"),
     ("merge_states", "plain", _set(1, lambda lse: lse.clamp(max=math.inf).index_fill(0, torch.tensor([1]), math.inf)),
      "lse_a must be finite or -inf"),
+    ("merge_states", "plain", _set(3, lambda lse: lse.index_fill(1, torch.tensor([2]), math.inf)),
+     "lse_b must be finite or -inf"),
+    ("merge_states", "plain", _set(3, lambda lse: lse.index_fill(0, torch.tensor([4]), math.nan)),
+     "lse_b must be finite or -inf"),
+    # block ids among the blocks a sequence uses, lengths within the block table
+    ("paged_decode", "gqa", _set(3, lambda t: t - 1000), "block_tables entries used by seq_lens must be in 0..15"),
+    ("paged_prefill", "int4", _set(3, lambda t: t.index_fill(1, torch.tensor([0]), 32)),
+     "block_tables entries used by seq_lens must be in 0..31"),
+    ("paged_decode", "mqa", _set(4, lambda s: s.index_fill(0, torch.tensor([1]), -1)), "seq_lens must be in"),
+    ("paged_prefill", "mixed", _set(5, lambda s: s.index_fill(0, torch.tensor([3]), 13)),
+     "seq_lens must be in 0..max_blocks_per_seq \\* block_size = 0..12"),
+    # cu_seqlens start at 0, never decrease, end at T
+    ("paged_prefill", "mixed", _set(4, lambda c: torch.cat([c[:-1], c[-1:] + 1])), "cu_seqlens_q must start at 0, "
+     "never decrease and end at 10"),
+    ("paged_prefill", "mixed", _set(4, lambda c: c.index_fill(0, torch.tensor([2]), 0)), "cu_seqlens_q must"),
+    ("context_attention", "cross", _set(4, lambda c: torch.cat([c[:-1], c[-1:] + 2])), "cu_seqlens_k must start at 0, "
+     "never decrease and end at 11"),
+    ("context_attention", "mqa", _set(4, lambda c: c.index_fill(0, torch.tensor([2]), 1)), "cu_seqlens_k must"),
+    # cache_attention offsets
+    ("cache_attention", "offset", _set(6, lambda p: p - 3), "start_pos must be >= 0"),
+    ("cache_attention", "paged", _set(4, lambda k: k.flip(0)), "kvstarts must start at 0"),
+    ("cache_attention", "offset", _set(3, lambda s: s + 1), "seqstarts must start at 0"),
+    ("cache_attention", "offset", _set(5, lambda c: c - 1), "cachestarts must address rows"),
+    ("cache_attention", "int8", _set(5, lambda c: c[:, :1]), "exceed MaxP \\* page_size = 4"),
+    ("cache_attention", "int8", _set(5, lambda c: c.index_fill(1, torch.tensor([0]), -4)),
+     "cachestarts must address rows"),
 ]
 
 

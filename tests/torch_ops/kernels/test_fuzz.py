@@ -1,6 +1,7 @@
-"""Property-based tests (hypothesis): the Triton kernels of paged_decode, paged_prefill,
-context_attention and merge_states against the float64 reference on drawn shapes, block sizes,
-cache formats and options, with the error-ratio tolerance of the kernel tests. On CPU the
+"""Property-based tests (hypothesis): the Triton kernels of every op (paged_decode,
+paged_prefill, context_attention, merge_states, kv_cache_write, cache_attention) against the
+reference on drawn shapes, block sizes, cache formats, layouts and options, with the checks of
+each op's kernel tests (error ratio against float64, caches bitwise). On CPU the
 kernels run through Triton's interpreter, so the problems stay tiny and the examples few;
 `ATTN_FUZZ_EXAMPLES` raises the count (on the GPU machine, say 200)."""
 
@@ -14,6 +15,7 @@ import torch_ops
 from torch_ops import reference
 from torch_ops.testing import assert_error_ratio, poison_
 
+from . import test_cache_attention as cache_attention, test_kv_cache_write as kv_write
 from .test_paged_decode import call_triton, check as check_decode, make_problem
 from .test_prefill_attention import check, check_paged, make_context, make_paged, run_context, run_paged
 
@@ -100,3 +102,54 @@ def test_merge_states(kernel_device, t, h, d, dtype, empty):
     base = reference.merge_states(out_a, lse_a, out_b, lse_b)
     assert_error_ratio(out, truth[0], base[0])
     assert_error_ratio(lse, truth[1], base[1], name="lse")
+
+
+poisoned = cache_attention.poisoned   # the fixture: every torch.empty allocation poisoned
+
+KV_FORMATS = {   # name -> (cache dtype, draws group scales)
+    "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32": (torch.float32, False),
+    "e4m3": (torch.float8_e4m3fn, False), "e5m2": (torch.float8_e5m2, False),
+    "int8": (torch.int8, True), "int4": (torch.uint8, True),
+}
+
+
+@FUZZ
+@given(data=st.data(), fmt=st.sampled_from(list(KV_FORMATS)), t=st.integers(1, 9), heads=HEADS,
+       d=st.sampled_from([16, 32, 48]), bs=st.sampled_from([1, 3, 4, 16]),
+       layout=st.sampled_from(["NHD", "HND", "combined_NHD", "combined_HND", "vllm"]),
+       rope=st.sampled_from([None, "neox", "gptj"]), index_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_kv_cache_write(kernel_device, data, fmt, t, heads, d, bs, layout, rope, index_dtype):
+    hkv, group = heads
+    cache_dtype, grouped = KV_FORMATS[fmt]
+    opts = {}
+    if grouped:
+        opts.update(group=data.draw(st.sampled_from([g for g in (8, 16, d) if d % g == 0])),
+                    scale_dtype=data.draw(st.sampled_from([torch.float16, torch.float32])))
+    elif fmt in ("e4m3", "e5m2"):
+        opts["fp8_per_head"] = data.draw(st.booleans())
+    if rope:
+        opts.update(rope=rope, rot=data.draw(st.sampled_from([d, d // 2])), with_query=data.draw(st.booleans()))
+    problem = kv_write.make_problem(kernel_device, cache_dtype=cache_dtype, t=t, hq=hkv * group, hkv=hkv, d=d, bs=bs,
+                                    layout=layout, index_dtype=index_dtype, num_skipped=min(t - 1, 2), **opts)
+    kv_write.run_and_check(problem)
+
+
+@FUZZ
+@given(data=st.data(), heads=HEADS, d=st.sampled_from([16, 32]), cache_mode=st.sampled_from([0, 1]),
+       cache_layout=st.sampled_from([0, 1, 2, 3]), quant_bit=st.sampled_from([0, 8, 4]),
+       seqs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), min_size=1, max_size=3),
+       is_causal=st.booleans(), is_alibi=st.booleans(), dtype=DTYPES)
+def test_cache_attention(kernel_device, poisoned, data, heads, d, cache_mode, cache_layout, quant_bit, seqs,
+                         is_causal, is_alibi, dtype):
+    hkv, group = heads
+    opts = {}
+    if cache_mode == 1:
+        opts.update(page_size=data.draw(st.sampled_from([3, 4, 8])), page_shift=data.draw(st.integers(0, 2)))
+    if quant_bit:
+        opts.update(group=data.draw(st.sampled_from([8, d])),
+                    scale_dtype=data.draw(st.sampled_from([torch.float16, torch.float32])))
+    problem = cache_attention.make_problem(
+        kernel_device, seqlens=[s for s, _ in seqs], start_pos=[p for _, p in seqs], hq=hkv * group, hkv=hkv, d=d,
+        cache_mode=cache_mode, cache_layout=cache_layout, quant_bit=quant_bit, is_causal=is_causal,
+        is_alibi=is_alibi, dtype=dtype, **opts)
+    cache_attention.check(problem)
