@@ -17,6 +17,7 @@ from torch_ops.kv_cache import BlockTables
 _INT32_MAX = 2**31 - 1
 _MAX_LAYOUTS = 256  # cached batch shapes (views are cheap to recreate; addresses never change)
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by itemsize: negatives -> huge
+_ALIGN = 4   # int32 elements: every section starts 16-byte aligned (kernels compile one variant)
 
 
 @dataclass
@@ -49,8 +50,8 @@ class AttentionMetadata:
 class _Layout(NamedTuple):
     """Where the metadata of `B` sequences and `T` tokens lies in the flat int32 buffers: the
     sections `seq_lens [B]`, `cu_seqlens_q [B + 1]`, `block_tables [B * max_blocks_per_seq]`,
-    `slot_mapping [T]`, `positions [T]`, `token_ids [T]` packed one after the other, so that a
-    step copies exactly the prefix it filled."""
+    `slot_mapping [T]`, `positions [T]`, `token_ids [T]` packed one after the other, each
+    starting on a 16-byte boundary, so that a step copies exactly the prefix it filled."""
 
     host: list[tuple[np.ndarray, ...]]  # per staging buffer: one numpy view per section
     device: tuple[torch.Tensor, ...]    # one device view per section (block_tables [B, m])
@@ -89,7 +90,7 @@ class MetadataBuilder:
         self.block_size = block_size
         self.device = torch.device(device)
 
-        size = max_num_seqs * (2 + max_blocks_per_seq) + 1 + 3 * max_num_tokens
+        size = max_num_seqs * (2 + max_blocks_per_seq) + 1 + 3 * max_num_tokens + 6 * (_ALIGN - 1)
         self._device_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
         # A CPU "device" is written through numpy: torch's copy_ would use intra-op threads.
         self._device_np = self._device_buf.numpy() if self.device.type == "cpu" else None
@@ -112,14 +113,15 @@ class MetadataBuilder:
                 self._layouts.clear()
             m = self.max_blocks_per_seq
             sizes = (batch, batch + 1, batch * m, num_tokens, num_tokens, num_tokens)
-            bounds = np.cumsum((0,) + sizes).tolist()
+            starts = np.cumsum((0,) + tuple(-(-n // _ALIGN) * _ALIGN for n in sizes)).tolist()
+            bounds = [(a, a + n) for a, n in zip(starts, sizes)]
 
             def views(buf):
-                parts = [buf[a:b] for a, b in zip(bounds, bounds[1:])]
+                parts = [buf[a:b] for a, b in bounds]
                 parts[2] = parts[2].reshape(batch, m)
                 return tuple(parts)
 
-            ends = (bounds[-2], bounds[-1])  # without and with the token ids
+            ends = (bounds[-2][1], bounds[-1][1])  # without and with the token ids
             layout = _Layout(
                 host=[views(buf) for buf in self._staging_np],
                 device=views(self._device_buf),

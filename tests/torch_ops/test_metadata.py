@@ -144,6 +144,16 @@ def test_buffers_keep_their_addresses():
         check(mb.build(*batch), *batch)  # unpadded builds reuse the same memory too
 
 
+@pytest.mark.parametrize("num_seqs, decode_q", [(1, 1), (3, 0), (5, 2), (7, 0)])
+def test_every_tensor_starts_16_byte_aligned(num_seqs, decode_q):
+    rng = fresh_rng()
+    batch = random_batch(rng, num_seqs, decode_q=decode_q)
+    md = builder().build(*batch, token_ids=[0] * sum(batch[1]))
+    for t in (md.seq_lens, md.cu_seqlens_q, md.block_tables, md.slot_mapping, md.positions, md.token_ids):
+        assert t.data_ptr() % 16 == 0
+    check(md, *batch)
+
+
 def test_token_ids_travel_with_the_metadata():
     rng = fresh_rng()
     mb = builder()
