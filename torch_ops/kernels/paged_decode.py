@@ -65,6 +65,9 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
+- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table, block ids
+  outside the cache are absent blocks (keys masked, folded into the load and visibility masks);
+  each sets its bit in the device error flag (`torch_ops.errors`).
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
@@ -133,7 +136,6 @@ LARGE_TILE_MAX_BLOCK_M = 32
 SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-_ERR_BLOCK = tl.constexpr(errors.BLOCK_TABLES)
 _ERR_LEN = tl.constexpr(errors.SEQ_LENS)
 
 
@@ -350,7 +352,8 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
         hi = end
 
     s = tl.zeros([rep.shape[0], BLOCK_N], tl.float32)
-    kv_ok = tl.zeros([rep.shape[0], BLOCK_N], tl.int1)   # the keys of each row's tile that exist
+    if R > 1:
+        kv_ok = tl.zeros([rep.shape[0], BLOCK_N], tl.int1)   # the keys of each row's tile that exist
     v_tiles = ()
     for j in tl.static_range(R):
         offs_n = t0 + j * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -39,6 +39,10 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   INT8 / packed INT4 caches are dequantized in registers with their group scales (gathered per
   value from the scale cache: simple, not fast) and rounded to the dot dtype, as the reference
   does. Addresses are int64.
+- **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors; a block id
+  outside the cache is an absent block: masked tiles fold it into their masks, unmasked paged
+  tiles into their loads and one `-inf` bias per key (an FMA with the scaling). Each sets its bit
+  in the device error flag (`torch_ops.errors`).
 - **Softmax** online in fp32 with exp2 (log2(e) folded into the scale), scale/q_scaling,
   softcap (exp2-based tanh), ALiBi `-slope * |p - j|`; `tl.dot` on fp16/bf16 tiles with fp32
   accumulation (fp32 inputs: "ieee" dots; FP8 `context_attention` inputs: fp16 dots on the
