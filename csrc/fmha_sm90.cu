@@ -384,7 +384,8 @@ struct VarlenMainloop : Base {
   CUTLASS_DEVICE static Sequence sequence(BlkCoord const& blk, Params const& p) {
     int b = get<2, 0>(blk);
     int q0 = p.cu_q[b];
-    if constexpr (kPaged) return {q0, 0, p.cu_q[b + 1] - q0, p.seq_lens[b], 0};
+    // a length past the block table is clamped into it (as the Triton kernels clamp it)
+    if constexpr (kPaged) return {q0, 0, p.cu_q[b + 1] - q0, min(max(p.seq_lens[b], 0), p.max_blocks * p.block_size), 0};
     int k0 = p.cu_k[b], off = k0 % kKeyAlign;
     return {q0, k0 - off, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0, off};
   }
@@ -696,9 +697,10 @@ struct VarlenMainloop : Base {
   // Lane i's box of a key tile: its keys i * box_rows .. + box_rows - 1, consecutive tokens of one
   // cache block (box_rows divides block_size), as the coordinates of the cache's TMA tensor
   // (encode_pages) that are not dims: (row, head, block), or on a line (token, head) at D = 64 and
-  // (token / 8, head) at D = 128. Boxes at or past the sequence's end read block `num_blocks`, out
-  // of the tensor's bounds, which TMA fills with zeros; the block table is read only below the end
-  // (and below max_blocks). Lanes past the tile's boxes go unused.
+  // (token / 8, head) at D = 128. Boxes at or past the sequence's end, and block ids outside
+  // [0, num_blocks), read block `num_blocks`, out of the tensor's bounds, which TMA fills with zeros;
+  // the block table is read only below the end (and below max_blocks). Lanes past the tile's boxes
+  // go unused.
   struct PagedBox {
     int c1, c2, c3;
   };
@@ -708,6 +710,7 @@ struct VarlenMainloop : Base {
     int block = p.num_blocks, row = 0;
     if (key < lk) {
       block = table[min(key / p.block_size, p.max_blocks - 1)];
+      if (block < 0 || block >= p.num_blocks) block = p.num_blocks;
       row = key % p.block_size;
     }
     if (!p.line_stride) return {row, hk, block};
@@ -1049,6 +1052,7 @@ struct VarlenEpilogue {
     const float* v_scale;  // NULL: 1
     const float* out_scale;
     int v_scale_stride, group, out_dtype;
+    int total_q;  // the rows of out and lse: a sequence's rows are clamped into [0, total_q]
   };
 
   // Calls write(row, column, two converted values) for each column pair this thread holds.
@@ -1119,7 +1123,7 @@ struct VarlenEpilogue {
     auto acc = get<0>(result);
     auto lse = get<1>(result);
     int b = get<2, 0>(wg), h = get<2, 1>(wg);
-    int q0 = p.cu_q[b], lq = p.cu_q[b + 1] - q0;
+    int q0 = min(max(p.cu_q[b], 0), p.total_q), lq = min(max(p.cu_q[b + 1], q0), p.total_q) - q0;
     int row0 = int(get<0>(wg)) * int(get<0>(Tile{}));
     int wg_index = int(get<0>(wg)) % VarlenMainloop::NumMmaWarpGroups;
 
@@ -1353,7 +1357,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.outer_pipeline_offset = int(offsetof(Kernel::SharedStorage, pipeline_storage_outer));
   }
   VarlenEpilogue::Params epilogue{a.out, a.lse, a.out_row_stride, a.out_head_stride, a.lse_row_stride,
-                                  a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype};
+                                  a.cu_seqlens_q, a.v_scale, a.out_scale, a.v_scale_stride, group, a.out_dtype, tq};
   if (a.section_heads < 1 || a.hq % a.section_heads != 0) return fail("need section_heads dividing hq");
   if (kCluster > 1 && (group % kCluster || a.section_heads % kCluster)) {  // a cluster's CTAs: heads 2i, 2i + 1
     return fail("clusters of 2: need an even number of query heads per KV head and even section_heads");

@@ -7,6 +7,7 @@ from . import ops, backends, replay  # noqa: F401  (registration)
 from .backends import backend_for, clear_plans, explain, register_backend, use_backend
 from .cuda_decode import CudaDecodeBackend
 from .cutlass import CutlassBackend, MixedBatchBackend
+from .errors import check_errors
 from .kernels import TritonBackend
 from .warmup import warmup
 
@@ -16,4 +17,4 @@ register_backend(CutlassBackend())  # Hopper, where it serves the call (docs/cut
 register_backend(MixedBatchBackend())  # paged_prefill of several sequences: CUTLASS for the long ones
 replay.install()  # the C++ front takes the CUDA calls over, where built (torch_ops.warmup() builds it)
 
-__all__ = ["backend_for", "clear_plans", "explain", "register_backend", "use_backend", "warmup"]
+__all__ = ["backend_for", "check_errors", "clear_plans", "explain", "register_backend", "use_backend", "warmup"]

@@ -121,10 +121,17 @@ def _ranges(bounds: list[int], size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _gather_paged(cache, scale, fmt: KVFormat, block_table, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `length` tokens of one sequence, dequantized to `[length, Hkv, D]` in `dtype`."""
-    block_size = cache.shape[1]
+def _present_blocks(block_table, length: int, block_size: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block ids of a sequence's first `length` tokens (those outside `[0, num_blocks)`
+    replaced by 0) and which of the tokens lie in a block inside the cache, `[length]` bool:
+    the kernels treat a block id outside the cache as an absent block."""
     blocks = block_table[: -(-length // block_size)].long()
+    inside = (blocks >= 0) & (blocks < num_blocks)
+    return torch.where(inside, blocks, 0), inside.repeat_interleave(block_size)[:length]
+
+
+def _gather_paged(cache, scale, fmt: KVFormat, blocks, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` tokens of one sequence in `blocks`, dequantized to `[length, Hkv, D]` in `dtype`."""
     x = cache[blocks].flatten(0, 1)[:length]
     s = scale
     if fmt.group_scaled:
@@ -145,10 +152,14 @@ def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, 
         seq_len = min(max(seq_len, 0), capacity)
         if q1 == q0:
             continue
-        k = _gather_paged(k_cache, k_scale, fmt, block_tables[b], seq_len, acc)
-        v = _gather_paged(v_cache, v_scale, fmt, block_tables[b], seq_len, acc)
+        blocks, present = _present_blocks(block_tables[b], seq_len, k_cache.shape[1], k_cache.shape[0])
+        k = _gather_paged(k_cache, k_scale, fmt, blocks, seq_len, acc)
+        v = _gather_paged(v_cache, v_scale, fmt, blocks, seq_len, acc)
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        o, l = attend(query[q0:q1], k, v, positions, causal=causal, key_mask=_mask_rows(key_mask, q0, q1, seq_len),
+        mask = present.to(query.device).expand(q1 - q0, seq_len)
+        if key_mask is not None:
+            mask = mask & _mask_rows(key_mask, q0, q1, seq_len)
+        o, l = attend(query[q0:q1], k, v, positions, causal=causal, key_mask=mask,
                       compute_dtype=compute_dtype, **options)
         out[q0:q1], lse[q0:q1] = o, l
     return finish_output(out, attention_output_dtype(query, out_scale), out_scale), lse
@@ -226,11 +237,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     and returned in it; `[T, H, D]`.
 
     NeoX style rotates the pairs `(x[i], x[i + R/2])`, GPT-J style `(x[2i], x[2i+1])`, for
-    `i < R/2` with `R = cos_sin_cache.shape[1]`; dims past `R` are unchanged.
+    `i < R/2` with `R = cos_sin_cache.shape[1]`; dims past `R` are unchanged. Positions outside
+    the table's rows are clamped into them.
     """
     rot = cos_sin_cache.shape[1]
     math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    cos, sin = cos_sin_cache[positions.long()].to(math_dtype).chunk(2, dim=-1)    # [T, R/2]
+    rows = positions.long().clamp(0, cos_sin_cache.shape[0] - 1)    # as the kernels clamp them
+    cos, sin = cos_sin_cache[rows].to(math_dtype).chunk(2, dim=-1)    # [T, R/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x = x.to(math_dtype)
     xr, rest = x[..., :rot], x[..., rot:]
@@ -277,10 +290,10 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, 
             rotated_query = apply_rope(query, positions, cos_sin_cache, rope_neox).to(query.dtype)
     if k_cache.dtype in quant.FLOAT_DTYPES:
         k = k.to(key.dtype)  # a plain cache holds exactly what a separate RoPE op would produce
-    keep = slot_mapping >= 0
+    block_size = k_cache.shape[1]
+    keep = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * block_size)   # others skip the token
     keep &= _last_of_each_slot(slot_mapping)   # repeated slots: the last token lands, whole
     slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[1]
     rows = (slots // block_size, slots % block_size)
     _store(k_cache, k_scale, rows, k[keep])
     _store(v_cache, v_scale, rows, value[keep])
@@ -293,30 +306,45 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
                     layer_idx=0, quant_bit=0, quant_group=8, cache_mode=0, cache_layout=0, page_size=128,
                     compute_dtype=torch.float32):
     """PPL `MultiHeadCacheAttention` (docs/ops.md): write current k/v into `cache`, then attend.
-    `decoding_batches` needs no reading: a decode has one new token, which causality leaves alone."""
+    `decoding_batches` needs no reading: a decode has one new token, which causality leaves alone.
+    Out-of-range metadata as the kernels take it (docs/ops.md, "Errors")."""
     if quant_bit == 4:
         cache = cache.view(torch.uint8)  # packed INT4 may come as an int8 tensor
     k_rows, v_rows = ppl_cache_views(cache, layer_idx, cache_layout)
     k_scales, v_scales = ppl_cache_views(scale, layer_idx, cache_layout) if quant_bit else (None, None)
     fmt = kv_format(cache.dtype)
     acc = _acc_dtype(compute_dtype)
-    seq, kvs, pos = seqstarts.tolist(), kvstarts.tolist(), start_pos.tolist()
+    kvs, pos = kvstarts.tolist(), start_pos.tolist()
+    q_rows = _ranges(seqstarts.tolist(), query.shape[0])
     slopes = alibi_slopes(num_heads).to(query.device) if is_alibi else None
     out = torch.zeros(query.shape, dtype=acc, device=query.device)
+    max_t = k_rows.shape[0]
 
-    def rows_of(b: int, positions: torch.Tensor) -> torch.Tensor:
+    def rows_of(b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows of positions of sequence `b` (0 where there is none) and which are inside
+        the cache (page-table mode: in a page of `cachestarts` whose rows all are)."""
         if cache_mode == 0:
-            return cachestarts[b].long() + positions
-        return cachestarts[b, positions // page_size].long() + positions % page_size
+            rows = cachestarts[b].long() + positions
+            inside = (rows >= 0) & (rows < max_t)
+        else:
+            page = positions // page_size
+            inside = (positions >= 0) & (page < cachestarts.shape[1])
+            starts = cachestarts[b, torch.where(inside, page, 0)].long()
+            inside &= (starts >= 0) & (starts + page_size <= max_t)
+            rows = starts + positions % page_size
+        return torch.where(inside, rows, 0), inside
 
     for b in range(len(pos)):
-        q0, q1, kvlen = seq[b], seq[b + 1], kvs[b + 1] - kvs[b]
-        new = rows_of(b, torch.arange(pos[b], pos[b] + q1 - q0, device=query.device))
-        _store(k_rows, k_scales, new, current_key[q0:q1])
-        _store(v_rows, v_scales, new, current_value[q0:q1])
+        (q0, q1), kvlen = q_rows[b], min(max(kvs[b + 1] - kvs[b], 0), max_kvlen)
+        if cache_mode == 0:   # keys past the cache's last row are cut off; none before its first
+            start = int(cachestarts[b])
+            kvlen = 0 if start < 0 else min(kvlen, max(max_t - start, 0))
+        new, written = rows_of(b, torch.arange(pos[b], pos[b] + q1 - q0, device=query.device))
+        _store(k_rows, k_scales, new[written], current_key[q0:q1][written])
+        _store(v_rows, v_scales, new[written], current_value[q0:q1][written])
         if q1 == q0:
             continue
-        past = rows_of(b, torch.arange(kvlen, device=query.device))
+        past, present = rows_of(b, torch.arange(kvlen, device=query.device))
         k = quant.dequantize(k_rows[past], None if k_scales is None else k_scales[past], fmt, acc)
         v = quant.dequantize(v_rows[past], None if v_scales is None else v_scales[past], fmt, acc)
         bias = None
@@ -324,7 +352,7 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
             m = attn_mask if attn_mask.dim() == 3 else attn_mask.unsqueeze(0)
             bias = m[:, q0:q1, kvs[b]:kvs[b] + kvlen]
         positions = torch.arange(kvlen - (q1 - q0), kvlen, device=query.device)
-        o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal,
-                      alibi_slopes=slopes, bias=bias, compute_dtype=compute_dtype)
+        o, _ = attend(query[q0:q1], k, v, positions, causal=is_causal, alibi_slopes=slopes, bias=bias,
+                      key_mask=present.expand(q1 - q0, kvlen), compute_dtype=compute_dtype)
         out[q0:q1] = o
     return finish_output(out, query.dtype, None)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops
+from .. import errors, ops
 from ..checks import ppl_cache_views
 from . import kv_cache_write, paged_decode, paged_prefill, prefill_attention
 
@@ -44,33 +44,41 @@ OFFSET_BLOCK = 128          # keys per block of offset-mode views
 MAX_BLOCK = 256             # the paged kernels' largest block size
 TOKENS_PER_PROGRAM = 128    # current tokens per program of the metadata kernel
 BLOCKS_PER_PROGRAM = 128    # block-table entries per program of the metadata kernel
+_ERR_ROWS = tl.constexpr(errors.CACHESTARTS)
+_ERR_KV = tl.constexpr(errors.KVSTARTS)
 
 
 @triton.jit
-def _row(Cachestarts, b, pos, ok, stride_cb, stride_cp, max_pages, PAGE_SIZE: tl.constexpr):
-    """Cache row of position `pos` of sequence `b` (offset mode when PAGE_SIZE == 0); -1 where
-    `ok` is false or the page is outside `cachestarts`."""
+def _row(Cachestarts, b, pos, ok, stride_cb, stride_cp, max_pages, max_rows, PAGE_SIZE: tl.constexpr):
+    """Cache row of position `pos` of sequence `b` (offset mode when PAGE_SIZE == 0), and whether
+    it is one: `ok`, and the row inside the cache (page-table mode: the page within `cachestarts`
+    and all its rows inside the cache). -1 where it is not."""
     if PAGE_SIZE == 0:
         start = tl.load(Cachestarts + b * stride_cb + pos * 0, mask=ok, other=0).to(tl.int64)   # b may be scalar
         row = start + pos
+        inside = (row >= 0) & (row < max_rows)
     else:
         page = pos // PAGE_SIZE
-        ok = ok & (pos >= 0) & (page < max_pages)
-        start = tl.load(Cachestarts + b * stride_cb + page * stride_cp, mask=ok, other=0).to(tl.int64)
+        in_table = (pos >= 0) & (page < max_pages)
+        start = tl.load(Cachestarts + b * stride_cb + page * stride_cp, mask=ok & in_table, other=-1).to(tl.int64)
         row = start + pos % PAGE_SIZE
-    return tl.where(ok, row, -1)
+        inside = in_table & (start >= 0) & (start + PAGE_SIZE <= max_rows)
+    return tl.where(ok & inside, row, -1), ok & ~inside
 
 
 @triton.jit
 def _metadata_kernel(
-    Seqstarts, Kvstarts, Cachestarts, StartPos, Slots, SeqLens, BlockTables,
-    num_tokens, num_seqs, max_pages, num_blocks, token_programs, table_programs,
+    Seqstarts, Kvstarts, Cachestarts, StartPos, Slots, SeqLens, BlockTables, Err,
+    num_tokens, num_seqs, max_pages, max_rows, max_kvlen, num_blocks, token_programs, table_programs,
     stride_cb, stride_cp, stride_btb,
     PAGE_SIZE: tl.constexpr, BS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    """Programs [0, token_programs): slots of BLOCK_T current tokens. Then `table_programs` per
-    sequence: BLOCK_J entries of its block-table row each (the first also its key count)."""
+    """Programs [0, token_programs): slots of BLOCK_T current tokens (-1: not written). Then
+    `table_programs` per sequence: BLOCK_J entries of its block-table row each (-1: an absent
+    block; the first program also writes its key count). Out-of-range metadata sets its bits in
+    `Err`: key counts are clamped into [0, max_kvlen] (offset mode: to the rows left in the cache
+    from `cachestarts[b]`, none when it is negative)."""
     pid = tl.program_id(0)
     if pid < token_programs:
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -85,18 +93,28 @@ def _metadata_kernel(
             hi = tl.where(go, hi, mid - 1)
         first = tl.load(Seqstarts + lo, mask=t_ok, other=0)
         pos = tl.load(StartPos + lo, mask=t_ok, other=0).to(tl.int64) + (t - first)
-        row = _row(Cachestarts, lo, pos, t_ok, stride_cb, stride_cp, max_pages, PAGE_SIZE)
+        row, outside = _row(Cachestarts, lo, pos, t_ok, stride_cb, stride_cp, max_pages, max_rows, PAGE_SIZE)
+        tl.atomic_or(Err + t * 0, _ERR_ROWS, mask=outside)
         tl.store(Slots + t, row, mask=t_ok)
     else:
         seq = (pid - token_programs) // table_programs
         chunk = (pid - token_programs) % table_programs
-        kv_len = tl.load(Kvstarts + seq + 1) - tl.load(Kvstarts + seq)
+        raw = tl.load(Kvstarts + seq + 1).to(tl.int64) - tl.load(Kvstarts + seq)
+        kv_len = tl.minimum(tl.maximum(raw, 0), max_kvlen)
+        if PAGE_SIZE == 0:
+            start = tl.load(Cachestarts + seq * stride_cb).to(tl.int64)
+            if chunk == 0:
+                tl.atomic_or(Err, _ERR_ROWS, mask=(kv_len > 0) & ((start < 0) | (start + kv_len > max_rows)))
+            kv_len = tl.where(start < 0, 0, tl.minimum(kv_len, tl.maximum(max_rows - start, 0)))
         if chunk == 0:
+            tl.atomic_or(Err, _ERR_KV, mask=(raw < 0) | (raw > max_kvlen))
             tl.store(SeqLens + seq, kv_len.to(tl.int32))
         j = chunk * BLOCK_J + tl.arange(0, BLOCK_J)
         key = (j * BS).to(tl.int64)
-        block = _row(Cachestarts, seq, key, key < kv_len, stride_cb, stride_cp, max_pages, PAGE_SIZE)
-        tl.store(BlockTables + seq * stride_btb + j, tl.maximum(block, 0), mask=j < num_blocks)
+        block, outside = _row(Cachestarts, seq, key, key < kv_len, stride_cb, stride_cp, max_pages, max_rows,
+                              PAGE_SIZE)
+        tl.atomic_or(Err + j * 0, _ERR_ROWS, mask=outside)
+        tl.store(BlockTables + seq * stride_btb + j, block, mask=j < num_blocks)
 
 
 def _blocks(rows: torch.Tensor, bs: int) -> torch.Tensor:
@@ -155,8 +173,9 @@ def unsupported(query, current_key, current_value, seqstarts, kvstarts, cachesta
 
 
 def metadata(seqstarts, kvstarts, cachestarts, start_pos, *, num_tokens: int, max_kvlen: int, bs: int,
-             cache_mode: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots [T] int64, seq_lens [B] int32, block_tables [B, cdiv(max_kvlen, bs)] int64) on the device."""
+             cache_mode: int, page_size: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots [T] int64, seq_lens [B] int32, block_tables [B, cdiv(max_kvlen, bs)] int64) on the device,
+    for a cache of `max_rows` rows (rows and blocks outside it: -1)."""
     num_seqs = start_pos.shape[0]
     dev = seqstarts.device
     num_blocks = max(1, -(-max_kvlen // bs))
@@ -169,8 +188,9 @@ def metadata(seqstarts, kvstarts, cachestarts, start_pos, *, num_tokens: int, ma
     if token_programs + num_seqs == 0:
         return slots, seq_lens, tables
     _metadata_kernel[(token_programs + num_seqs * table_programs,)](
-        seqstarts, kvstarts, cachestarts, start_pos, slots, seq_lens, tables,
-        num_tokens, num_seqs, cachestarts.shape[1] if paged else 0, num_blocks, token_programs, table_programs,
+        seqstarts, kvstarts, cachestarts, start_pos, slots, seq_lens, tables, errors.device_flag(dev),
+        num_tokens, num_seqs, cachestarts.shape[1] if paged else 0, max_rows, max_kvlen, num_blocks,
+        token_programs, table_programs,
         cachestarts.stride(0), cachestarts.stride(1) if paged else 0, tables.stride(0),
         PAGE_SIZE=page_size if paged else 0, BS=bs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_J=BLOCKS_PER_PROGRAM,
@@ -189,14 +209,17 @@ def run(query, current_key, current_value, seqstarts, kvstarts, cachestarts, sta
         return out
     problem = _Problem(cache, scale, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit)
     bs = _block_size(problem.k_rows.shape[0], cache_mode, page_size)
-    slots, seq_lens, tables = metadata(seqstarts, kvstarts, cachestarts, start_pos, num_tokens=t,
-                                       max_kvlen=max_kvlen, bs=bs, cache_mode=cache_mode, page_size=page_size)
+    max_rows = problem.k_rows.shape[0]
+    slots, seq_lens, tables = metadata(seqstarts, kvstarts, cachestarts, start_pos, num_tokens=t, max_kvlen=max_kvlen,
+                                       bs=bs, cache_mode=cache_mode, page_size=page_size, max_rows=max_rows)
     k, v, ks, vs = problem.write_views()
     kv_cache_write.run(current_key, current_value, k, v, slots, k_scale=ks, v_scale=vs)
 
     k, v, ks, vs = problem.read_views(bs)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=query.device)
-    options = dict(out=out, lse=lse, k_scale=ks, v_scale=vs,
+    # block id r: rows r .. r + bs - 1, of which the metadata lets the kernels read only the rows of keys
+    # inside the cache (-1: an absent block, already flagged)
+    options = dict(out=out, lse=lse, k_scale=ks, v_scale=vs, num_blocks=max_rows, block_error=0,
                    alibi_slopes=_alibi_slopes(num_heads, query.device) if is_alibi else None)
     uniform = t == num_seqs * max_seqlen and (max_seqlen == 1 or (is_causal and max_seqlen <= 8))
     if uniform and not paged_decode.unsupported(query, k, v, tables, seq_lens, k_scale=ks, v_scale=vs):

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import errors
 from . import interpreting, prefill_attention
 from .interpreter import exact_cast
+from .kv_cache_write import rope_position
 from .launcher import TritonLaunch
 
 ROPE_TOKENS = 16   # tokens per RoPE program
@@ -30,13 +32,13 @@ def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, **options) -> lis
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _rope_kernel(X, Out, Pos, CosSin, num_tokens, max_position, stride_xt, stride_xh, stride_ot, stride_oh,
+def _rope_kernel(X, Out, Pos, CosSin, Err, num_tokens, max_position, stride_xt, stride_xh, stride_ot, stride_oh,
                  stride_cs, stride_csd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr,
                  NEOX: tl.constexpr, TOKENS: tl.constexpr, INTERPRETED: tl.constexpr):
     """Rotate `TOKENS` tokens of head `program_id(1)` of `X [T, H, D]` into `Out`, in fp32:
     `(a, b) -> (a cos - b sin, b cos + a sin)` for the pairs `(d, d + ROT/2)` (NeoX) or
-    `(2i, 2i + 1)` (GPT-J); dims past ROT are copied. A position outside the cache reads
-    cos = sin = 0 (nothing out of bounds)."""
+    `(2i, 2i + 1)` (GPT-J); dims past ROT are copied. A position outside the cache is clamped
+    into it and flagged in `Err`."""
     HALF: tl.constexpr = ROT // 2
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     h = tl.program_id(1)
@@ -55,9 +57,9 @@ def _rope_kernel(X, Out, Pos, CosSin, num_tokens, max_position, stride_xt, strid
         i = d // 2
     rot = d < ROT
     p = tl.load(rows + partner[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
-    pos = tl.load(Pos + t, mask=t_ok, other=0).to(tl.int64)
+    pos, pos_ok = rope_position(Pos, t, t_ok, 1, max_position, Err, True)
     cs = CosSin + pos[:, None] * stride_cs + i[None, :] * stride_csd
-    cs_ok = (t_ok & (pos >= 0) & (pos < max_position))[:, None] & rot[None, :]
+    cs_ok = pos_ok[:, None] & rot[None, :]
     c = tl.load(cs, mask=cs_ok, other=0.0).to(tl.float32)
     s = tl.load(cs + HALF * stride_csd, mask=cs_ok, other=0.0).to(tl.float32)
     xc = x * c
@@ -81,11 +83,12 @@ def prepare_rope(x: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool):
         cos_sin_cache.stride(0), cos_sin_cache.stride(1),
     ), dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), ROT=cos_sin_cache.shape[1], NEOX=bool(neox),
             TOKENS=ROPE_TOKENS, INTERPRETED=interpreting(), num_warps=4, enable_fp_fusion=False))
+    flag = errors.device_flag(x.device)
 
     def launch(x, positions, cos_sin_cache):
         out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
         if t and h:
-            kernel(x, out, positions, cos_sin_cache)
+            kernel(x, out, positions, cos_sin_cache, flag)
         return out
 
     return launch

@@ -15,8 +15,9 @@ Design
 - **Addresses** are int64: `block * stride_b + offset * stride_t + head * stride_h + d`, any
   cache strides with a contiguous last dim (NHD, HND, combined, vLLM views); the block size is
   a compile-time constant (no 64-bit division per token). A negative or out-of-range slot skips
-  the token (its key and value are not even read); a position outside `cos_sin_cache` reads
-  cos = sin = 0: nothing is read or written out of bounds.
+  the token (its key and value are not even read); a position outside `cos_sin_cache` is clamped
+  into it: nothing is read or written out of bounds. Out-of-range slots and positions set their
+  bits in the device error flag (`torch_ops.errors`).
 - **Numbers are the reference's, bit for bit.** Plain caches without RoPE get the loaded bits.
   FP8: `clamp(x / scale)`, then the round-to-nearest-even convert. INT8/INT4, per group:
   `s = max(div_rn(absmax, qmax), 1e-5)` rounded to the scale-cache dtype, then
@@ -77,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import gpu
+from .. import errors, gpu
 from . import interpreting
 from .launcher import TritonLaunch
 from .interpreter import exact_cast
@@ -102,6 +103,8 @@ TILE_ELEMS = {FMT_PLAIN: 2048, FMT_FP8: 2048, FMT_INT8: 4096, FMT_INT4: 4096}
 _QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
 # RN(1 / qmax) in fp32 (the fp64 quotient rounds to the same fp32 value for 127 and 7)
 _QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / q))[0] for f, q in _QMAX.items()}
+_ERR_SLOT = tl.constexpr(errors.SLOT_MAPPING)
+_ERR_POS = tl.constexpr(errors.POSITIONS)
 
 
 # =================================================================================================
@@ -260,9 +263,20 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
                 tl.store(rows + byte, packed, mask=row_ok & (g < NG) & (j < QGROUP // 2), cache_modifier=STORE_CM)
 
 
+@triton.jit
+def rope_position(Positions, t, t_ok, stride_pos, max_position, Err, FLAG: tl.constexpr):
+    """Token `t`'s RoPE position clamped into the table's rows `[0, max_position)` (with FLAG, one
+    outside it sets its bit in `Err`), int64, and whether its cos/sin row may be read."""
+    pos = tl.load(Positions + t.to(tl.int64) * stride_pos, mask=t_ok, other=0).to(tl.int64)
+    if FLAG:
+        tl.atomic_or(Err + t * 0, _ERR_POS, mask=t_ok & ((pos < 0) | (pos >= max_position)))
+    pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
+    return pos, t_ok & (pos >= 0)   # -1: an empty table
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_kv_programs"])   # per-step values: one compiled kernel
 def _kv_cache_write_kernel(
-    Key, Value, KCache, VCache, KScale, VScale, Slots, Positions, CosSin, Query, QOut,
+    Key, Value, KCache, VCache, KScale, VScale, Slots, Positions, CosSin, Query, QOut, Err,
     num_tokens, num_slots, max_position, num_kv_programs,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
@@ -288,6 +302,7 @@ def _kv_cache_write_kernel(
         d = g * QGROUP + e
         t_ok = t < num_tokens
         slot = tl.load(Slots + t.to(tl.int64) * stride_slot, mask=t_ok, other=-1).to(tl.int64)
+        tl.atomic_or(Err + t * 0, _ERR_SLOT, mask=slot >= num_slots)
         w_ok = t_ok & (slot >= 0) & (slot < num_slots)
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
@@ -303,8 +318,7 @@ def _kv_cache_write_kernel(
             k_hi = tl.load(k_ptrs + HEAD_DIM // 2, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
             v_hi = tl.load(v_ptrs + HEAD_DIM // 2, mask=ld_ok, other=0.0, eviction_policy=LOAD_EVICT)
         if ROPE:
-            pos = tl.load(Positions + t.to(tl.int64) * stride_pos, mask=t_ok, other=0).to(tl.int64)
-            pos_ok = (pos >= 0) & (pos < max_position)
+            pos, pos_ok = rope_position(Positions, t, t_ok, stride_pos, max_position, Err, True)
             if SPLIT:
                 # cos/sin pointers spelled out for every head: loaded in the tile's layout (L1 hits)
                 heads = tl.zeros((1, BH_KV, 1, 1), tl.int32)
@@ -353,8 +367,7 @@ def _kv_cache_write_kernel(
         q_ok = tq_ok[:, None, None, None] & (hq < NUM_Q_HEADS) & (dq < HEAD_DIM)
         q_ptrs = Query + tq4 * stride_qt + hq * stride_qh + dq * stride_qd
         q = tl.load(q_ptrs, mask=q_ok, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
-        q_pos = tl.load(Positions + tq.to(tl.int64) * stride_pos, mask=tq_ok, other=0).to(tl.int64)
-        q_pos_ok = (q_pos >= 0) & (q_pos < max_position)
+        q_pos, q_pos_ok = rope_position(Positions, tq, tq_ok, stride_pos, max_position, Err, False)
         o_ptrs = QOut + tq4 * stride_ot + hq * stride_oh + dq * stride_od
         if SPLIT:  # DP is half the head dim here
             q_hi = tl.load(q_ptrs + DP * stride_qd, mask=q_ok, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
@@ -495,6 +508,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
         **({"maxnreg": GROUP_MAX_REGISTERS} if fmt in (FMT_INT8, FMT_INT4) and not interpreting() else {}),
     ))
     scaled = fmt != FMT_PLAIN
+    flag = errors.device_flag(key.device)
 
     def launch(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
                positions=None, cos_sin_cache=None, **_):
@@ -502,7 +516,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
         kernel(key, value, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache,
                slot_mapping, slot_mapping if positions is None else positions,
                key if cos_sin_cache is None else cos_sin_cache, key if query is None else query,
-               key if rotated is None else rotated)
+               key if rotated is None else rotated, flag)
         return rotated if rotated is not None else key.new_empty(0)
 
     return launch

@@ -65,6 +65,9 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
+- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table, block ids
+  outside the cache are absent blocks (keys masked, folded into the load and visibility masks);
+  each sets its bit in the device error flag (`torch_ops.errors`).
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
@@ -86,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import gpu
+from .. import errors, gpu
 from . import interpreting
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -133,6 +136,7 @@ LARGE_TILE_MAX_BLOCK_M = 32
 SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+_ERR_LEN = tl.constexpr(errors.SEQ_LENS)
 
 
 # =================================================================================================
@@ -141,10 +145,13 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _seq_len(SeqLens, b, kv_cap):
+def _seq_len(SeqLens, b, kv_cap, Err, FLAG: tl.constexpr):
     """Sequence `b`'s key count, clamped into the block table's capacity: a bad length reads no
-    memory outside it."""
-    return tl.minimum(tl.maximum(tl.load(SeqLens + b).to(tl.int32), 0), kv_cap)
+    memory outside it (and, with FLAG, sets its bit in `Err`)."""
+    raw = tl.load(SeqLens + b)
+    if FLAG:
+        tl.atomic_or(Err, _ERR_LEN, mask=(raw < 0) | (raw > kv_cap))
+    return tl.minimum(tl.maximum(raw, 0), kv_cap).to(tl.int32)
 
 
 @triton.jit
@@ -322,8 +329,8 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
 
 
 @triton.jit
-def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
-          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
+def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
+          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len,
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
@@ -333,7 +340,8 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     """Chunk `it` of this program's key ranges (sink chunks first): R tiles of BLOCK_N keys, tile
-    j scored by the rows of replica j (`rep`), then one online-softmax step per row."""
+    j scored by the rows of replica j (`rep`), then one online-softmax step per row. A block id
+    outside [0, num_blocks) is an absent block (its keys masked, marked in `bad [BLOCK_N]`)."""
     CHUNK: tl.constexpr = R * BLOCK_N
     if HAS_WINDOW:
         in_sink = it < n_sink
@@ -344,14 +352,20 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         hi = end
 
     s = tl.zeros([rep.shape[0], BLOCK_N], tl.float32)
+    if R > 1:
+        kv_ok = tl.zeros([rep.shape[0], BLOCK_N], tl.int1)   # the keys of each row's tile that exist
     v_tiles = ()
     for j in tl.static_range(R):
         offs_n = t0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         if ONE_PAGE:
-            page = tl.load(bt_row + ((t0 + j * BLOCK_N) // PAGE) * stride_btp).to(tl.int64)
+            page = tl.load(bt_row + ((t0 + j * BLOCK_N) // PAGE) * stride_btp, mask=t0 + j * BLOCK_N < hi, other=0)
         else:
-            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
+            page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0)
+        page_ok = (page >= 0) & (page < num_blocks)
+        bad = bad | tl.where(page_ok, False, n_ok)   # (a where: page_ok may be a scalar)
+        n_ok = tl.where(page_ok, n_ok, False)
+        page = tl.where(page_ok, page, 0).to(tl.int64)
         if ROWS32:
             # (single-page tiles) one base pointer per tile, 32-bit row offsets within it
             within = ((t0 + j * BLOCK_N) % PAGE).to(tl.int64)
@@ -401,8 +415,10 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         v_tiles = v_tiles + ((Vt, v_rows, VSt, vs_rows, n_ok),)
         if R == 1:
             s = qk
+            kv_ok = n_ok[None, :]
         else:
             s = tl.where((rep == j)[:, None], qk, s)
+            kv_ok = tl.where((rep == j)[:, None], n_ok[None, :], kv_ok)
 
     if HAS_SOFTCAP:
         # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to log2 units
@@ -415,7 +431,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
     dist = pos[:, None] - key
     if HAS_ALIBI:
         s = s + alibi2[:, None] * tl.abs(dist).to(tl.float32)
-    vis = (key < hi) & (dist >= 0)
+    vis = kv_ok & (dist >= 0)
     if HAS_WINDOW:
         vis = vis & ((dist <= window_left) | (key < sink_tokens))
     if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
@@ -455,7 +471,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             acc1 = tl.dot(p_op, v1, acc1)
             acc2 = tl.dot(p_op, v2, acc2)
             acc3 = tl.dot(p_op, v3, acc3)
-    return acc0, acc1, acc2, acc3, m_i, l_i
+    return acc0, acc1, acc2, acc3, m_i, l_i, bad
 
 
 @triton.jit
@@ -467,7 +483,7 @@ def _load_q(q_rows, row_ok, stride_qd, lane: tl.constexpr, STEP: tl.constexpr,
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])   # they follow the batch size
 def _paged_decode_kernel(
-    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse, KeyMask,
+    Query, K, V, KS, VS, BT, SeqLens, Sinks, Alibi, OutScale, Out, Lse, POut, PLse, KeyMask, Err,
     scale_eff, softcap, window_left, sink_tokens, num_splits, min_split,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -475,7 +491,7 @@ def _paged_decode_kernel(
     stride_fp8s,
     stride_btb, stride_btp,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len, kv_cap,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len, kv_cap, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
     PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
@@ -485,8 +501,9 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_F32: tl.constexpr, SVEC: tl.constexpr,
-    SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_ERR: tl.constexpr,
 ):
+    """`Err`: the device error flag (`torch_ops.errors`); bad block ids set `BLOCK_ERR` in it (0: no bit)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mt = pid % M_TILES
@@ -495,7 +512,7 @@ def _paged_decode_kernel(
 
     CHUNK: tl.constexpr = R * BLOCK_N       # keys per loop step
     RP: tl.constexpr = BLOCK_M // R         # query rows per replica
-    L = _seq_len(SeqLens, b, kv_cap)
+    L = _seq_len(SeqLens, b, kv_cap, Err, True)
     kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
                                                   QPS, HAS_WINDOW, CHUNK)
     if SPLIT:
@@ -574,13 +591,14 @@ def _paged_decode_kernel(
     acc1 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+    bad = tl.zeros([BLOCK_N], tl.int1)   # keys of absent blocks (block ids outside the cache)
 
     n_iter = n_sink + n_main
     if DYNAMIC_LOOP:
         for it in range(0, n_iter):
-            acc0, acc1, acc2, acc3, m_i, l_i = _tile(
-                it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
+            acc0, acc1, acc2, acc3, m_i, l_i, bad = _tile(
+                it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, softcap, window_left,
+                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                 HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
@@ -590,13 +608,15 @@ def _paged_decode_kernel(
         # trip count with the tail skipped; same arithmetic
         for it in range(0, MAX_ITERS):
             if it < n_iter:
-                acc0, acc1, acc2, acc3, m_i, l_i = _tile(
-                    it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
+                acc0, acc1, acc2, acc3, m_i, l_i, bad = _tile(
+                    it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, softcap, window_left,
+                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                     HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                     ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
+    if BLOCK_ERR != 0:
+        tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
     # ---- epilogue ------------------------------------------------------------------------------
     if FMT == 0:
@@ -659,7 +679,7 @@ def _merge_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
-    L = _seq_len(SeqLens, t // QPS, kv_cap)
+    L = _seq_len(SeqLens, t // QPS, kv_cap, SeqLens, False)
     _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, CHUNK)
     s = tl.arange(0, NS_P)
     s_ok = s < n_active
@@ -882,9 +902,11 @@ def run(*args, **kwargs) -> None:
 
 def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
             alibi_slopes=None, window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, out_scale=None,
-            k_scale=None, v_scale=None, key_mask=None):
+            k_scale=None, v_scale=None, key_mask=None, num_blocks=None, block_error=errors.BLOCK_TABLES):
     """The launch of a call of this signature (`run`'s arguments; only their metadata is read):
-    `launch(*args, **kwargs)` fills `out`/`lse` of a call with the same signature."""
+    `launch(*args, **kwargs)` fills `out`/`lse` of a call with the same signature. Block ids
+    outside `[0, num_blocks)` (default `k_cache.shape[0]`) are absent blocks, flagged with the
+    error bit `block_error` (0: none)."""
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
@@ -996,7 +1018,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides, *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
-        max_blocks * page,
+        max_blocks * page, k_cache.shape[0] if num_blocks is None else num_blocks,
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
@@ -1007,7 +1029,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
         DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         SCALE_F16=ks is not None and vs is not None and ks.dtype == vs.dtype == torch.float16,
-        HAS_KEY_MASK=key_mask is not None,
+        HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))
     merge = None
@@ -1026,6 +1048,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             num_warps=4,
         ))
     word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt != FMT_PLAIN else None
+    flag = errors.device_flag(query.device)
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
                out_scale=None, k_scale=None, v_scale=None, key_mask=None, **_):
@@ -1037,7 +1060,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         out_scale_ = lse if out_scale is None else out_scale
         main(query, kc, vc, ks, vs, block_tables if no_tables is None else no_tables, seq_lens, sinks_,
              lse if alibi_slopes is None else alibi_slopes, out_scale_, out, lse, pout, plse,
-             lse if key_mask is None else key_mask.view(torch.uint8))
+             lse if key_mask is None else key_mask.view(torch.uint8), flag)
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
         LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits

@@ -39,6 +39,10 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   INT8 / packed INT4 caches are dequantized in registers with their group scales (gathered per
   value from the scale cache: simple, not fast) and rounded to the dot dtype, as the reference
   does. Addresses are int64.
+- **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors; a block id
+  outside the cache is an absent block: masked tiles fold it into their masks, unmasked paged
+  tiles into their loads and one `-inf` bias per key (an FMA with the scaling). Each sets its bit
+  in the device error flag (`torch_ops.errors`).
 - **Softmax** online in fp32 with exp2 (log2(e) folded into the scale), scale/q_scaling,
   softcap (exp2-based tanh), ALiBi `-slope * |p - j|`; `tl.dot` on fp16/bf16 tiles with fp32
   accumulation (fp32 inputs: "ieee" dots; FP8 `context_attention` inputs: fp16 dots on the
@@ -67,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import errors
 from . import interpreting
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -79,6 +84,8 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 _KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}   # 0: plain
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_ERR_CU = tl.constexpr(errors.CU_SEQLENS)
+_ERR_LEN = tl.constexpr(errors.SEQ_LENS)
 
 
 # =================================================================================================
@@ -138,8 +145,8 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
-    K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+    acc, m_i, l_i, bad, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
+    K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
@@ -149,7 +156,8 @@ def _attend_tile(
 ):
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
-    K/V, its sequence's first key)."""
+    K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: its
+    keys are masked (also in unmasked tiles) and marked in `bad [BLOCK_N]`."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     ks_rows = offs_n * 0
@@ -161,6 +169,10 @@ def _attend_tile(
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
         else:
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_blocks)
+        bad = bad | tl.where(page_ok, False, n_ok)   # (a where: page_ok may be a scalar)
+        n_ok = tl.where(page_ok, n_ok, False)
+        page = tl.where(page_ok, page, 0)
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
         v_rows = page * stride_vb + within * stride_vt
@@ -171,7 +183,7 @@ def _attend_tile(
         k_rows = offs_n.to(tl.int64) * stride_kt
         v_rows = offs_n.to(tl.int64) * stride_vt
 
-    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
+    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(x) with tanh(x) = 1 - 2 / (exp(2x) + 1); softcap2 = softcap * log2(e)
@@ -179,6 +191,8 @@ def _attend_tile(
         s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap2
     else:
         s = qk * row_scale[:, None]
+    if PAGED and not MASKED:   # absent blocks' keys (one FMA with the scaling above)
+        s += tl.where(n_ok, 0.0, float("-inf"))[None, :]
     dist = pos[:, None] - offs_n[None, :]
     if HAS_ALIBI:
         s += alibi[:, None] * tl.abs(dist).to(tl.float32)
@@ -194,25 +208,25 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
+    if MASKED or PAGED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
+    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, bad
 
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
+    acc, m_i, l_i, bad, it_lo, it_hi, n_sink, t_lo,
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-    K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+    K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
@@ -229,9 +243,9 @@ def _attend_range(
             tile = it
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
-                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+            acc, m_i, l_i, bad = _attend_tile(
+                acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
                 HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
@@ -241,21 +255,21 @@ def _attend_range(
             tile = it
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
-                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+            acc, m_i, l_i, bad = _attend_tile(
+                acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
                 HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, bad
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_cap"])   # per-step values: one kernel for every batch
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,
-    QScale, KScale, VScale, Alibi, Sinks, OutScale, KeyMask,
-    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries, num_tokens, kv_cap,
+    QScale, KScale, VScale, Alibi, Sinks, OutScale, KeyMask, Err,
+    qk_scale, softcap2, window_left, sink_tokens, num_seqs, short_tokens, max_queries, num_tokens, kv_cap, num_blocks,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btp,
@@ -269,7 +283,10 @@ def _prefill_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
     SHORT: tl.constexpr, SEQ_SLOTS: tl.constexpr, INTERPRET: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    BLOCK_ERR: tl.constexpr,
 ):
+    """`Err`: the device error flag (`torch_ops.errors`): bad lengths set their bits in it, bad block
+    ids `BLOCK_ERR` (0: no bit)."""
     TOK: tl.constexpr = BLOCK_M // HPT
     HEAD_PROGS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
     pid = tl.program_id(0)
@@ -286,8 +303,11 @@ def _prefill_kernel(
         b = _find_sequence(CuQ, num_seqs, slot, TOK)
     # lengths clamped into the tensors (T query rows; the block table's or Tk keys): bad
     # metadata reads and writes no memory outside them
-    q_start = tl.minimum(tl.maximum(tl.load(CuQ + b).to(tl.int32), 0), num_tokens)
-    q_len = tl.minimum(tl.maximum(tl.load(CuQ + b + 1).to(tl.int32), q_start), num_tokens) - q_start
+    q_lo = tl.load(CuQ + b)
+    q_hi = tl.load(CuQ + b + 1)
+    tl.atomic_or(Err, _ERR_CU, mask=(q_lo < 0) | (q_hi < q_lo) | (q_hi > num_tokens))
+    q_start = tl.minimum(tl.maximum(q_lo, 0), num_tokens).to(tl.int32)
+    q_len = tl.minimum(tl.maximum(q_hi, q_start), num_tokens).to(tl.int32) - q_start
     if SHORT:
         tok0 = q_len * 0
         if q_len > TOK or q_len > max_queries:
@@ -300,10 +320,15 @@ def _prefill_kernel(
         return
     if PAGED:   # KvLens: seq_lens [B]
         kv_start = q_len * 0
-        kv_len = tl.minimum(tl.maximum(tl.load(KvLens + b).to(tl.int32), 0), kv_cap)
+        k_hi = tl.load(KvLens + b)
+        tl.atomic_or(Err, _ERR_LEN, mask=(k_hi < 0) | (k_hi > kv_cap))
+        kv_len = tl.minimum(tl.maximum(k_hi, 0), kv_cap).to(tl.int32)
     else:       # KvLens: cu_seqlens_k [B + 1]
-        kv_start = tl.minimum(tl.maximum(tl.load(KvLens + b).to(tl.int32), 0), kv_cap)
-        kv_len = tl.minimum(tl.maximum(tl.load(KvLens + b + 1).to(tl.int32), kv_start), kv_cap) - kv_start
+        k_lo = tl.load(KvLens + b)
+        k_hi = tl.load(KvLens + b + 1)
+        tl.atomic_or(Err, _ERR_CU, mask=(k_lo < 0) | (k_hi < k_lo) | (k_hi > kv_cap))
+        kv_start = tl.minimum(tl.maximum(k_lo, 0), kv_cap).to(tl.int32)
+        kv_len = tl.minimum(tl.maximum(k_hi, kv_start), kv_cap).to(tl.int32) - kv_start
 
     # ---- rows: TOK tokens x HPT heads of KV head kh's group ------------------------------------
     m = tl.arange(0, BLOCK_M)
@@ -364,28 +389,31 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    bad = tl.zeros([BLOCK_N], tl.int1)   # keys of absent blocks (block ids outside the cache)
     if HAS_WINDOW:   # masked: sink tiles, then the window's leading edge
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
+        acc, m_i, l_i, bad = _attend_range(
+            acc, m_i, l_i, bad, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-            Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+            Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
             HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
-        acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
+    acc, m_i, l_i, bad = _attend_range(   # unmasked: every row sees every key
+        acc, m_i, l_i, bad, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-        Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+        Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
-        acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
+    acc, m_i, l_i, bad = _attend_range(   # masked: causal diagonal, last partial tile
+        acc, m_i, l_i, bad, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-        Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
+        Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+    if PAGED and BLOCK_ERR != 0:
+        tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
     # ---- epilogue ----------------------------------------------------------------------------
     if HAS_SINKS:   # one more logit, with no value
@@ -494,7 +522,8 @@ def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
 
 def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
             causal, scale, q_scaling, alibi_slopes, window_left, sink_tokens, sinks, softcap, out_scale,
-            q_scale=None, k_scale=None, v_scale=None, max_queries=None, key_mask=None):
+            q_scale=None, k_scale=None, v_scale=None, max_queries=None, key_mask=None, num_blocks=None,
+            block_error=errors.BLOCK_TABLES):
     """The launch of a call of this signature (only the arguments' metadata is read): `launch(query,
     k, v, out, lse, **tensors)`, with the tensor arguments of `prepare` by keyword, fills `out [T,
     Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries` queries, if
@@ -503,7 +532,9 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     `query [T, Hq, D]`, `cu_seqlens_q [B + 1]`. Packed K/V (`cu_seqlens_k` given): `k/v [Tk, Hkv,
     D]`. Paged (`block_tables`, `seq_lens` given): `k/v [num_blocks, block_size, Hkv, D]` views.
     `q_scale` (FP8 queries), `k_scale`/`v_scale` (FP8 queries or cache): fp32, 0-d or per head;
-    INT8/INT4 caches: `k_scale`/`v_scale` are scale caches `[num_blocks, block_size, Hkv, D // group]`."""
+    INT8/INT4 caches: `k_scale`/`v_scale` are scale caches `[num_blocks, block_size, Hkv, D // group]`.
+    Paged block ids outside `[0, num_blocks)` (default `k.shape[0]`) are absent blocks, flagged
+    with the error bit `block_error` (0: none)."""
     t, hq, d = query.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if t == 0 or num_seqs <= 0:
@@ -556,6 +587,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         SHORT_BLOCK_M // group if short_cfg else 0,
         2**31 - 1 if max_queries is None else max_queries,   # None: a constant, one kernel specialization
         t, block_tables.shape[1] * k.shape[1] if paged else k.shape[0],
+        (k.shape[0] if num_blocks is None else num_blocks) if paged else 0,
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
@@ -570,11 +602,13 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
         ROUND_P_BF16=round_p_bf16, INTERPRET=interpret, HAS_KEY_MASK=key_mask is not None,
+        BLOCK_ERR=block_error if paged else 0,
     )
     kernels = [_kernel(scalars, constants, cfg, t, num_seqs, hkv, short=False, device=query.device,
                        max_queries=max_queries)]
     if short_cfg:
         kernels.append(_kernel(scalars, constants, short_cfg, t, num_seqs, hkv, short=True, device=query.device))
+    flag = errors.device_flag(query.device)
 
     def launch(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
                alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None,
@@ -588,7 +622,8 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         tensors = (query, k, v, out, lse, cu_seqlens_q, seq_lens if paged else cu_seqlens_k,
                    block_tables if paged else lse, q_scale if q_fp8 else lse, k_scale, v_scale,
                    lse if alibi_slopes is None else alibi_slopes, lse if sinks is None else sinks,
-                   lse if out_scale is None else out_scale, lse if key_mask is None else key_mask.view(torch.uint8))
+                   lse if out_scale is None else out_scale, lse if key_mask is None else key_mask.view(torch.uint8),
+                   flag)
         for kernel in kernels:
             kernel(*tensors)
         LAST_KERNEL = kernels[0].kernel
