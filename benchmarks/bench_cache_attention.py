@@ -136,8 +136,9 @@ class Case:
     def metadata(self):
         a, kw = self.ppl_args, self.ppl_kwargs
         max_t = a[10].shape[LAYOUT_ORDER[kw["cache_layout"]].index(0)]
-        ca.metadata(a[3], a[4], a[5], a[6], num_tokens=a[0].shape[0], max_kvlen=a[9],
-                    bs=ca._block_size(max_t, kw["cache_mode"], PAGE), cache_mode=kw["cache_mode"], page_size=PAGE)
+        metadata = ca.metadata_launch(a[0].shape[0], a[5], max_kvlen=a[9], bs=ca._block_size(max_t, kw["cache_mode"], PAGE),
+                                      cache_mode=kw["cache_mode"], page_size=PAGE, max_rows=max_t)
+        metadata(a[3], a[4], a[5], a[6])
 
     def _write(self):
         q, k, v = self.ppl_args[:3]

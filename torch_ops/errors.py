@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import replay
+
 BLOCK_TABLES = 1
 SEQ_LENS = 2
 CU_SEQLENS = 4
@@ -24,7 +26,7 @@ MESSAGES = {
     SLOT_MAPPING: "slot_mapping: slot >= num_blocks * block_size",
     POSITIONS: "positions: RoPE position outside [0, cos_sin_cache rows)",
     CACHESTARTS: "cachestarts or start_pos: cache rows outside [0, MaxT) or pages past MaxP",
-    KVSTARTS: "kvstarts: key count outside [0, max_kvlen]",
+    KVSTARTS: "kvstarts: key count outside [0, max_kvlen rounded up to a power of two]",
 }
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -44,13 +46,8 @@ def device_flag(device) -> torch.Tensor:
     key = _key(device)
     flag = _FLAGS.get(key)
     if flag is None:
-        flag = _FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=key)
+        flag = _FLAGS[key] = replay.keep(torch.zeros(1, dtype=torch.int32, device=key))
     return flag
-
-
-def flag_addresses() -> set[int]:
-    """The addresses of the flags allocated so far."""
-    return {flag.data_ptr() for flag in _FLAGS.values()}
 
 
 def check_errors() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from . import quant
 from .checks import ppl_cache_views
-from .ops import alibi_slopes, attention_output_dtype
+from .ops import alibi_slopes, attention_output_dtype, bucket
 from .quant import KVFormat, kv_format
 
 
@@ -335,7 +335,7 @@ def cache_attention(query, current_key, current_value, seqstarts, kvstarts, cach
         return torch.where(inside, rows, 0), inside
 
     for b in range(len(pos)):
-        (q0, q1), kvlen = q_rows[b], min(max(kvs[b + 1] - kvs[b], 0), max_kvlen)
+        (q0, q1), kvlen = q_rows[b], min(max(kvs[b + 1] - kvs[b], 0), bucket(max_kvlen))
         if cache_mode == 0:   # keys past the cache's last row are cut off; none before its first
             start = int(cachestarts[b])
             kvlen = 0 if start < 0 else min(kvlen, max(max_t - start, 0))

@@ -10,6 +10,7 @@ import triton.language as tl
 
 import torch_ops
 from torch_ops import backends, quant, replay
+from torch_ops.ops import bucket
 from torch_ops.kernels.launcher import TritonLaunch
 
 from . import samples
@@ -77,7 +78,10 @@ def test_returned_tensors_must_be_buffers_of_the_call():
 
 # --- replays on the GPU -------------------------------------------------------------------------
 
-REPLAYED = [(op, v) for op, variants in samples.VARIANTS.items() if op != "cache_attention" for v in variants]
+# cache_attention's int4 sample has an attn_mask: the vanilla backend serves it, through Python
+REPLAYED = [(op, v) for op, variants in samples.VARIANTS.items() for v in variants if (op, v) != ("cache_attention", "int4")]
+WRITTEN = {"kv_cache_write": lambda args, kwargs: [*args[2:4], kwargs.get("k_scale"), kwargs.get("v_scale")],
+           "cache_attention": lambda args, kwargs: [args[10], args[11] if len(args) > 11 else kwargs.get("scale")]}
 
 
 def _tensors(x, fn):
@@ -102,12 +106,13 @@ def _redrawn(x):
 
 
 def _call(op, args, kwargs, backend=None):
-    """The op's results, and what it wrote into its arguments (kv_cache_write's caches)."""
+    """The op's results, and what it wrote into its arguments (the caches of kv_cache_write and
+    cache_attention)."""
     args, kwargs = _redrawn(args), _redrawn(kwargs)   # a private copy: the call may write into it
     with torch_ops.use_backend(backend):
         result = getattr(torch.ops.attn, op)(*args, **kwargs)
     results = [result] if isinstance(result, torch.Tensor) else list(result)
-    return results + (list(args[2:4]) + [kwargs.get("k_scale"), kwargs.get("v_scale")] if op == "kv_cache_write" else [])
+    return results + (WRITTEN[op](args, kwargs) if op in WRITTEN else [])
 
 
 def _hopper_call(name):
@@ -159,6 +164,17 @@ def test_a_replay_does_what_the_python_front_does(csrc_libraries, monkeypatch, c
     for got, want in zip(replayed, expected, strict=True):
         if want is not None:
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"attn::{op} ({variant})"
+
+
+@pytest.mark.gpu
+def test_a_growing_max_kvlen_replays_within_its_power_of_two(csrc_libraries):
+    args, kwargs = _on_cuda(samples.sample("cache_attention", "paged"))
+    bound = 9   # above the sample's key counts
+    _call("cache_attention", args[:9] + (bound,) + args[10:], kwargs)   # recorded
+    before = replay.counters()["replayed"]
+    for grown in range(bound + 1, bucket(bound) + 1):
+        _call("cache_attention", args[:9] + (grown,) + args[10:], kwargs)
+    assert replay.counters()["replayed"] == before + bucket(bound) - bound
 
 
 @triton.jit

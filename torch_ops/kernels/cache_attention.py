@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import errors, ops
+from .. import errors, ops, replay
 from ..checks import ppl_cache_views
 from . import kv_cache_write, paged_decode, paged_prefill, prefill_attention
+from .launcher import TritonLaunch
 
 OFFSET_BLOCK = 128          # keys per block of offset-mode views
 MAX_BLOCK = 256             # the paged kernels' largest block size
@@ -136,8 +137,9 @@ def _block_size(max_t: int, cache_mode: int, page_size: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
-    """Cached on the device, so that a call inside CUDA-graph capture copies nothing from the host."""
-    return ops.alibi_slopes(num_heads).to(device)
+    """Cached on the device, so that a call inside CUDA-graph capture copies nothing from the host
+    (kept for the process: replays pass its address)."""
+    return replay.keep(ops.alibi_slopes(num_heads).to(device))
 
 
 class _Problem:
@@ -172,58 +174,95 @@ def unsupported(query, current_key, current_value, seqstarts, kvstarts, cachesta
     return why
 
 
-def metadata(seqstarts, kvstarts, cachestarts, start_pos, *, num_tokens: int, max_kvlen: int, bs: int,
-             cache_mode: int, page_size: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots [T] int64, seq_lens [B] int32, block_tables [B, cdiv(max_kvlen, bs)] int64) on the device,
-    for a cache of `max_rows` rows (rows and blocks outside it: -1)."""
-    num_seqs = start_pos.shape[0]
-    dev = seqstarts.device
+def metadata_launch(num_tokens: int, cachestarts: torch.Tensor, *, max_kvlen: int, bs: int, cache_mode: int,
+                    page_size: int, max_rows: int):
+    """`metadata(seqstarts, kvstarts, cachestarts, start_pos) -> (slots [T] int64, seq_lens [B] int32,
+    block_tables [B, cdiv(max_kvlen, bs)] int64)` on the device, one launch, for a cache of
+    `max_rows` rows (rows and blocks outside it: -1); `metadata.outputs()` allocates the three."""
+    num_seqs = cachestarts.shape[0]
+    device = cachestarts.device
     num_blocks = max(1, -(-max_kvlen // bs))
-    slots = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    seq_lens = torch.empty(num_seqs, dtype=torch.int32, device=dev)
-    tables = torch.empty((num_seqs, num_blocks), dtype=torch.int64, device=dev)
+    paged = cache_mode == 1
     token_programs = -(-num_tokens // TOKENS_PER_PROGRAM)
     table_programs = -(-num_blocks // BLOCKS_PER_PROGRAM)
-    paged = cache_mode == 1
-    if token_programs + num_seqs == 0:
-        return slots, seq_lens, tables
-    _metadata_kernel[(token_programs + num_seqs * table_programs,)](
-        seqstarts, kvstarts, cachestarts, start_pos, slots, seq_lens, tables, errors.device_flag(dev),
+    flag = errors.device_flag(device)
+
+    def outputs():
+        return (torch.empty(num_tokens, dtype=torch.int64, device=device),
+                torch.empty(num_seqs, dtype=torch.int32, device=device),
+                torch.empty((num_seqs, num_blocks), dtype=torch.int64, device=device))
+
+    fill = TritonLaunch(_metadata_kernel, (token_programs + num_seqs * table_programs,), (
         num_tokens, num_seqs, cachestarts.shape[1] if paged else 0, max_rows, max_kvlen, num_blocks,
         token_programs, table_programs,
-        cachestarts.stride(0), cachestarts.stride(1) if paged else 0, tables.stride(0),
-        PAGE_SIZE=page_size if paged else 0, BS=bs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
-        BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_J=BLOCKS_PER_PROGRAM,
-    )
-    return slots, seq_lens, tables
+        cachestarts.stride(0), cachestarts.stride(1) if paged else 0, num_blocks,
+    ), dict(PAGE_SIZE=page_size if paged else 0, BS=bs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
+            BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_J=BLOCKS_PER_PROGRAM))
+
+    def metadata(seqstarts, kvstarts, cachestarts, start_pos):
+        slots, seq_lens, tables = outputs()
+        if token_programs + num_seqs:
+            fill(seqstarts, kvstarts, cachestarts, start_pos, slots, seq_lens, tables, flag)
+        return slots, seq_lens, tables
+
+    metadata.outputs = outputs
+    return metadata
 
 
-def run(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
-        max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi,
-        num_kv_heads, num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout,
-        page_size) -> torch.Tensor:
+def run(*args, **kwargs) -> torch.Tensor:
     """Write current k/v into `cache` (and `scale`), then attend; returns `out [T, Hq, Dh]`."""
-    t, num_seqs = query.shape[0], start_pos.shape[0]
-    out = torch.empty_like(query)
-    if t == 0:
-        return out
-    problem = _Problem(cache, scale, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit)
-    bs = _block_size(problem.k_rows.shape[0], cache_mode, page_size)
-    max_rows = problem.k_rows.shape[0]
-    slots, seq_lens, tables = metadata(seqstarts, kvstarts, cachestarts, start_pos, num_tokens=t, max_kvlen=max_kvlen,
-                                       bs=bs, cache_mode=cache_mode, page_size=page_size, max_rows=max_rows)
-    k, v, ks, vs = problem.write_views()
-    kv_cache_write.run(current_key, current_value, k, v, slots, k_scale=ks, v_scale=vs)
+    return prepare(*args, **kwargs)(*args, **kwargs)
 
+
+def prepare(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
+            max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *, num_heads, head_dim, is_causal, is_alibi,
+            num_kv_heads, num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout, page_size):
+    """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read). `max_kvlen`
+    may stand for any upper bound of the calls' (the front plans with its power-of-two bucket):
+    the block tables are that wide, and key counts are clamped to it."""
+    t, num_seqs = query.shape[0], start_pos.shape[0]
+    device = query.device
+    if t == 0:
+        return lambda query, *args, **kwargs: torch.empty_like(query)
+    problem = _Problem(cache, scale, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit)
+    max_rows = problem.k_rows.shape[0]
+    bs = _block_size(max_rows, cache_mode, page_size)
+    metadata = metadata_launch(t, cachestarts, max_kvlen=max_kvlen, bs=bs, cache_mode=cache_mode,
+                               page_size=page_size, max_rows=max_rows)
+    slots_like, seq_lens_like, tables_like = metadata.outputs()
+    slopes = _alibi_slopes(num_heads, device) if is_alibi else None
+
+    k, v, ks, vs = problem.write_views()
+    write = kv_cache_write.prepare(current_key, current_value, k, v, slots_like, k_scale=ks, v_scale=vs)
     k, v, ks, vs = problem.read_views(bs)
-    lse = torch.empty((t, num_heads), dtype=torch.float32, device=query.device)
+    out_like = torch.empty_like(query)
+    lse_like = torch.empty((t, num_heads), dtype=torch.float32, device=device)
     # block id r: rows r .. r + bs - 1, of which the metadata lets the kernels read only the rows of keys
     # inside the cache (-1: an absent block, already flagged)
-    options = dict(out=out, lse=lse, k_scale=ks, v_scale=vs, num_blocks=max_rows, block_error=0,
-                   alibi_slopes=_alibi_slopes(num_heads, query.device) if is_alibi else None)
+    options = dict(k_scale=ks, v_scale=vs, num_blocks=max_rows, block_error=0, alibi_slopes=slopes)
     uniform = t == num_seqs * max_seqlen and (max_seqlen == 1 or (is_causal and max_seqlen <= 8))
-    if uniform and not paged_decode.unsupported(query, k, v, tables, seq_lens, k_scale=ks, v_scale=vs):
-        paged_decode.run(query, k, v, tables, seq_lens, **options)
+    decode = uniform and not paged_decode.unsupported(query, k, v, tables_like, seq_lens_like, k_scale=ks, v_scale=vs)
+    if decode:
+        attend = paged_decode.prepare(query, k, v, tables_like, seq_lens_like, out=out_like, lse=lse_like, **options)
     else:
-        paged_prefill.run(query, k, v, tables, seqstarts, seq_lens, causal=is_causal, **options)
-    return out
+        attend = paged_prefill.prepare(query, k, v, tables_like, seqstarts, seq_lens_like, out=out_like, lse=lse_like,
+                                       causal=is_causal, **options)
+
+    def launch(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
+               max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, **_):
+        out = torch.empty_like(query)
+        call = _Problem(cache, scale, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit)
+        slots, seq_lens, tables = metadata(seqstarts, kvstarts, cachestarts, start_pos)
+        k, v, ks, vs = call.write_views()
+        write(current_key, current_value, k, v, slots, k_scale=ks, v_scale=vs)
+        k, v, ks, vs = call.read_views(bs)
+        lse = torch.empty((t, num_heads), dtype=torch.float32, device=device)
+        if decode:
+            attend(query, k, v, tables, seq_lens, out=out, lse=lse, k_scale=ks, v_scale=vs, alibi_slopes=slopes)
+        else:
+            attend(query, k, v, tables, seqstarts, seq_lens, out=out, lse=lse, k_scale=ks, v_scale=vs,
+                   alibi_slopes=slopes)
+        return out
+
+    launch.describe = f"Triton cache_attention: metadata + kv_cache_write + {getattr(attend, 'describe', '')}"
+    return launch

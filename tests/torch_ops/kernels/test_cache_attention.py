@@ -116,11 +116,11 @@ def check(problem, expect_kernel=None, monkeypatch=None):
     args, kwargs = problem
     used = []
     for module in (ca.paged_decode, ca.paged_prefill) if expect_kernel is not None else ():
-        def spy(*a, _module=module, _run=module.run, **kw):
+        def spy(*a, _module=module, _prepare=module.prepare, **kw):
             used.append(_module)
-            return _run(*a, **kw)
+            return _prepare(*a, **kw)
 
-        monkeypatch.setattr(module, "run", spy)
+        monkeypatch.setattr(module, "prepare", spy)
     ours = _with_cache(args)
     with torch_ops.use_backend("triton"):
         out = torch.ops.attn.cache_attention(*ours, **kwargs)
@@ -180,6 +180,17 @@ def test_kernel_choice(kernel_device, poisoned, monkeypatch, seqlens, is_causal,
     problem = make_problem(kernel_device, seqlens=seqlens, start_pos=[7, 2, 0][:len(seqlens)], is_causal=is_causal,
                            quant_bit=8, cache_mode=1, decoding_batches=0 if max(seqlens) > 1 else None)
     check(problem, getattr(ca, kernel), monkeypatch)
+
+
+def test_growing_max_kvlen_is_planned_once_per_power_of_two(kernel_device, monkeypatch):
+    """A decode loop's max_kvlen grows every step: calls plan (and on CUDA, replay) per power-of-two
+    bucket of it, and every bound in a bucket gives the reference's result."""
+    args, kwargs = make_problem(kernel_device, seqlens=[1, 1], start_pos=[7, 2])
+    planned = []
+    monkeypatch.setattr(ca, "prepare", lambda *a, _prepare=ca.prepare, **kw: planned.append(a[9]) or _prepare(*a, **kw))
+    for max_kvlen in (9, 12, 16, 17):
+        check((args[:9] + (max_kvlen,) + args[10:], kwargs))
+    assert planned == [16, 32]
 
 
 def test_mask_runs_on_vanilla(kernel_device):
