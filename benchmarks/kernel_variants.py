@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
 import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,24 +42,35 @@ def _integer(value: int, specialize: bool) -> tuple:
     return (width, value == 1, value % 16 == 0) if specialize else (width,)
 
 
-def variant_key(fn: JITFunction, args: tuple, meta: dict) -> tuple:
+def _params(fn) -> list[tuple[str, bool, bool, object]]:
+    """(name, constexpr, do_not_specialize, default) of each parameter of a Triton kernel, compiled
+    (`JITFunction`) or interpreted (TRITON_INTERPRET=1)."""
+    if hasattr(fn, "params"):
+        return [(p.name, p.is_constexpr, p.do_not_specialize, p.default) for p in fn.params]
+    plain = set(fn.kwargs.get("do_not_specialize") or ())
+    return [(name, "constexpr" in str(p.annotation), name in plain, None if p.default is p.empty else p.default)
+            for name, p in inspect.signature(fn.fn).parameters.items()]
+
+
+def variant_key(fn, args: tuple, meta: dict) -> tuple:
     """What Triton compiles `fn(*args, **meta)` under (see the module docstring)."""
-    values = dict(zip((p.name for p in fn.params), args))
+    params = _params(fn)
+    values = dict(zip((name for name, *_ in params), args))
     values.update(meta)
     spec = []
-    for p in fn.params:
-        v = values.get(p.name, p.default)
-        if p.is_constexpr:
+    for name, constexpr, plain, default in params:
+        v = values.get(name, default)
+        if constexpr:
             spec.append(v)
         elif isinstance(v, torch.Tensor):
             spec.append((v.dtype, v.data_ptr() % 16 == 0))
         elif isinstance(v, bool) or v is None:
             spec.append(v)
         elif isinstance(v, int):
-            spec.append(_integer(v, not p.do_not_specialize))
+            spec.append(_integer(v, not plain))
         else:
             spec.append(type(v).__name__)
-    names = {p.name for p in fn.params}
+    names = {name for name, *_ in params}
     options = tuple(sorted((k, v) for k, v in meta.items() if k not in names))
     return fn.__name__, tuple(spec), options
 
@@ -71,7 +84,7 @@ def census(sms: int):
     modules = [importlib.import_module(f"torch_ops.kernels.{m}") for m in DECIDING]
     saved = [(m, name, getattr(m, name)) for m in modules for name in ("interpreting", "num_sms") if hasattr(m, name)]
     saved.append((torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting))
-    call, run = launcher.TritonLaunch.__call__, JITFunction.run
+    call, runs = launcher.TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
 
     def record(self, *tensors):
         seen.add(variant_key(self.fn, (*tensors, *self.scalars), self.meta))
@@ -83,10 +96,12 @@ def census(sms: int):
         for m, name, _ in saved:
             setattr(m, name, (lambda *a: False) if name == "interpreting" else (lambda *a: sms))
         torch_ops.kernels.interpreting = lambda: True
-        launcher.TritonLaunch.__call__, JITFunction.run = record, record_jit
+        launcher.TritonLaunch.__call__ = record
+        JITFunction.run = InterpretedFunction.run = record_jit
         yield seen
     finally:
-        launcher.TritonLaunch.__call__, JITFunction.run = call, run
+        launcher.TritonLaunch.__call__ = call
+        JITFunction.run, InterpretedFunction.run = runs
         for m, name, value in saved:
             setattr(m, name, value)
 

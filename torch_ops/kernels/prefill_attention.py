@@ -264,7 +264,8 @@ def _attend_range(
     return acc, m_i, l_i, bad
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_cap"])   # per-step values: one kernel for every batch
+# per-step values and bounds, not specialized: one compiled kernel serves every batch
+@triton.jit(do_not_specialize=["num_seqs", "short_tokens", "max_queries", "num_tokens", "kv_cap", "num_blocks"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     CuQ, KvLens, BlockTables,

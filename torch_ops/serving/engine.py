@@ -119,7 +119,8 @@ class Engine:
         """Compile, before serving, the kernels that steps outside the CUDA graphs need (the
         graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
         `max_num_tokens` tokens, each alone then split in two sequences (mixed batches; sequences
-        longer than the block tables hold are split further), and decode two tokens; then a short
+        longer than the block tables hold are split further), and decode two tokens; steps of
+        decodes with one new prompt of 2, 4, 8, ... tokens; then a short
         random workload of `2 * max_num_seqs` requests mixes decodes with prefill chunks. They
         finish and free their blocks. Returns the seconds taken; `progress` prints a line per phase."""
         if self.has_work:
@@ -136,6 +137,14 @@ class Engine:
                 generate(self, [Request(next(ids), [0] * length, 2) for length in lengths])
             if progress:
                 print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
+        # decode-heavy mixed steps: n decoding sequences and one new prompt of c tokens in one
+        # step, for c = 2, 4, ...: every class of tokens per sequence that picks a prefill tile
+        n = min(self.max_num_seqs - 1, 15)
+        for c in (s for s in sizes if 2 <= s <= top - n and s < capacity):
+            generate(self, [Request(next(ids), [0], 3) for _ in range(n)] + [Request(next(ids), [0] * c, 1)],
+                     [0] * n + [1])
+        if progress:
+            print(f"[engine warmup {time.perf_counter() - start:6.1f} s] decodes with a prefill", flush=True)
         # then a short random workload: steps that mix decodes with prefill chunks, at many batch sizes
         rng = random.Random(0)
         count = 2 * self.max_num_seqs
