@@ -362,7 +362,10 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int group = a.hq / a.hkv;
   const int rows = group * a.q_per_seq;
-  const int L = a.seq_lens[b];
+  const int stored_len = a.seq_lens[b];
+  const int L = min(max(stored_len, 0), a.max_blocks * a.block_size);
+  if (L != stored_len && a.err != nullptr && threadIdx.x == 0 && blockIdx.x == 0 && kvh == 0)
+    atomicOr(a.err, a.err_seq_lens);
   const int bs = a.block_size;
   const float scale_log2 = a.softmax_scale * 1.4426950408889634f;
   // logits s = q.k * smult[row]: plain caches multiply by the softmax scale; quantized ones by
@@ -475,12 +478,18 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
   // Tiles lie in one page (block_size % 16 == 0). Lane j holds, for tile 32 i + j, the byte offsets
   // of its first key in K and V (and in the K and V scale caches), computed once per 32 tiles:
   // a tile's copies then take a few shuffles and no address arithmetic.
+  // Tiles whose page is outside the cache (bit j: tile 32 i + j), for the groups of 32 tiles of
+  // even and odd i: their keys are not read and are masked.
   int64_t lane_k = 0, lane_v = 0, lane_ks = 0, lane_vs = 0;
+  unsigned absent_even = 0u, absent_odd = 0u;
   auto fetch_pages = [&](int first) {
     const int tile = first + lane;
+    bool absent = false;
     if (tile < n_tiles) {
       const int tok = start + tile * kKeys;
-      const int page = table[tok / bs], off = tok % bs;
+      const int stored = table[tok / bs], off = tok % bs;
+      absent = stored < 0 || stored >= a.num_blocks;
+      const int page = absent ? 0 : stored;
       lane_k = (page * a.k_block_stride + off * a.k_token_stride) * kElemBytes;
       lane_v = (page * a.v_block_stride + off * a.v_token_stride) * kElemBytes;
       if constexpr (KV::kGrouped) {
@@ -488,6 +497,12 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
         lane_vs = (page * a.vs_block_stride + off * a.vs_token_stride) * scale_elem;
       }
     }
+    const unsigned absent_tiles = __ballot_sync(0xffffffffu, absent);
+    ((first >> 5) & 1 ? absent_odd : absent_even) = absent_tiles;
+    if (absent_tiles && lane == 0 && a.err != nullptr) atomicOr(a.err, a.err_block_tables);
+  };
+  auto present = [&](int tile) {
+    return !((((tile >> 5) & 1 ? absent_odd : absent_even) >> (tile & 31)) & 1u);
   };
   auto issue = [&](int tile) {
     if ((tile & 31) == 0) fetch_pages(tile);
@@ -495,11 +510,12 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
     const unsigned char* kp = kbase + __shfl_sync(0xffffffffu, lane_k, src);
     const unsigned char* vp = vbase + __shfl_sync(0xffffffffu, lane_v, src);
     const int t0 = start + tile * kKeys;
+    const int t_end = present(tile) ? end : t0;   // an absent tile: nothing copied
     const uint32_t sk = wsmem + (tile % Lay::kStages) * Lay::kStageBytes + so;
     const uint32_t sv = sk + Lay::kTileBytes;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      const bool ok = t0 + r0 + i * kRowStep < end;
+      const bool ok = t0 + r0 + i * kRowStep < t_end;
       cp_async16(sk + i * kRowStep * Lay::kRowBytes, kp + i * k_step, ok);
       cp_async16(sv + i * kRowStep * Lay::kRowBytes, vp + i * v_step, ok);
     }
@@ -508,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
       const int key = lane & 15;
       const uint32_t dst = wsmem + (tile % Lay::kStages) * Lay::kStageBytes + 2 * Lay::kTileBytes +
                            (lane >> 4) * Lay::kScaleBytes + key * Lay::kScaleRow;
-      cp_async_small(dst, sbase + (lane < 16 ? ks : vs), scale_bytes, t0 + key < end);
+      cp_async_small(dst, sbase + (lane < 16 ? ks : vs), scale_bytes, t0 + key < t_end);
     }
   };
 
@@ -601,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, C) decode_kernel(const AttnDecodeArg
           for (int j = 0; j < 2; ++j) {
             const int key = start + (it + tt) * kKeys + g + 8 * j;
             float& x = s[tt][n][2 * j + e];
-            x = key < limit[n][e] ? x * smult[n][e] : -CUDART_INF_F;
+            x = key < limit[n][e] && present(it + tt) ? x * smult[n][e] : -CUDART_INF_F;
             mx = fmaxf(mx, x);
           }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));

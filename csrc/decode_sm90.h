@@ -54,6 +54,13 @@ typedef struct {
   // CTAs per SM of the kernel build: 1, or 2 for INT8/INT4 caches at head_dim 128 and at most 8 rows
   // (128 registers, 2-stage pipelines: faster on grids of more than one wave)
   int32_t ctas_per_sm;
+  // memory safety on any metadata: the cache's num_blocks and the block table's columns
+  // (max_blocks); seq_lens are clamped into [0, max_blocks * block_size] and a block id outside
+  // [0, num_blocks) is an absent block (its keys masked), each ORing its bit into *err (the device
+  // error flag of torch_ops/errors.py; null: none)
+  int32_t num_blocks, max_blocks;
+  int32_t err_block_tables, err_seq_lens;
+  int* err;
 } AttnDecodeArgs;
 
 // int attn_decode_sm90(const AttnDecodeArgs*, void* stream, char* err, int err_len): 0 on success,

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import gpu
+from . import errors, gpu
 from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool
 from .replay import c_call
 
@@ -150,7 +150,9 @@ class DecodeArgs(ctypes.Structure):
         ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         *((name, ctypes.c_int64) for name in (
             "ks_block_stride", "ks_token_stride", "ks_head_stride", "vs_block_stride", "vs_token_stride", "vs_head_stride")),
-        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group", "pdl", "ctas_per_sm")),
+        *((name, ctypes.c_int32) for name in ("scale_per_head", "scale_fp32", "quant_group", "pdl", "ctas_per_sm",
+                                               "num_blocks", "max_blocks", "err_block_tables", "err_seq_lens")),
+        ("err", ctypes.c_void_p),
     ]
 
 
@@ -344,6 +346,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         kv_format_code(k_cache.dtype),
         **_scale_fields(k_cache, k_scale, v_scale, d),
         pdl=int(PDL), ctas_per_sm=per_sm,
+        num_blocks=k_cache.shape[0], max_blocks=tables.shape[1],
+        err_block_tables=errors.BLOCK_TABLES, err_seq_lens=errors.SEQ_LENS,
+        err=errors.device_flag(query.device).data_ptr(),
     )
     entry = _library(library_path()).attn_decode_sm90
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()

@@ -50,8 +50,8 @@ def _cache(device, hkv=2, d=16, bs=4, blocks=8, fmt="bf16"):
     return k, v, scales
 
 
-def _check(op, args, kwargs):
-    with torch_ops.use_backend("triton"):
+def _check(op, args, kwargs, backend="triton"):
+    with torch_ops.use_backend(backend):
         out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
     truth_o, truth_l = getattr(reference, op)(*args, **kwargs, compute_dtype=torch.float64)
     base_o, base_l = getattr(reference, op)(*args, **kwargs, compute_dtype=args[0].dtype)
@@ -217,3 +217,17 @@ def test_cache_attention_key_count_past_max_kvlen(kernel_device):
     args[4] = args[4] + _index([0, 50], kernel_device)
     check_cache_attention((args, kwargs))
     _assert_flagged("kvstarts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_cuda_decode_absent_blocks_and_clamped_lengths(csrc_libraries, fmt):
+    """The CUDA decode kernel (csrc/decode_sm90.cu) on bad metadata, over more than 32 key tiles:
+    what the reference does, and the same bits flagged."""
+    k, v, scales = samples.paged_cache(64, 16, 2, 128, fmt, device="cuda")
+    tables = samples.block_tables_for([700, 300, 40], 16, 64, max_blocks=48).cuda()
+    tables[0, 3], tables[0, 40], tables[1, 0] = 64, -2, 1000   # outside [0, 64): absent blocks
+    lens = _index([700, 300 + 10_000, -5], "cuda")             # past the table, negative
+    q = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
+    _check("paged_decode", (q, k, v, tables, lens), scales, backend="cuda")
+    _assert_flagged("block_tables", "seq_lens")
