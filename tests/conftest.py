@@ -1,7 +1,8 @@
 """Test configuration: the `gpu` marker, Triton's CPU interpreter, seeds per test.
 
 On a machine without CUDA, Triton kernels run under TRITON_INTERPRET=1 (set here, before any
-kernel module is imported), and tests marked `gpu` are skipped with a reason.
+kernel module is imported), and tests marked `gpu` are skipped with a reason. Kernels compile at
+their first launch, in the test process (ATTN_COMPILE_WORKERS=1).
 """
 
 import os
@@ -14,6 +15,8 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# kernels compile in the test process (tests of kernels.precompile ask for workers)
+os.environ.setdefault("ATTN_COMPILE_WORKERS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,7 +17,9 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
     C++ op front (`torch_ops.replay`, 12 s) on any CUDA GPU, and on a Hopper GPU with nvcc the
     CUTLASS library (about 125 s) and the CUDA decode library (about 34 s), side by side (H200
     machine, 16 cores). Then run each of `calls` once and synchronize: a call compiles its Triton
-    kernels (or loads them from Triton's disk cache) and caches its plan. Pass one call per shape
+    kernels (or loads them from Triton's disk cache) and caches its plan. On CUDA the calls first
+    run with their Triton launches recorded, not run, and those kernels compile in parallel
+    processes (`kernels.precompile`, `ATTN_COMPILE_WORKERS`). Pass one call per shape
     class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
     start = time.perf_counter()
 
@@ -45,6 +47,11 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
             list(pool.map(lambda step: build(*step), steps))
         backends.clear_plans()
     calls = list(calls)
+    if calls and torch.cuda.is_available():
+        from .kernels import precompile
+
+        compiled = precompile.compile_ahead(lambda: [call() for call in calls])
+        say(f"{compiled} kernel variants compiled in parallel")
     for i, call in enumerate(calls):
         call()
         say(f"call {i + 1}/{len(calls)}")

@@ -120,43 +120,57 @@ class Engine:
         graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
         `max_num_tokens` tokens, each alone then split in two sequences (mixed batches; sequences
         longer than the block tables hold are split further), and decode two tokens; steps of
-        decodes with one new prompt of 2, 4, 8, ... tokens; then a short
-        random workload of `2 * max_num_seqs` requests mixes decodes with prefill chunks. They
-        finish and free their blocks. Returns the seconds taken; `progress` prints a line per phase."""
+        decodes with one new prompt of 2, 4, 8, ... tokens; then a short random workload of
+        `2 * max_num_seqs` requests mixes decodes with prefill chunks. They finish and free their
+        blocks. On CUDA the workload runs twice: first with its Triton launches recorded, whose
+        kernels then compile in parallel processes (`kernels.precompile`), then for real.
+        Returns the seconds taken; `progress` prints a line per phase."""
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
         start = time.perf_counter()
+
+        def say(message: str) -> None:
+            if progress:
+                print(f"[engine warmup {time.perf_counter() - start:6.1f} s] {message}", flush=True)
+
+        if self.kv.caches[0].k.is_cuda:
+            from torch_ops.kernels import precompile
+
+            compiled = precompile.compile_ahead(lambda: self._warmup_workload(None))
+            say(f"{compiled} kernel variants compiled in parallel")
+        self._warmup_workload(say)
+        self.finished = {i: r for i, r in self.finished.items() if i >= 0}
+        if self.kv.caches[0].k.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def _warmup_workload(self, say) -> None:
+        """The synthetic requests of `warmup`, run to completion (`say(phase)` after each phase)."""
         top = self.max_num_tokens
         sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
         capacity = self.attention.builder.max_blocks_per_seq * self.kv.block_size   # tokens a sequence holds
         longest = capacity - 2
         ids = itertools.count(-1, -1)   # ids no caller uses
+        say = say or (lambda message: None)
         for n in sizes:
             for halves in [[n]] + ([[n - n // 2, n // 2]] if n > 1 else []):
                 lengths = [min(longest, h - i) for h in halves for i in range(0, h, longest)]
                 generate(self, [Request(next(ids), [0] * length, 2) for length in lengths])
-            if progress:
-                print(f"[engine warmup {time.perf_counter() - start:6.1f} s] prefills of {n} tokens", flush=True)
+            say(f"prefills of {n} tokens")
         # decode-heavy mixed steps: n decoding sequences and one new prompt of c tokens in one
         # step, for c = 2, 4, ...: every class of tokens per sequence that picks a prefill tile
         n = min(self.max_num_seqs - 1, 15)
         for c in (s for s in sizes if 2 <= s <= top - n and s < capacity):
             generate(self, [Request(next(ids), [0], 3) for _ in range(n)] + [Request(next(ids), [0] * c, 1)],
                      [0] * n + [1])
-        if progress:
-            print(f"[engine warmup {time.perf_counter() - start:6.1f} s] decodes with a prefill", flush=True)
+        say("decodes with a prefill")
         # then a short random workload: steps that mix decodes with prefill chunks, at many batch sizes
         rng = random.Random(0)
         count = 2 * self.max_num_seqs
         new_tokens = [rng.randint(1, min(16, capacity - 1)) for _ in range(count)]
         workload = [Request(next(ids), [0] * rng.randint(1, min(top, capacity - n)), n) for n in new_tokens]
         generate(self, workload, sorted(rng.randrange(4 * self.max_num_seqs) for _ in range(count)))
-        if progress:
-            print(f"[engine warmup {time.perf_counter() - start:6.1f} s] mixed steps", flush=True)
-        self.finished = {i: r for i, r in self.finished.items() if i >= 0}
-        if self.kv.caches[0].k.is_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        say("mixed steps")
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -350,10 +364,15 @@ class Engine:
         ids land at the same ones every step)."""
         if self.running or self.kv.allocator.num_free != self.kv.allocator.num_blocks:
             raise RuntimeError("CUDA graphs are captured before any request runs")
+        from torch_ops.kernels import precompile
+
+        runs = {}
         for bucket in self.buckets:
             meta = self.attention.step_metadata(self.attention.builder.build(
                 [1] * bucket, [1] * bucket, [[0]] * bucket, token_ids=[0] * bucket))
-            run = functools.partial(self._decode_logits, meta)
+            runs[bucket] = functools.partial(self._decode_logits, meta)
+        precompile.compile_ahead(lambda: [run() for run in runs.values()])   # their kernels, in parallel
+        for bucket, run in runs.items():
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
 
     def _decode_logits(self, meta) -> torch.Tensor:
