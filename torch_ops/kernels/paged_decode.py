@@ -90,7 +90,9 @@ import triton
 import triton.language as tl
 
 from .. import errors, gpu
+from ..quant import KVFormat, kv_format
 from . import interpreting
+from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 
@@ -111,11 +113,6 @@ LAST_NUM_SPLITS = 0                   # and the split count it ran with
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
 
-FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
-_FMT = {
-    torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
-    torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
-}
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
 ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page block tables
@@ -239,28 +236,28 @@ def _unpack_words(w, FMT: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):
     """Words of 4 values (int32: FP8/INT8 bytes; int16: INT4 nibbles) -> 4 fp16 tensors of w's
     shape, lane j holding value j of every word; exact (group scales are applied by the caller)."""
     if ASM:
-        if FMT == 1:
+        if FMT == FMT_FP8:
             if E5M2:
                 code: tl.constexpr = _FP8_E5M2_ASM
             else:
                 code: tl.constexpr = _FP8_E4M3_ASM
             return tl.inline_asm_elementwise(code, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
-        elif FMT == 2:
+        elif FMT == FMT_INT8:
             return tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
         else:
             return tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
     else:
-        if FMT == 3:
+        if FMT == FMT_INT4:
             u = w.to(tl.int32) & 0xFFFF
             x0 = ((u & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x1 = (((u >> 4) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x2 = (((u >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x3 = (((u >> 12) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             return x0, x1, x2, x3
-        elif FMT == 2:
+        elif FMT == FMT_INT8:
             x0 = (((w & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             x1 = ((((w >> 8) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             x2 = ((((w >> 16) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
@@ -309,7 +306,7 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
     mask = n_ok[:, None, None] & (col < HEAD_DIM // 4)
     w = tl.load(Base + rows[:, None, None] + col, mask=mask, other=0)
     x0, x1, x2, x3 = _unpack_words(w, FMT, E5M2, ASM)
-    if FMT != 1:
+    if FMT != FMT_FP8:
         if SCALE_PER_GRP:
             # a 2-D load (vectorized along the groups, so the pipeliner can stage it)
             s = tl.load(SBase + srows[:, None] + grp[None, :], mask=n_ok[:, None] & (grp < NG)[None, :], other=0.0)
@@ -374,7 +371,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
             Vt = V + (page * stride_vb + within * stride_vt + v_head)
             k_rows = row * stride_kt
             v_rows = row * stride_vt
-            if FMT != 0:
+            if FMT != FMT_PLAIN:
                 ks_off = page * stride_ksb + within * stride_kst + ks_head
                 vs_off = page * stride_vsb + within * stride_vst + vs_head
                 if SVEC > 1:   # scale rows start on SVEC-element boundaries: vector (pipelinable) loads
@@ -390,12 +387,12 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
             Vt = V
             k_rows = page * stride_kb + within * stride_kt + k_head
             v_rows = page * stride_vb + within * stride_vt + v_head
-            if FMT != 0:
+            if FMT != FMT_PLAIN:
                 KSt = KS
                 VSt = VS
                 ks_rows = page * stride_ksb + within * stride_kst + ks_head
                 vs_rows = page * stride_vsb + within * stride_vst + vs_head
-        if FMT == 0:
+        if FMT == FMT_PLAIN:
             k = _load_plain(Kt, k_rows, n_ok, HEAD_DIM, BLOCK_D)
             if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns: give it fp32
                 k = k.to(tl.float32)
@@ -446,13 +443,13 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
     m_i = m_new
 
     acc0 = acc0 * alpha[:, None]
-    if FMT != 0:
+    if FMT != FMT_PLAIN:
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
     for j in tl.static_range(R):
         Vt, v_rows, VSt, vs_rows, n_ok = v_tiles[j]
-        if FMT == 0:
+        if FMT == FMT_PLAIN:
             v = _load_plain(Vt, v_rows, n_ok, HEAD_DIM, BLOCK_D)
             p_op = exact_cast(p, v.dtype, DOT_F32)
             if DOT_F32:
@@ -532,7 +529,7 @@ def _paged_decode_kernel(
     # ---- q: plain -> [BLOCK_M, BLOCK_D]; quantized -> 4 lanes [BLOCK_M, BLOCK_DW] (dims 4c + j)
     q_rows = Query + tok.to(tl.int64) * stride_qt + head * stride_qh
     qk_scale = scale_eff                    # natural-log units until the softcap is applied
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         q0 = _load_q(q_rows, row_ok, stride_qd, 0, 1, HEAD_DIM, BLOCK_D)
         if DOT_F32:
             q0 = q0.to(tl.float32)
@@ -544,7 +541,7 @@ def _paged_decode_kernel(
         q1 = _load_q(q_rows, row_ok, stride_qd, 1, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
         q2 = _load_q(q_rows, row_ok, stride_qd, 2, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
         q3 = _load_q(q_rows, row_ok, stride_qd, 3, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
-        if FMT == 1:
+        if FMT == FMT_FP8:
             qk_scale = qk_scale * tl.load(KS + kh * stride_fp8s)
         if PRESCALE_Q:
             # bf16 query -> fp16 operand: scale by 2^-sh so that max |q| <= 2^15 (exact)
@@ -584,7 +581,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         acc0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
@@ -619,7 +616,7 @@ def _paged_decode_kernel(
         tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
     # ---- epilogue ------------------------------------------------------------------------------
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         acc = acc0
     else:   # interleave the lanes back: column 4c + j <- lane j, column c
         acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), (BLOCK_M, BLOCK_D))
@@ -637,7 +634,7 @@ def _paged_decode_kernel(
         tok = b * QPS + qi
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if FMT == 1:
+    if FMT == FMT_FP8:
         inv_l = inv_l * tl.load(VS + kh * stride_fp8s)
     o = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -730,7 +727,7 @@ def num_sms(device: torch.device) -> int:
     return gpu.sm_count(device)
 
 
-def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> dict:
+def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) -> dict:
     """Tile and launch parameters from shapes (`programs` = B x Hkv x M tiles before any split):
     BLOCK_N (keys per tile), num_warps, num_stages, and `programs_per_sm` (resident programs per
     SM, for `split_count`; from the compiled registers and shared memory at D = 128, sm_90a).
@@ -742,7 +739,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         return dict(CONFIG_OVERRIDE)
     block_d = max(16, _pow2(head_dim))
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
-    if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
+    if fmt is KVFormat.PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
         # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200)
         # B = 1 at 32/32 and B = 4 at 32/8 and 64/8 run 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 ->
@@ -750,7 +747,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # 0.84-0.97x, ctx 32k 26.1 -> 31.1 us; at 32/8 0.89-0.94x below ctx 4k). From half the SMs
         # up, `large_tile_splits` takes over.
         return one_warp
-    if fmt == FMT_PLAIN:
+    if fmt is KVFormat.PLAIN:
         # D = 128: 32 keys: 64-key tiles take 168 registers and 72 KB (3 programs per SM), and
         # 512 programs then run in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
         # D <= 64: 64 keys (H200, 32/8 heads, D = 64: B=32 ctx 2k 45.6 -> 41.5 us, B=64 ctx 4k
@@ -777,7 +774,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
         # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `run` leaves it out there); INT8/INT4
         # gain no instructions and lose up to 8%.
-        return dict(one_warp, replicas=2, rows32=fmt == FMT_FP8)
+        return dict(one_warp, replicas=2, rows32=fmt is KVFormat.FP8)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spill 76-228 bytes; two warps spill nothing (168-229 registers). H200,
@@ -839,12 +836,12 @@ def _cheapest_split_count(programs: int, cap: int, block_n: int, group_rows: int
     return best
 
 
-def _group_layout(head_dim: int, fmt: int, k_scale) -> tuple[int, int, int, int, bool]:
+def _group_layout(head_dim: int, fmt: KVFormat, k_scale) -> tuple[int, int, int, int, bool]:
     """(NG, NGP, GW, QGROUP, per_group) of the [BLOCK_N, NGP, GW] word tiles: NG scale groups of
     QGROUP values per row; a group is GW = QGROUP / 4 words when that is a power of 2 (one scale
     load per group), else one padded row with a scale gathered per value."""
     block_dw = max(16, _pow2(head_dim // 4))
-    if fmt == FMT_FP8:
+    if fmt is KVFormat.FP8:
         return 1, 1, block_dw, head_dim, True
     ng = k_scale.shape[-1]
     qgroup = head_dim // ng
@@ -883,10 +880,7 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> l
                    "(the fp32 accumulator and q tile would spill registers)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         why.append(f"query dtype {query.dtype} is not served (fp16/bf16 only)")
-    fmt = _FMT.get(k_cache.dtype)
-    if fmt is None:
-        why.append(f"KV cache dtype {k_cache.dtype} is not served")
-    elif fmt != FMT_PLAIN:
+    if kv_format(k_cache.dtype) is not KVFormat.PLAIN:
         if d % 4:
             why.append(f"a {k_cache.dtype} cache needs a head dim divisible by 4 (read as 4-value words), got {d}")
         elif k_cache.numel() and (_word_view(k_cache) is None or _word_view(v_cache) is None):
@@ -912,18 +906,18 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if t == 0 or batch == 0:
         return no_launch
     _, page, hkv, _ = k_cache.shape
-    fmt = _FMT[k_cache.dtype]
+    fmt = kv_format(k_cache.dtype)
     e5m2 = k_cache.dtype == torch.float8_e5m2
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    block_m = min(MAX_BLOCK_M if fmt == FMT_PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
+    block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
     m_tiles = -(-rows // block_m)
     sms = num_sms(query.device)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
-    if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
+    if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if fmt == FMT_PLAIN:
+    if fmt is KVFormat.PLAIN:
         block_d = max(16, _pow2(d))
         block_dw = 16
     else:
@@ -934,7 +928,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
     num_splits = 0
-    if (fmt == FMT_PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
+    if (fmt is KVFormat.PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
             and not CONFIG_OVERRIDE and FORCE_NUM_SPLITS is None):
         num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
         if num_splits:
@@ -952,7 +946,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     # registers of two copies (126 against 71) cost more occupancy than they save instructions
     # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gain from the copies)
     if not CONFIG_OVERRIDE and (max_blocks * page < REPLICA_MIN_KEYS * num_splits
-                                or (fmt == FMT_FP8 and d <= 64 and num_splits == 1 and group > 1)):
+                                or (fmt is KVFormat.FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
     chunk = replicas * block_n      # keys per loop step
     min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
@@ -963,16 +957,16 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     fp8_stride = 0
     svec = 1
     scales = "none"   # how a call passes its scales (`scale_operands`)
-    if fmt != FMT_PLAIN:
+    if fmt is not KVFormat.PLAIN:
         kc, vc = _word_view(k_cache), _word_view(v_cache)
         ng, ngp, gw, qgroup, per_grp = _group_layout(d, fmt, k_scale)
         scales = "given"
-    if fmt == FMT_FP8:
+    if fmt is KVFormat.FP8:
         fp8_stride = 1 if k_scale.dim() == 1 else 0
         if v_scale.dim() != k_scale.dim():
             # per-head K scale with a 0-d V scale (or the reverse): one stride serves both
             scales, fp8_stride = "per_head", 1
-    elif fmt in (FMT_INT8, FMT_INT4):
+    elif fmt.group_scaled:
         if (k_scale.shape[-1] > 1 and k_scale.stride(-1) != 1) or (v_scale.shape[-1] > 1 and v_scale.stride(-1) != 1):
             ks, vs, scales = k_scale.contiguous(), v_scale.contiguous(), "contiguous"   # rare: strided last dim
         ks_strides, vs_strides = ks.stride()[:3], vs.stride()[:3]
@@ -983,7 +977,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             while svec * 2 <= ng and all(v % (svec * 2) == 0 for v in vals):
                 svec *= 2
     asm = False
-    if fmt != FMT_PLAIN:
+    if fmt is not KVFormat.PLAIN:
         asm = DEQUANT_ASM if DEQUANT_ASM is not None else (query.device.type == "cuda" and not interpreting())
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
@@ -1022,12 +1016,12 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
-        FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
-        PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
+        FMT=fmt.code, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
+        PRESCALE_Q=fmt is not KVFormat.PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
-        DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
+        DOT_F32=static_loop and fmt is KVFormat.PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         SCALE_F16=ks is not None and vs is not None and ks.dtype == vs.dtype == torch.float16,
         HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -1047,7 +1041,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
             num_warps=4,
         ))
-    word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt != FMT_PLAIN else None
+    word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt is not KVFormat.PLAIN else None
     flag = errors.device_flag(query.device)
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,

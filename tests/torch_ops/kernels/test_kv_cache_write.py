@@ -355,8 +355,8 @@ def test_group_scale_division_by_constant_reciprocal():
     # (`_div_by_qmax`); in exact arithmetic that must be the correctly rounded quotient
     rng = random.Random(0)
     bits = [rng.getrandbits(31) for _ in range(3000)] + [1, 0x007FFFFF, 0x00800000, 0x3F800000, 0x7F7FFFFF]
-    for fmt, qmax in kcw._QMAX.items():
-        r = Fraction(kcw._QMAX_RCP[fmt])
+    for fmt, rcp in kcw._QMAX_RCP.items():
+        qmax, r = fmt.qmax, Fraction(rcp)
         assert r == _rn32(Fraction(1) / Fraction(qmax))
         for b in bits:
             if (b >> 23) & 0xFF == 0xFF:
