@@ -163,6 +163,17 @@ class Case:
                 torch.ops.attn.paged_decode.out(q, k, v, bt, sl, k_scale=ks, v_scale=vs, out=out, lse=lse)
         return fn
 
+    def triton_launch(self):
+        """The Triton kernel's prepared launch of set 0, run once (its `kernels` compiled)."""
+        from torch_ops.kernels import paged_decode
+
+        q, k, v, ks, vs = self.sets[0]
+        args = (q, k, v, self.block_tables, self.seq_lens)
+        kw = dict(out=self.out[0], lse=self.lse[0], k_scale=ks, v_scale=vs)
+        launch = paged_decode.prepare(*args, **kw)
+        launch(*args, **kw)
+        return launch
+
     def backend(self) -> str:
         import torch_ops
 
@@ -290,14 +301,11 @@ def check_ours(case: Case, n_check: int = 8, backend: str | None = None) -> dict
     return {"max_err": err, "baseline_err": base_err, "ok": bool(err <= 2 * base_err + 1e-2)}
 
 
-def kernel_report() -> dict:
-    """Resources and instruction mix of the last compiled decode kernel."""
-    from torch_ops.kernels import paged_decode as pd
-
-    k = getattr(pd, "LAST_KERNEL", None)
-    if k is None:
-        return {}
-    rep = {"num_splits": getattr(pd, "LAST_NUM_SPLITS", None)}
+def kernel_report(case: Case) -> dict:
+    """Split count, resources and instruction mix of the Triton decode kernel of `case`."""
+    launch = case.triton_launch()
+    k = launch.kernels[0].kernel
+    rep = {"num_splits": launch.num_splits}
     try:
         rep["n_regs"] = k.n_regs
         rep["n_spills"] = k.n_spills
@@ -352,7 +360,7 @@ class Runner:
         row["ours_GBps"] = kv / t / 1e3
         row["ours_pct_copy"] = 100 * row["ours_GBps"] / bw["copy_GBps"]
         row["ours_pct_read"] = 100 * row["ours_GBps"] / bw["read_GBps"]
-        row["kernel"] = kernel_report() if row["backend"] == "triton" else {}
+        row["kernel"] = kernel_report(case) if row["backend"] == "triton" else {}
         contiguous = None
         for peer in peers:
             if self.time_left() < 20:
@@ -479,7 +487,7 @@ def tune(runner: Runner, bw) -> list[dict]:
             torch_ops.clear_plans()   # plans read the knobs
             t, _ = common.time_us(fns, calls=10, replays=7)
             res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
-                       kernel=kernel_report())
+                       kernel=kernel_report(case))
         except Exception as e:  # noqa: BLE001
             res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         finally:

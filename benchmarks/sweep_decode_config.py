@@ -126,14 +126,16 @@ SETS = {
 BLOCK_SIZE = 16
 
 
-def input_sets(b, hq, hkv, ctx, d, layout, dev):
-    """Enough random (q, k_cache, v_cache, block_tables) sets to cycle through ~3x 60 MB of KV;
-    for a quantized layout (a `bench_decode.FORMATS` name), the calls themselves."""
+def input_calls(b, hq, hkv, ctx, d, layout, dev):
+    """`(calls, launch)`: Triton paged_decode calls on enough random sets to cycle through ~3x 60
+    MB of KV (every sequence at `ctx` keys; a quantized layout is a `bench_decode.FORMATS` name),
+    and `launch()`, the prepared launch of the first set, run once (its split count and kernels)."""
     count = max(1, min(4, int(3 * 60e6 // (2 * b * ctx * hkv * d * 2)) + 1))
     if layout not in ("p16", "one"):
         from bench_decode import Case
         case = Case(b, ctx, hq, hkv, layout, n_sets=count, device=dev)
-        return [case.ours(i, "triton") for i in range(count)]
+        return [case.ours(i, "triton") for i in range(count)], case.triton_launch
+    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     sets = []
     for _ in range(count):
         q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
@@ -144,8 +146,15 @@ def input_sets(b, hq, hkv, ctx, d, layout, dev):
             nb = b * (ctx // BLOCK_SIZE)
             k, v = (torch.randn(nb, BLOCK_SIZE, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
             table = torch.randperm(nb, device=dev, dtype=torch.int32).view(b, -1)
-        sets.append((q, k, v, table))
-    return sets
+        sets.append((q, k, v, table, seq_lens))
+
+    def launch():
+        out, lse = torch.empty_like(sets[0][0]), torch.empty(b, hq, device=dev)
+        prepared = pd.prepare(*sets[0], out=out, lse=lse)
+        prepared(*sets[0], out=out, lse=lse)
+        return prepared
+
+    return [lambda s=s: torch.ops.attn.paged_decode(*s) for s in sets], launch
 
 
 def main() -> None:
@@ -158,8 +167,7 @@ def main() -> None:
     resources = {}
     for b, hq, hkv, ctx, d in sweep["shapes"]:
         for layout in sweep["layouts"]:
-            sets = input_sets(b, hq, hkv, ctx, d, layout, dev)
-            seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            calls, launch = input_calls(b, hq, hkv, ctx, d, layout, dev)
             cells = []
             for name, (block_n, warps, stages, *extra) in sweep["configs"].items():
                 per_sm, only, replicas = (extra + [None, None, 1])[:3]
@@ -174,12 +182,11 @@ def main() -> None:
                     pd.PROGRAMS_PER_SM = per_sm
                     pd.FORCE_NUM_SPLITS = splits
                     clear_plans()   # plans read the knobs
-                    calls = sets if callable(sets[0]) else [
-                        lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
                     try:
                         t, _ = common.time_us(calls, calls=8, replays=10)
-                        cell = f"{t:.1f}" + (f"/{pd.LAST_NUM_SPLITS}" if splits is None else "")
-                        k = pd.LAST_KERNEL
+                        prepared = launch()
+                        cell = f"{t:.1f}" + (f"/{prepared.num_splits}" if splits is None else "")
+                        k = prepared.kernels[0].kernel
                         resources[(name, d, layout)] = (k.n_regs, k.metadata.shared)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is shown, not fatal
                         cell = type(e).__name__[:9]

@@ -107,8 +107,6 @@ REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tile
 PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
 CONFIG_OVERRIDE: dict | None = None   # a `config` dict for every call (replicas, rows32 default off)
 DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
-LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
-LAST_NUM_SPLITS = 0                   # and the split count it ran with
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
@@ -1046,7 +1044,6 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
                out_scale=None, k_scale=None, v_scale=None, key_mask=None, **_):
-        global LAST_KERNEL, LAST_NUM_SPLITS
         kc, vc = (k_cache, v_cache) if word is None else (k_cache.view(word), v_cache.view(word))
         ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
         pout, plse = split_workspace(num_splits, t, hq, d, query.device) if split else (lse, lse)
@@ -1057,12 +1054,13 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
              lse if key_mask is None else key_mask.view(torch.uint8), flag)
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
-        LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits
 
     launch.describe = (f"Triton paged_decode, grid {batch * hkv * m_tiles} x {num_splits} split(s)"
                        f"{' + merge' if split else ''}: {block_m} query rows x {block_n}-key tiles"
                        f"{f' ({replicas} per step)' if replicas > 1 else ''}, {cfg['num_warps']} warps, "
                        f"{cfg['num_stages']} stages")
+    launch.kernels = (main,) if merge is None else (main, merge)
+    launch.num_splits = num_splits
     return launch
 
 

@@ -55,7 +55,8 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
 
 Not served (`unsupported` says why): head dims > 256.
 
-Knobs (tests, tuning): `CONFIG_OVERRIDE`; `LAST_KERNEL` (the last compiled kernel, for reports).
+Knobs (tests, tuning): `CONFIG_OVERRIDE`. A prepared launch's `kernels` are its `TritonLaunch`es
+(main launch first; each holds its compiled kernel once run, for reports).
 Under TRITON_INTERPRET=1 (CPU tests) the loops are `while` loops (the interpreter cannot take a
 tensor as a `range` bound with numpy >= 2.4), bf16 dots take fp32 operands holding bf16 values
 (the interpreter multiplies bf16 bit patterns), and bf16/FP8 outputs are rounded to nearest in
@@ -80,7 +81,6 @@ from .launcher import TritonLaunch, no_launch, scale_operands
 
 CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
-LAST_KERNEL = None
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -618,7 +618,6 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     def launch(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
                alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None,
                key_mask=None, **_):
-        global LAST_KERNEL
         if kv_fmt is KVFormat.FP8:
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         if q_fp8:
@@ -631,11 +630,11 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
                    flag)
         for kernel in kernels:
             kernel(*tensors)
-        LAST_KERNEL = kernels[0].kernel
 
     launch.describe = "Triton prefill, " + " + ".join(
         f"grid {k.grid[0]}: {k.meta['BLOCK_M']} x {k.meta['BLOCK_N']} tiles, {k.meta['num_warps']} warps, "
         f"{k.meta['num_stages']} stages{' (sequences of one tile)' if k.meta['SHORT'] else ''}" for k in kernels)
+    launch.kernels = tuple(kernels)
     return launch
 
 

@@ -114,6 +114,13 @@ def _fp8_rounding(x: torch.Tensor) -> float:
     return (x.to(E4M3).double() - x).abs().max().item() if x.numel() else 0.0
 
 
+def prepared(problem, **options):
+    """The kernel's prepared launch of the problem's signature (its `num_splits`, `kernels`)."""
+    q, cache, bt, sl = problem
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
+    return pd.prepare(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs(), **options)
+
+
 def run_and_check(problem, **options):
     q, cache, bt, sl = problem
     out, lse = call_triton(q, cache, bt, sl, **options)
@@ -291,7 +298,7 @@ def test_large_tiles_automatic(kernel_device):
     # longer than SHORT_CONTEXT's)
     problem = make_problem(kernel_device, lens=[1259, 0, 5, 130], hq=4, hkv=1, d=64, bs=16)
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 2
+    assert prepared(problem).num_splits == 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -299,10 +306,10 @@ def test_short_context_on_large_tiles_takes_one_split(kernel_device, knobs, d):
     # 4 programs on the interpreter's 8 "SMs", a 272-key table: one split, no merge
     problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=d, bs=16)
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 1
+    assert prepared(problem).num_splits == 1
     knobs(SHORT_CONTEXT={})
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 2
+    assert prepared(problem).num_splits == 2
 
 
 @pytest.mark.gpu
@@ -313,8 +320,10 @@ def test_short_context_on_large_tiles_gpu(kernel_device, d, hq, hkv):
     rng = random.Random(torch.randint(0, 2**31, ()).item())
     b, longest = 128 // hkv, pd.SHORT_CONTEXT[d][0] - 16
     lens = [longest, 0, 1, 17] + [rng.randint(1, longest) for _ in range(b - 4)]
-    run_and_check(make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=16))
-    assert pd.LAST_NUM_SPLITS == 1 and pd.LAST_KERNEL.metadata.num_warps == (8 if d == 128 else 4)
+    problem = make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=16)
+    run_and_check(problem)
+    launch = prepared(problem)
+    assert launch.num_splits == 1 and launch.kernels[0].meta["num_warps"] == (8 if d == 128 else 4)
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
