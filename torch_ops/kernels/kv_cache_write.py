@@ -390,12 +390,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1   # the interpreter: few, large programs are fastest
-    return gpu.sm_count(device)
-
-
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:
     """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `tile_elems`
     elements, all heads when they fit, fewer tokens while the grid is under
@@ -461,7 +455,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
     dp = d // 2 if split else _pow2(d)
     halves = 2 if split else 1
-    sms = num_sms(key.device)
+    sms = gpu.sm_count(key.device, cpu=1)   # the interpreter: few, large programs are fastest
     bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, TILE_ELEMS[fmt])
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0

@@ -111,6 +111,7 @@ DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain 
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
 
+INTERPRETER_SMS = 8   # the interpreter's stand-in: a small "GPU", so that the split heuristic still splits
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
 ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page block tables
@@ -719,12 +720,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8   # the interpreter: a small "GPU", so that the heuristic still splits
-    return gpu.sm_count(device)
-
-
 def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) -> dict:
     """Tile and launch parameters from shapes (`programs` = B x Hkv x M tiles before any split):
     BLOCK_N (keys per tile), num_warps, num_stages, and `programs_per_sm` (resident programs per
@@ -910,7 +905,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     rows = qps * group
     block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
     m_tiles = -(-rows // block_m)
-    sms = num_sms(query.device)
+    sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
     if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
