@@ -412,31 +412,28 @@ def tune_jobs(formats) -> list[tuple]:
     for fmt in formats:
         shape = (64, 4096, 32, 8)
         jobs.append((shape, fmt, "default", {}))
-        jobs += [(shape, fmt, f"cfg{bn}/{w}/{st}", {"CONFIG_OVERRIDE": {"BLOCK_N": bn, "num_warps": w, "num_stages": st}})
+        jobs += [(shape, fmt, f"cfg{bn}/{w}/{st}", {"config": {"BLOCK_N": bn, "num_warps": w, "num_stages": st}})
                  for bn, w, st in TUNE_GRIDS[fmt]]
         if fmt in ("int8", "int4"):
-            jobs.append((shape, fmt, "no_asm", {"DEQUANT_ASM": False}))
+            jobs.append((shape, fmt, "no_asm", {"dequant_asm": False}))
     for fmt in [f for f in ("bf16", "int4") if f in formats]:
         shape = (1, 1024, 32, 8)
         jobs.append((shape, fmt, "default", {}))
-        jobs += [(shape, fmt, f"minsplit{m}", {"MIN_SPLIT_TOKENS": m}) for m in (64, 128, 512)]
-        jobs += [(shape, fmt, f"pps{p}", {"PROGRAMS_PER_SM": p}) for p in (1, 4)]
+        jobs += [(shape, fmt, f"minsplit{m}", {"min_split_tokens": m}) for m in (64, 128, 512)]
+        jobs += [(shape, fmt, f"pps{p}", {"programs_per_sm": p}) for p in (1, 4)]
     return jobs
 
 
 def _compile_job(job) -> str:
     """Worker: run one variant once so that its kernels land in Triton's on-disk cache."""
     shape, fmt, name, knobs = job
-    from torch_ops import clear_plans
     from torch_ops.kernels import paged_decode as pd
 
-    for k, v in knobs.items():
-        setattr(pd, k, v)
-    clear_plans()   # plans read the knobs
     try:
-        case = Case(*shape, fmt)
-        case.ours(0)()
-        torch.cuda.synchronize()
+        with pd.tuning(**knobs):
+            case = Case(*shape, fmt)
+            case.ours(0)()
+            torch.cuda.synchronize()
         return f"{name}: ok"
     except Exception as e:  # noqa: BLE001
         return f"{fmt} {name}: {type(e).__name__}: {str(e)[:200]}"
@@ -458,7 +455,6 @@ def precompile(jobs, workers: int = 12) -> None:
 
 def tune(runner: Runner, bw) -> list[dict]:
     """Sweep our kernel's tile configs and split knobs on a few shapes (results in the JSON)."""
-    import torch_ops
     from torch_ops.kernels import paged_decode as pd
 
     jobs = tune_jobs(runner.args.formats)
@@ -479,21 +475,14 @@ def tune(runner: Runner, bw) -> list[dict]:
             cases[key] = Case(b, ctx, hq, hkv, fmt, n_sets=case_sets(b, ctx, hq, hkv, fmt, runner.l2, runner.free_bytes()))
         case = cases[key]
         fns = [case.ours(i, "triton") for i in range(len(case.sets))]
-        saved = {k: getattr(pd, k) for k in knobs}
         res = {"shape": list(shape), "fmt": fmt, "variant": name}
         try:
-            for k, v in knobs.items():
-                setattr(pd, k, v)
-            torch_ops.clear_plans()   # plans read the knobs
-            t, _ = common.time_us(fns, calls=10, replays=7)
-            res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
-                       kernel=kernel_report(case))
+            with pd.tuning(**knobs):
+                t, _ = common.time_us(fns, calls=10, replays=7)
+                res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
+                           kernel=kernel_report(case))
         except Exception as e:  # noqa: BLE001
             res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        finally:
-            for k, v in saved.items():
-                setattr(pd, k, v)
-            torch_ops.clear_plans()
         out.append(res)
         k = res.get("kernel", {})
         print(f"tune {shape} {fmt:5} {name:14} " + (f"{res['us']:8.2f} us {res['pct_copy']:5.1f}% splits={k.get('num_splits')} "

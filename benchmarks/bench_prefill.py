@@ -3,7 +3,7 @@
 Usage (GPU machine):  python benchmarks/bench_prefill.py [--quick] [--check] [--tune] [--out DIR]
   --quick      ~2-minute subset (D=128, S in {2k, 8k}, one paged and one mixed case, few peers)
   --check      verify each of our configurations against the float64 reference first (max error)
-  --tune       sweep tile configs of our kernel (prefill_attention.CONFIG_OVERRIDE) on a few shapes
+  --tune       sweep tile configs of our kernel (prefill_attention.tuning) on a few shapes
   --sections / --seqlens / --head-dims / --peers / --flex-head-dims / --budget-s select a subset
 Writes JSON (GPU, versions, date, commit, every measurement) under --out (default
 benchmarks/results/) and prints a compact table last.
@@ -529,7 +529,6 @@ class Runner:
 
     def tune(self) -> list[dict]:
         """Our kernel under each candidate config (S = 8k uniform context, both masks; one paged case)."""
-        from torch_ops import clear_plans
         from torch_ops.kernels import prefill_attention as pa
 
         out = []
@@ -544,16 +543,12 @@ class Runner:
                 names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
                 res = {"kind": kind, "d": d, "causal": causal,
                        "config": "default" if cfg is None else dict(zip(names, cfg))}
-                pa.CONFIG_OVERRIDE = None if cfg is None else res["config"]
-                clear_plans()   # plans read the knob
                 try:
-                    us, _ = time_us(case.ours())
-                    res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report(case))
+                    with pa.tuning(config=None if cfg is None else res["config"]):
+                        us, _ = time_us(case.ours())
+                        res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report(case))
                 except Exception as e:  # noqa: BLE001
                     res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                finally:
-                    pa.CONFIG_OVERRIDE = None
-                    clear_plans()
                 out.append(res)
                 k = res.get("kernel", {})
                 print(f"tune {kind:7} d{d:<3} causal={causal!s:5} {str(res['config']):70} "

@@ -13,11 +13,11 @@
     python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
     python benchmarks/sweep_decode_config.py --set deep_small  # B x Hkv = 32-64: one split of large programs
     python benchmarks/sweep_decode_config.py --set deep64  # head dim 64 near the SM count: one split of 8 warps
-    python benchmarks/sweep_decode_config.py --set long   # B = 1-4, 16k-32k keys: split counts past MAX_SPLITS
+    python benchmarks/sweep_decode_config.py --set long   # B = 1-4, 16k-32k keys: split counts past Tuning.max_splits
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
-split count ("auto": the heuristic's, shown after the slash). Layouts: "p16", 16-token pages
+split count ("auto": the heuristic's, shown after the slash; knobs: `paged_decode.tuning`). Layouts: "p16", 16-token pages
 on a random permutation; "one", one page per sequence read as `[B, Hkv, S, D].transpose(1, 2)`
 (the static cache `fx_passes.decode_to_paged` hands over). Then each config's compiled
 registers and shared memory.
@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from torch_ops import clear_plans  # noqa: E402
 from torch_ops.kernels import paged_decode as pd  # noqa: E402
 
 SETS = {
@@ -177,14 +176,12 @@ def main() -> None:
                     if too_big or only == ("quant" if plain else "plain"):
                         cells.append(f"{'-':>10}")   # too big, or a config for the other formats
                         continue
-                    pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-                                          "replicas": replicas}
-                    pd.PROGRAMS_PER_SM = per_sm
-                    pd.FORCE_NUM_SPLITS = splits
-                    clear_plans()   # plans read the knobs
+                    knobs = pd.tuning(config={"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                                              "replicas": replicas}, programs_per_sm=per_sm, num_splits=splits)
                     try:
-                        t, _ = common.time_us(calls, calls=8, replays=10)
-                        prepared = launch()
+                        with knobs:
+                            t, _ = common.time_us(calls, calls=8, replays=10)
+                            prepared = launch()
                         cell = f"{t:.1f}" + (f"/{prepared.num_splits}" if splits is None else "")
                         k = prepared.kernels[0].kernel
                         resources[(name, d, layout)] = (k.n_regs, k.metadata.shared)
@@ -193,8 +190,6 @@ def main() -> None:
                     cells.append(f"{cell:>10}")
             mb = 2 * b * hkv * ctx * d * {"int4": 0.5, "int8": 1, "fp8": 1}.get(layout, 2) / 1e6
             print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
-    pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = pd.PROGRAMS_PER_SM = None
-    clear_plans()
     for (name, d, layout), (regs, smem) in sorted(resources.items()):
         print(f"config {name} D={d} {layout}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 

@@ -41,14 +41,14 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   Hkv=8, Hq=32, D=128, bf16, 4 KB k/v in + 4 KB out and 8 + 8 KB of q. cos/sin rows
   (`rot * 4` B per token, shared by the heads of a tile) mostly hit L2, NeoX partners L1.
 - In flight: HBM3/HBM3e need ~2.5-3.5 MB in flight (3.35-4.8 TB/s x ~0.7 us), ~20-27 KB per
-  SM. A program loads `TILE_ELEMS` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
+  SM. A program loads `Tuning.tile_elems` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
   KB in bf16) before its first store; at 4 warps and 48-128 registers (sm_90 build) 4-10
   programs are resident per SM.
 - Access width: the head-dim axis is contiguous (Triton specializes stride 1 and 16-byte
   alignment), so every k/v/q load and bf16 store is 16 B (`ld/st.global.v4.b32` in the PTX);
   scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
   in NHD a token's group scales for all heads are adjacent (written by one program).
-- Cache hints: from `STREAM_MIN_TOKENS` tokens on, k/v/q are loaded `evict_first` and every row
+- Cache hints: from `Tuning.stream_min_tokens` tokens on, k/v/q are loaded `evict_first` and every row
   is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they take T = 16k
   on an H200 from 82-92 to 85-99 % of copy, except INT8 k/v (90 -> 88) and INT4 RoPE on k (80 ->
   81); at T = 64-256 (decode batches, 2-3 us) the same hints cost 0.1-0.6 us.
@@ -63,15 +63,16 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   `GROUP_MAX_REGISTERS`. sm_90 build: ~13 SASS instructions per element for FP8 (plain: ~3);
   H200, T = 16k: INT8 88-90 %, INT4 90 % of copy.
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
-  than `MIN_PROGRAMS_PER_SM` programs per SM.
+  than `Tuning.min_programs_per_sm` programs per SM.
 
 Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
 with an odd quant group (a rotated pair would straddle two groups).
-Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM_MIN_TOKENS`, `SPLIT_ROPE`.
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(tile_elems=..., num_warps=...):`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import torch
@@ -83,20 +84,31 @@ from ..quant import KVFormat, kv_format
 from . import interpreting
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .launcher import TritonLaunch
+from .tuning import Knobs
 from .interpreter import exact_cast
 
-NUM_WARPS = 4
-MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this many programs per SM
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    # elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k): 2048 for plain
+    # and FP8 caches (FP8 k/v 92 vs 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
+    tile_elems: dict = dataclasses.field(default_factory=lambda: {
+        KVFormat.PLAIN: 2048, KVFormat.FP8: 2048, KVFormat.INT8: 4096, KVFormat.INT4: 4096})
+    num_warps: int = 4
+    min_programs_per_sm: int = 4   # shrink tiles for small T until the grid has this many programs per SM
+    stream_min_tokens: int = 2048  # from this many tokens on, streaming cache hints (module docstring)
+    split_rope: bool = True        # FP8 rows as two halves for NeoX RoPE over the whole head dim (split_halves)
+
+
+tuning = Knobs(Tuning())   # `with kv_cache_write.tuning(num_warps=8): ...`
+
 # INT8/INT4: registers per thread kept at 96, five 4-warp programs per SM (INT8 with a query
 # otherwise takes 100, four per SM: rope_qk at T = 16k 104.5 -> 111.0 us on an H200)
 GROUP_MAX_REGISTERS = 96
 MAX_HEAD_DIM = 1024
-STREAM_MIN_TOKENS = 2048   # from this many tokens on, streaming cache hints (module docstring)
-SPLIT_ROPE = True          # FP8 rows as two halves for NeoX RoPE over the whole head dim (split_halves)
-
-# elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k): 2048 for plain and FP8 caches (FP8 k/v 92 vs
-# 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
-TILE_ELEMS = {KVFormat.PLAIN: 2048, KVFormat.FP8: 2048, KVFormat.INT8: 4096, KVFormat.INT4: 4096}
 # RN(1 / qmax) in fp32 (the fp64 quotient rounds to the same fp32 value for 127 and 7)
 _QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / f.qmax))[0] for f in KVFormat if f.group_scaled}
 _ERR_SLOT = tl.constexpr(errors.SLOT_MAPPING)
@@ -393,10 +405,10 @@ def _cdiv(a: int, b: int) -> int:
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:
     """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `tile_elems`
     elements, all heads when they fit, fewer tokens while the grid is under
-    `MIN_PROGRAMS_PER_SM` programs per SM. From shapes only."""
+    `Tuning.min_programs_per_sm` programs per SM. From shapes only."""
     bh = min(_pow2(heads), max(1, tile_elems // row_elems))
     bt = min(max(1, tile_elems // (bh * row_elems)), _pow2(max(num_tokens, 1)))
-    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < MIN_PROGRAMS_PER_SM * sms:
+    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < tuning.current.min_programs_per_sm * sms:
         bt //= 2
     return bt, bh
 
@@ -407,7 +419,7 @@ def split_halves(head_dim: int, k_cache: torch.Tensor, positions, cos_sin_cache,
     thread instead of being loaded a second time. H200, T = 16k, % of copy: FP8 RoPE on k 94 -> 102,
     on q and k 95 -> 101; bf16 (98 -> 92) and INT4 (81 -> 65-80) lose and INT8 moves within -1 to +2
     points, so they keep one tile."""
-    return (SPLIT_ROPE and positions is not None and rope_neox and kv_format(k_cache.dtype) is KVFormat.FP8
+    return (tuning.current.split_rope and positions is not None and rope_neox and kv_format(k_cache.dtype) is KVFormat.FP8
             and cos_sin_cache.shape[1] == head_dim == _pow2(head_dim))
 
 
@@ -456,12 +468,13 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     dp = d // 2 if split else _pow2(d)
     halves = 2 if split else 1
     sms = gpu.sm_count(key.device, cpu=1)   # the interpreter: few, large programs are fastest
-    bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, TILE_ELEMS[fmt])
+    knobs = tuning.current
+    bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, knobs.tile_elems[fmt])
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
-        bt_q, bh_q = tile(t, hq, dp * halves, sms, TILE_ELEMS[fmt])
+        bt_q, bh_q = tile(t, hq, dp * halves, sms, knobs.tile_elems[fmt])
         n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
 
     if fmt is KVFormat.FP8:
@@ -471,7 +484,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
         k_sstrides, v_sstrides = k_scale.stride(), v_scale.stride()
     else:
         k_sstrides = v_sstrides = (0, 0, 0, 0)
-    stream = t >= STREAM_MIN_TOKENS
+    stream = t >= knobs.stream_min_tokens
     rope = positions is not None
     cs = cos_sin_cache if rope else key
     kernel = TritonLaunch(_kv_cache_write_kernel, (n_kv + n_q,), (
@@ -494,7 +507,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
         BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
         INTERPRETED=interpreting(),
         LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=knobs.num_warps, enable_fp_fusion=False,
         **({"maxnreg": GROUP_MAX_REGISTERS} if fmt.group_scaled and not interpreting() else {}),
     ))
     scaled = fmt is not KVFormat.PLAIN

@@ -48,15 +48,15 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. When the batch
   alone comes near filling the GPU, plain caches take tiles of twice the keys and one or two
   splits instead (`large_tile_splits`; one split for tables of <= 512 keys at D = 128, in 8-warp
-  programs, and <= 1024 keys at D = 64: `SHORT_CONTEXT`). Inside, each
+  programs, and <= 1024 keys at D = 64: `Tuning.short_context`). Inside, each
   sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
-  at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
+  at least `Tuning.min_split_tokens`): long sequences use every split, short ones a few, and splits
   past the span exit at once (they write nothing, and the merge kernel never reads them).
   With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
   partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
   Few (sequence, KV head) pairs over long tables (B = 1 on a tensor-parallel shard of 1-2 KV
-  heads) split up to `MAX_SPLITS` = 256 ways, and the merge then takes the head dim in blocks
-  (`MERGE_TILE` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
+  heads) split up to `Tuning.max_splits` = 256 ways, and the merge then takes the head dim in blocks
+  (`Tuning.merge_tile` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
   1.2x, FP8 8/1 1.9x, INT4 2.3x the 64-split cap.
   The merge is a kernel of its own (3.0-4.1 µs of a 9-27 µs call at B <= 16 on an H200): merging
   in the split kernel (the last split of a tile, after an atomic counter) saves 1-2 µs for MHA but
@@ -73,15 +73,16 @@ Not served (`unsupported` says why): head dims > 256; quantized caches whose hea
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
 GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
 
-Module knobs (for tests and tuning): `FORCE_NUM_SPLITS`, `MIN_SPLIT_TOKENS`, `CONFIG_OVERRIDE`,
-`DEQUANT_ASM`, `PROGRAMS_PER_SM`. Under TRITON_INTERPRET=1 the kernel takes a fixed trip count
-(the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(num_splits=..., config=...):`.
+A prepared launch carries its `kernels` (main, then merge) and `num_splits`. Under
+TRITON_INTERPRET=1 the kernel takes a fixed trip count (the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
 fp32 instead of bf16 (the interpreter multiplies bf16 bit patterns) and rounds FP8 output in
 fp32 (its fp32 -> e4m3 cast does not carry into the exponent): same math, CPU-testable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -95,18 +96,35 @@ from . import interpreting
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
+from .tuning import Knobs
 
-# ---- knobs -------------------------------------------------------------------------------------
-FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
-MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
-MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (a cap of 64: 1.2-2.3x slower
-                                      # at 16k-32k keys); 384 and 512 run 2-4x slower (one-tile merge)
-MERGE_TILE = 4096                     # partial values per merge program (more splits: fewer dims each)
-REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
-                                      # this many keys per split (`config`)
-PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
-CONFIG_OVERRIDE: dict | None = None   # a `config` dict for every call (replicas, rows32 default off)
-DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    num_splits: int | None = None      # a fixed split count (tests force split-K with it)
+    min_split_tokens: int = 64         # a split covers at least this many keys (rounded to BLOCK_N)
+    max_splits: int = 256              # B = 1 over 1-2 KV heads takes 128-256 (a cap of 64: 1.2-2.3x slower
+                                       # at 16k-32k keys); 384 and 512 run 2-4x slower (one-tile merge)
+    merge_tile: int = 4096             # partial values per merge program (more splits: fewer dims each)
+    replica_min_keys: int = 512        # quantized one-warp programs score 2 tiles side by side from
+                                       # this many keys per split (`config`)
+    programs_per_sm: int | None = None   # resident programs per SM for the split heuristic (None: the config's)
+    config: dict | None = None         # a `config` dict for every call (replicas, rows32 default off)
+    dequant_asm: bool | None = None    # None: PTX dequantization on CUDA, plain Triton otherwise
+    # Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
+    # instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
+    # head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
+    # changes). H200, 16-token pages: D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3,
+    # at 1k within 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0,
+    # B = 16 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
+    short_context: dict = dataclasses.field(
+        default_factory=lambda: {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})})
+
+
+tuning = Knobs(Tuning())   # `with paged_decode.tuning(num_splits=4): ...`; `tuning.current`: the knobs in force
+
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
@@ -123,13 +141,6 @@ MAX_BLOCK_M_QUANTIZED = 32
 LARGE_TILE_KEYS = {64: 128, 128: 64}
 LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
-# Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
-# instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
-# head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
-# changes). H200, 16-token pages: D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
-# 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0, B = 16
-# 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
-SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ERR_LEN = tl.constexpr(errors.SEQ_LENS)
@@ -728,8 +739,8 @@ def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) 
     A stage holds one K and one V tile. Triton's pipeliner spends two stages on the block-table
     indirection, so `num_stages = 5` keeps two tiles of each program in flight (three buffers).
     `large_tile_splits` may double the plain format's tile."""
-    if CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE)
+    if tuning.current.config:
+        return dict(tuning.current.config)
     block_d = max(16, _pow2(head_dim))
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if fmt is KVFormat.PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
@@ -760,7 +771,7 @@ def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) 
         # serve 32 keys (merged in the epilogue). H200, 32/8 heads, splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
         # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys run 4-10%
-        # slower (`run` keeps one tile below REPLICA_MIN_KEYS per split); four copies take 255
+        # slower (`run` keeps one tile below `Tuning.replica_min_keys` per split); four copies take 255
         # registers and spill.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
         # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
@@ -801,10 +812,11 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
     Models the time of the worst case (every sequence at the table's capacity) as
     waves x (keys per split + fixed cost) + the merge (kernel, plus each split's partial state,
     `2 * rows` key-equivalents of traffic), and picks the cheapest count."""
-    if FORCE_NUM_SPLITS is not None:
-        return max(1, int(FORCE_NUM_SPLITS))
+    knobs = tuning.current
+    if knobs.num_splits is not None:
+        return max(1, int(knobs.num_splits))
     return _cheapest_split_count(batch * num_kv_heads * m_tiles, max_blocks * block_size, block_n, group_rows,
-                                 max(1, sms * programs_per_sm), MIN_SPLIT_TOKENS, MAX_SPLITS, SPLIT_FIXED_COST,
+                                 max(1, sms * programs_per_sm), knobs.min_split_tokens, knobs.max_splits, SPLIT_FIXED_COST,
                                  MERGE_COST)
 
 
@@ -907,7 +919,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     m_tiles = -(-rows // block_m)
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
-    if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
+    knobs = tuning.current
+    if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not knobs.config:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if fmt is KVFormat.PLAIN:
@@ -922,27 +935,27 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
     num_splits = 0
     if (fmt is KVFormat.PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
-            and not CONFIG_OVERRIDE and FORCE_NUM_SPLITS is None):
+            and not knobs.config and knobs.num_splits is None):
         num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
-        keys, short_cfg = SHORT_CONTEXT.get(block_d, (0, {}))
+        keys, short_cfg = knobs.short_context.get(block_d, (0, {}))
         if num_splits > 1 and block_m == 16 and max_blocks * page <= keys:
             num_splits = 1
             cfg.update(short_cfg)
     block_n = cfg["BLOCK_N"]
     if not num_splits:
-        per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
+        per_sm = knobs.programs_per_sm or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
     replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
     # one tile per step for short splits, and for FP8 at D <= 64 in one split with GQA, where the
     # registers of two copies (126 against 71) cost more occupancy than they save instructions
     # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gain from the copies)
-    if not CONFIG_OVERRIDE and (max_blocks * page < REPLICA_MIN_KEYS * num_splits
+    if not knobs.config and (max_blocks * page < knobs.replica_min_keys * num_splits
                                 or (fmt is KVFormat.FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
     chunk = replicas * block_n      # keys per loop step
-    min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
+    min_split = max(chunk, -(-knobs.min_split_tokens // chunk) * chunk)
 
     kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
     ng, ngp, gw, qgroup, per_grp = 1, 1, block_dw, d, True
@@ -971,7 +984,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
                 svec *= 2
     asm = False
     if fmt is not KVFormat.PLAIN:
-        asm = DEQUANT_ASM if DEQUANT_ASM is not None else (query.device.type == "cuda" and not interpreting())
+        asm = knobs.dequant_asm if knobs.dequant_asm is not None else (query.device.type == "cuda" and not interpreting())
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
@@ -1021,10 +1034,10 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     ))
     merge = None
     if split:
-        # tiles of <= MERGE_TILE partials: heads while they fit, then head-dim blocks
+        # tiles of <= merge_tile partials: heads while they fit, then head-dim blocks
         ns_p = _pow2(num_splits)
-        block_h = min(_pow2(hq), max(1, MERGE_TILE // (ns_p * block_d)))
-        merge_d = min(block_d, max(16, MERGE_TILE // ns_p))
+        block_h = min(_pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
+        merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
         merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
             int(window_left), num_splits, min_split, *p_strides,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), max_blocks * page,

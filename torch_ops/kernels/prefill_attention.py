@@ -55,7 +55,7 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
 
 Not served (`unsupported` says why): head dims > 256.
 
-Knobs (tests, tuning): `CONFIG_OVERRIDE`. A prepared launch's `kernels` are its `TritonLaunch`es
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(config=...):`. A prepared launch's `kernels` are its `TritonLaunch`es
 (main launch first; each holds its compiled kernel once run, for reports).
 Under TRITON_INTERPRET=1 (CPU tests) the loops are `while` loops (the interpreter cannot take a
 tensor as a `range` bound with numpy >= 2.4), bf16 dots take fp32 operands holding bf16 values
@@ -66,6 +66,7 @@ math as on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -78,8 +79,18 @@ from . import interpreting
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
+from .tuning import Knobs
 
-CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel family's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    config: dict | None = None   # a `config` for every call: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+
+
+tuning = Knobs(Tuning())   # `with prefill_attention.tuning(config={...}): ...`
+
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
 
 MAX_HEAD_DIM = 256
@@ -468,8 +479,8 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     beyond 16 x 16 tiles. `rows_per_seq` (query rows per sequence from shapes: ceil(T / B) x query
     heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU: the paged
     tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
-    if CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE)
+    if tuning.current.config:
+        return dict(tuning.current.config)
     block_d = max(16, _pow2(head_dim))
     if dtype == torch.float32:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
