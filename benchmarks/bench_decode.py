@@ -163,6 +163,17 @@ class Case:
                 torch.ops.attn.paged_decode.out(q, k, v, bt, sl, k_scale=ks, v_scale=vs, out=out, lse=lse)
         return fn
 
+    def triton_launch(self):
+        """The Triton kernel's prepared launch of set 0, run once (its `kernels` compiled)."""
+        from torch_ops.kernels import paged_decode
+
+        q, k, v, ks, vs = self.sets[0]
+        args = (q, k, v, self.block_tables, self.seq_lens)
+        kw = dict(out=self.out[0], lse=self.lse[0], k_scale=ks, v_scale=vs)
+        launch = paged_decode.prepare(*args, **kw)
+        launch(*args, **kw)
+        return launch
+
     def backend(self) -> str:
         import torch_ops
 
@@ -290,14 +301,11 @@ def check_ours(case: Case, n_check: int = 8, backend: str | None = None) -> dict
     return {"max_err": err, "baseline_err": base_err, "ok": bool(err <= 2 * base_err + 1e-2)}
 
 
-def kernel_report() -> dict:
-    """Resources and instruction mix of the last compiled decode kernel."""
-    from torch_ops.kernels import paged_decode as pd
-
-    k = getattr(pd, "LAST_KERNEL", None)
-    if k is None:
-        return {}
-    rep = {"num_splits": getattr(pd, "LAST_NUM_SPLITS", None)}
+def kernel_report(case: Case) -> dict:
+    """Split count, resources and instruction mix of the Triton decode kernel of `case`."""
+    launch = case.triton_launch()
+    k = launch.kernels[0].kernel
+    rep = {"num_splits": launch.num_splits}
     try:
         rep["n_regs"] = k.n_regs
         rep["n_spills"] = k.n_spills
@@ -352,7 +360,7 @@ class Runner:
         row["ours_GBps"] = kv / t / 1e3
         row["ours_pct_copy"] = 100 * row["ours_GBps"] / bw["copy_GBps"]
         row["ours_pct_read"] = 100 * row["ours_GBps"] / bw["read_GBps"]
-        row["kernel"] = kernel_report() if row["backend"] == "triton" else {}
+        row["kernel"] = kernel_report(case) if row["backend"] == "triton" else {}
         contiguous = None
         for peer in peers:
             if self.time_left() < 20:
@@ -404,31 +412,28 @@ def tune_jobs(formats) -> list[tuple]:
     for fmt in formats:
         shape = (64, 4096, 32, 8)
         jobs.append((shape, fmt, "default", {}))
-        jobs += [(shape, fmt, f"cfg{bn}/{w}/{st}", {"CONFIG_OVERRIDE": {"BLOCK_N": bn, "num_warps": w, "num_stages": st}})
+        jobs += [(shape, fmt, f"cfg{bn}/{w}/{st}", {"config": {"BLOCK_N": bn, "num_warps": w, "num_stages": st}})
                  for bn, w, st in TUNE_GRIDS[fmt]]
         if fmt in ("int8", "int4"):
-            jobs.append((shape, fmt, "no_asm", {"DEQUANT_ASM": False}))
+            jobs.append((shape, fmt, "no_asm", {"dequant_asm": False}))
     for fmt in [f for f in ("bf16", "int4") if f in formats]:
         shape = (1, 1024, 32, 8)
         jobs.append((shape, fmt, "default", {}))
-        jobs += [(shape, fmt, f"minsplit{m}", {"MIN_SPLIT_TOKENS": m}) for m in (64, 128, 512)]
-        jobs += [(shape, fmt, f"pps{p}", {"PROGRAMS_PER_SM": p}) for p in (1, 4)]
+        jobs += [(shape, fmt, f"minsplit{m}", {"min_split_tokens": m}) for m in (64, 128, 512)]
+        jobs += [(shape, fmt, f"pps{p}", {"programs_per_sm": p}) for p in (1, 4)]
     return jobs
 
 
 def _compile_job(job) -> str:
     """Worker: run one variant once so that its kernels land in Triton's on-disk cache."""
     shape, fmt, name, knobs = job
-    from torch_ops import clear_plans
     from torch_ops.kernels import paged_decode as pd
 
-    for k, v in knobs.items():
-        setattr(pd, k, v)
-    clear_plans()   # plans read the knobs
     try:
-        case = Case(*shape, fmt)
-        case.ours(0)()
-        torch.cuda.synchronize()
+        with pd.tuning(**knobs):
+            case = Case(*shape, fmt)
+            case.ours(0)()
+            torch.cuda.synchronize()
         return f"{name}: ok"
     except Exception as e:  # noqa: BLE001
         return f"{fmt} {name}: {type(e).__name__}: {str(e)[:200]}"
@@ -450,7 +455,6 @@ def precompile(jobs, workers: int = 12) -> None:
 
 def tune(runner: Runner, bw) -> list[dict]:
     """Sweep our kernel's tile configs and split knobs on a few shapes (results in the JSON)."""
-    import torch_ops
     from torch_ops.kernels import paged_decode as pd
 
     jobs = tune_jobs(runner.args.formats)
@@ -471,21 +475,14 @@ def tune(runner: Runner, bw) -> list[dict]:
             cases[key] = Case(b, ctx, hq, hkv, fmt, n_sets=case_sets(b, ctx, hq, hkv, fmt, runner.l2, runner.free_bytes()))
         case = cases[key]
         fns = [case.ours(i, "triton") for i in range(len(case.sets))]
-        saved = {k: getattr(pd, k) for k in knobs}
         res = {"shape": list(shape), "fmt": fmt, "variant": name}
         try:
-            for k, v in knobs.items():
-                setattr(pd, k, v)
-            torch_ops.clear_plans()   # plans read the knobs
-            t, _ = common.time_us(fns, calls=10, replays=7)
-            res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
-                       kernel=kernel_report())
+            with pd.tuning(**knobs):
+                t, _ = common.time_us(fns, calls=10, replays=7)
+                res.update(us=t, GBps=case.kv_bytes / t / 1e3, pct_copy=100 * case.kv_bytes / t / 1e3 / bw["copy_GBps"],
+                           kernel=kernel_report(case))
         except Exception as e:  # noqa: BLE001
             res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        finally:
-            for k, v in saved.items():
-                setattr(pd, k, v)
-            torch_ops.clear_plans()
         out.append(res)
         k = res.get("kernel", {})
         print(f"tune {shape} {fmt:5} {name:14} " + (f"{res['us']:8.2f} us {res['pct_copy']:5.1f}% splits={k.get('num_splits')} "

@@ -5,7 +5,7 @@ Usage (GPU machine):  python benchmarks/bench_kv_cache_write.py [--quick] [--che
   --tokens/--formats/--modes  select a subset (defaults: T 1 64 256 4096 16384; bf16 fp8 int8
                               int4; modes kv rope_k rope_qk)
   --check   compare each configuration once with the reference (bitwise, or max code difference)
-  --tune    sweep the kernel's TILE_ELEMS (all formats) / NUM_WARPS on a few shapes first
+  --tune    sweep the kernel's tile_elems (all formats) / num_warps (`kv_cache_write.tuning`) on a few shapes first
 Writes JSON (GPU, versions, date, commit, every measurement) under --out (default
 benchmarks/results/) and prints a compact table last.
 
@@ -62,7 +62,7 @@ FORMATS = {  # name -> (cache dtype, quant group)
     "int4": (torch.uint8, 32),
 }
 TUNE_SHAPES = [(16384, "bf16", "rope_qk"), (16384, "int8", "kv"), (16384, "fp8", "rope_k")]
-TUNE_GRID = [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]   # (TILE_ELEMS, NUM_WARPS)
+TUNE_GRID = [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]   # (tile_elems, num_warps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ class Runner:
 
 
 def tune(runner: Runner) -> list[dict]:
-    """Time our kernel over TILE_ELEMS x NUM_WARPS on a few large shapes (results in the JSON)."""
+    """Time our kernel over tile sizes x warps (`kv_cache_write.tuning`) on a few large shapes (results in the JSON)."""
     from torch_ops.kernels import kv_cache_write as kcw
 
     out = []
@@ -303,17 +303,14 @@ def tune(runner: Runner) -> list[dict]:
         case = Case(t, fmt, mode, n_sets=n)
         read, write = bytes_moved(t, fmt, mode)
         copy_us = runner.copy_same(read + write, n)
-        saved = (kcw.TILE_ELEMS, kcw.NUM_WARPS)
         for tile_elems, warps in TUNE_GRID:
             res = {"tokens": t, "fmt": fmt, "mode": mode, "TILE_ELEMS": tile_elems, "NUM_WARPS": warps}
             try:
-                kcw.TILE_ELEMS, kcw.NUM_WARPS = dict.fromkeys(saved[0], tile_elems), warps
-                us, _ = common.time_us([case.ours(i) for i in range(n)], calls=10, replays=7)
+                with kcw.tuning(tile_elems=dict.fromkeys(kcw.tuning.current.tile_elems, tile_elems), num_warps=warps):
+                    us, _ = common.time_us([case.ours(i) for i in range(n)], calls=10, replays=7)
                 res.update(us=us, pct_copy=100 * copy_us / us)
             except Exception as e:  # noqa: BLE001
                 res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            finally:
-                kcw.TILE_ELEMS, kcw.NUM_WARPS = saved
             out.append(res)
             timing = f"{res['us']:8.1f} us {res['pct_copy']:5.1f}% of copy" if "us" in res else res["error"]
             print(f"tune T={t} {fmt:4} {mode:7} tile={tile_elems:5} warps={warps} {timing}", flush=True)

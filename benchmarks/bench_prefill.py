@@ -3,7 +3,7 @@
 Usage (GPU machine):  python benchmarks/bench_prefill.py [--quick] [--check] [--tune] [--out DIR]
   --quick      ~2-minute subset (D=128, S in {2k, 8k}, one paged and one mixed case, few peers)
   --check      verify each of our configurations against the float64 reference first (max error)
-  --tune       sweep tile configs of our kernel (prefill_attention.CONFIG_OVERRIDE) on a few shapes
+  --tune       sweep tile configs of our kernel (prefill_attention.tuning) on a few shapes
   --sections / --seqlens / --head-dims / --peers / --flex-head-dims / --budget-s select a subset
 Writes JSON (GPU, versions, date, commit, every measurement) under --out (default
 benchmarks/results/) and prints a compact table last.
@@ -126,6 +126,15 @@ class ContextCase:
                                                      out=self.out, lse=self.lse)
         return fn
 
+    def triton_launch(self):
+        """The Triton kernel's prepared launch of this case, run once (its `kernels` compiled)."""
+        from torch_ops.kernels import context_attention
+
+        args, kw = (self.q, self.k, self.v, self.cu, self.cu), dict(causal=self.causal, out=self.out, lse=self.lse)
+        launch = context_attention.prepare(*args, **kw)
+        launch(*args, **kw)
+        return launch
+
     def backend(self) -> str:
         import torch_ops
 
@@ -188,6 +197,16 @@ class PagedCase:
                 torch.ops.attn.paged_prefill.out(self.q, self.k, self.v, self.block_tables, self.cu, self.sl,
                                                  causal=self.causal, out=self.out, lse=self.lse)
         return fn
+
+    def triton_launch(self):
+        """The Triton kernel's prepared launch of this case, run once (its `kernels` compiled)."""
+        from torch_ops.kernels import paged_prefill
+
+        args = (self.q, self.k, self.v, self.block_tables, self.cu, self.sl)
+        kw = dict(causal=self.causal, out=self.out, lse=self.lse)
+        launch = paged_prefill.prepare(*args, **kw)
+        launch(*args, **kw)
+        return launch
 
     def ours_decode(self):
         """paged_decode on this (decode-only) batch: the sibling kernel."""
@@ -327,11 +346,9 @@ def time_us(fn) -> tuple[float, str]:
     return common.time_us([fn], calls=calls, replays=10 if one < 5000 else 5)
 
 
-def kernel_report() -> dict:
-    """Resources of the last compiled prefill kernel (registers, spills, shared memory)."""
-    from torch_ops.kernels import prefill_attention as pa
-
-    k = pa.LAST_KERNEL
+def kernel_report(case) -> dict:
+    """Resources of the Triton prefill kernel of `case` (registers, spills, shared memory)."""
+    k = case.triton_launch().kernels[0].kernel
     rep = {}
     try:
         rep.update(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared,
@@ -413,16 +430,17 @@ class Runner:
             row[name] = f"unavailable: {type(e).__name__}: {str(e)[:160]}"
         torch.cuda.synchronize()
 
-    def ours(self, row: dict, fn, flops: float, check) -> float | None:
+    def ours(self, row: dict, case, check) -> float | None:
         if self.args.check:
             row["check"] = common.run_check(check)
+        flops = case.flops
         try:
-            us, how = time_us(fn)
+            us, how = time_us(case.ours())
         except Exception as e:  # noqa: BLE001
             row["error"] = f"ours: {type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
             return None
-        row.update(ours_us=us, ours_timing=how, ours_tflops=flops / us / 1e6, kernel=kernel_report())
+        row.update(ours_us=us, ours_timing=how, ours_tflops=flops / us / 1e6, kernel=kernel_report(case))
         return us
 
     def context(self, seqlen: int, d: int, causal: bool, ragged: bool) -> dict:
@@ -432,7 +450,7 @@ class Runner:
                "batch": "ragged" if ragged else "uniform", "num_seqs": len(lens), "heads": HEADS}
         case = ContextCase(lens, d, causal)
         row["tflop"], row["backend"] = case.flops / 1e12, case.backend()
-        us = self.ours(row, case.ours(), case.flops, lambda: check_context(case))
+        us = self.ours(row, case, lambda: check_context(case))
         if us is None:
             return row
         peers = self.args.peers
@@ -459,7 +477,7 @@ class Runner:
         row = {"section": "paged", "desc": f"{batch}x {chunk} on {prefix} cached, {page}-token blocks", "d": case.d,
                "causal": True, "block_size": page,
                "heads": f"{case.hq}/{case.hkv}", "tflop": case.flops / 1e12}
-        us = self.ours(row, case.ours(), case.flops, lambda: check_paged(case))
+        us = self.ours(row, case, lambda: check_paged(case))
         if us is None:
             return row
         self.peer(row, "ours_contiguous", case.contiguous, case.flops, us)
@@ -482,7 +500,7 @@ class Runner:
         case = PagedCase([specs[i] for i in order])
         row = {"section": "mixed", "desc": name, "d": case.d, "causal": True, "heads": f"{case.hq}/{case.hkv}",
                "tflop": case.flops / 1e12}
-        us = self.ours(row, case.ours(), case.flops, lambda: check_paged(case, seqs=len(specs)))
+        us = self.ours(row, case, lambda: check_paged(case, seqs=len(specs)))
         if us is None:
             return row
         kinds = {"prefill": lambda s: s[0] == s[1] and s[0] > 1, "chunk": lambda s: 1 < s[0] < s[1],
@@ -511,7 +529,6 @@ class Runner:
 
     def tune(self) -> list[dict]:
         """Our kernel under each candidate config (S = 8k uniform context, both masks; one paged case)."""
-        from torch_ops import clear_plans
         from torch_ops.kernels import prefill_attention as pa
 
         out = []
@@ -526,16 +543,12 @@ class Runner:
                 names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
                 res = {"kind": kind, "d": d, "causal": causal,
                        "config": "default" if cfg is None else dict(zip(names, cfg))}
-                pa.CONFIG_OVERRIDE = None if cfg is None else res["config"]
-                clear_plans()   # plans read the knob
                 try:
-                    us, _ = time_us(case.ours())
-                    res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report())
+                    with pa.tuning(config=None if cfg is None else res["config"]):
+                        us, _ = time_us(case.ours())
+                        res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report(case))
                 except Exception as e:  # noqa: BLE001
                     res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                finally:
-                    pa.CONFIG_OVERRIDE = None
-                    clear_plans()
                 out.append(res)
                 k = res.get("kernel", {})
                 print(f"tune {kind:7} d{d:<3} causal={causal!s:5} {str(res['config']):70} "

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
 import torch_ops.kernels  # noqa: E402
+from torch_ops import gpu  # noqa: E402
 from torch_ops.kernels import launcher  # noqa: E402
 from torch_ops.serving import engine as engine_module  # noqa: E402
 
@@ -82,8 +83,8 @@ def census(sms: int):
     tensors as if they ran on its interpreter."""
     seen: set[tuple] = set()
     modules = [importlib.import_module(f"torch_ops.kernels.{m}") for m in DECIDING]
-    saved = [(m, name, getattr(m, name)) for m in modules for name in ("interpreting", "num_sms") if hasattr(m, name)]
-    saved.append((torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting))
+    saved = [(m, "interpreting", m.interpreting) for m in modules if hasattr(m, "interpreting")]
+    saved += [(torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting), (gpu, "sm_count", gpu.sm_count)]
     call, runs = launcher.TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
 
     def record(self, *tensors):
@@ -94,7 +95,7 @@ def census(sms: int):
 
     try:
         for m, name, _ in saved:
-            setattr(m, name, (lambda *a: False) if name == "interpreting" else (lambda *a: sms))
+            setattr(m, name, (lambda *a, **k: False) if name == "interpreting" else (lambda *a, **k: sms))
         torch_ops.kernels.interpreting = lambda: True
         launcher.TritonLaunch.__call__ = record
         JITFunction.run = InterpretedFunction.run = record_jit

@@ -46,13 +46,8 @@ def run_decode():
                                         **cache.scale_kwargs())
         # two long splits: replicated rows in the quantized formats
         q, cache, tables, seq_lens = paged_case(fmt, 16, [2001, 1500, 5, 0])
-        pd.FORCE_NUM_SPLITS = 2
-        torch_ops.clear_plans()   # plans read the knob
-        try:
+        with pd.tuning(num_splits=2):
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
-        finally:
-            pd.FORCE_NUM_SPLITS = None
-            torch_ops.clear_plans()
     print("paged_decode: ok")
 
 

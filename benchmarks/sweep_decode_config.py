@@ -13,11 +13,11 @@
     python benchmarks/sweep_decode_config.py --set deep  # mid batches: one split, deeper pipelines
     python benchmarks/sweep_decode_config.py --set deep_small  # B x Hkv = 32-64: one split of large programs
     python benchmarks/sweep_decode_config.py --set deep64  # head dim 64 near the SM count: one split of 8 warps
-    python benchmarks/sweep_decode_config.py --set long   # B = 1-4, 16k-32k keys: split counts past MAX_SPLITS
+    python benchmarks/sweep_decode_config.py --set long   # B = 1-4, 16k-32k keys: split counts past Tuning.max_splits
 
 Prints one row per shape (B, Hq, Hkv, context, D, layout; every sequence at full context) with µs
 per call (CUDA-graph replays, rotating input sets) for each (BLOCK_N, warps, stages) config and
-split count ("auto": the heuristic's, shown after the slash). Layouts: "p16", 16-token pages
+split count ("auto": the heuristic's, shown after the slash; knobs: `paged_decode.tuning`). Layouts: "p16", 16-token pages
 on a random permutation; "one", one page per sequence read as `[B, Hkv, S, D].transpose(1, 2)`
 (the static cache `fx_passes.decode_to_paged` hands over). Then each config's compiled
 registers and shared memory.
@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from torch_ops import clear_plans  # noqa: E402
 from torch_ops.kernels import paged_decode as pd  # noqa: E402
 
 SETS = {
@@ -126,14 +125,16 @@ SETS = {
 BLOCK_SIZE = 16
 
 
-def input_sets(b, hq, hkv, ctx, d, layout, dev):
-    """Enough random (q, k_cache, v_cache, block_tables) sets to cycle through ~3x 60 MB of KV;
-    for a quantized layout (a `bench_decode.FORMATS` name), the calls themselves."""
+def input_calls(b, hq, hkv, ctx, d, layout, dev):
+    """`(calls, launch)`: Triton paged_decode calls on enough random sets to cycle through ~3x 60
+    MB of KV (every sequence at `ctx` keys; a quantized layout is a `bench_decode.FORMATS` name),
+    and `launch()`, the prepared launch of the first set, run once (its split count and kernels)."""
     count = max(1, min(4, int(3 * 60e6 // (2 * b * ctx * hkv * d * 2)) + 1))
     if layout not in ("p16", "one"):
         from bench_decode import Case
         case = Case(b, ctx, hq, hkv, layout, n_sets=count, device=dev)
-        return [case.ours(i, "triton") for i in range(count)]
+        return [case.ours(i, "triton") for i in range(count)], case.triton_launch
+    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     sets = []
     for _ in range(count):
         q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
@@ -144,8 +145,15 @@ def input_sets(b, hq, hkv, ctx, d, layout, dev):
             nb = b * (ctx // BLOCK_SIZE)
             k, v = (torch.randn(nb, BLOCK_SIZE, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
             table = torch.randperm(nb, device=dev, dtype=torch.int32).view(b, -1)
-        sets.append((q, k, v, table))
-    return sets
+        sets.append((q, k, v, table, seq_lens))
+
+    def launch():
+        out, lse = torch.empty_like(sets[0][0]), torch.empty(b, hq, device=dev)
+        prepared = pd.prepare(*sets[0], out=out, lse=lse)
+        prepared(*sets[0], out=out, lse=lse)
+        return prepared
+
+    return [lambda s=s: torch.ops.attn.paged_decode(*s) for s in sets], launch
 
 
 def main() -> None:
@@ -158,8 +166,7 @@ def main() -> None:
     resources = {}
     for b, hq, hkv, ctx, d in sweep["shapes"]:
         for layout in sweep["layouts"]:
-            sets = input_sets(b, hq, hkv, ctx, d, layout, dev)
-            seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            calls, launch = input_calls(b, hq, hkv, ctx, d, layout, dev)
             cells = []
             for name, (block_n, warps, stages, *extra) in sweep["configs"].items():
                 per_sm, only, replicas = (extra + [None, None, 1])[:3]
@@ -169,25 +176,20 @@ def main() -> None:
                     if too_big or only == ("quant" if plain else "plain"):
                         cells.append(f"{'-':>10}")   # too big, or a config for the other formats
                         continue
-                    pd.CONFIG_OVERRIDE = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-                                          "replicas": replicas}
-                    pd.PROGRAMS_PER_SM = per_sm
-                    pd.FORCE_NUM_SPLITS = splits
-                    clear_plans()   # plans read the knobs
-                    calls = sets if callable(sets[0]) else [
-                        lambda s=s: torch.ops.attn.paged_decode(*s[:4], seq_lens) for s in sets]
+                    knobs = pd.tuning(config={"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                                              "replicas": replicas}, programs_per_sm=per_sm, num_splits=splits)
                     try:
-                        t, _ = common.time_us(calls, calls=8, replays=10)
-                        cell = f"{t:.1f}" + (f"/{pd.LAST_NUM_SPLITS}" if splits is None else "")
-                        k = pd.LAST_KERNEL
+                        with knobs:
+                            t, _ = common.time_us(calls, calls=8, replays=10)
+                            prepared = launch()
+                        cell = f"{t:.1f}" + (f"/{prepared.num_splits}" if splits is None else "")
+                        k = prepared.kernels[0].kernel
                         resources[(name, d, layout)] = (k.n_regs, k.metadata.shared)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is shown, not fatal
                         cell = type(e).__name__[:9]
                     cells.append(f"{cell:>10}")
             mb = 2 * b * hkv * ctx * d * {"int4": 0.5, "int8": 1, "fp8": 1}.get(layout, 2) / 1e6
             print(f"{(b, hq, hkv, ctx, d)} {layout} {mb:.0f}MB | " + " ".join(cells), flush=True)
-    pd.CONFIG_OVERRIDE = pd.FORCE_NUM_SPLITS = pd.PROGRAMS_PER_SM = None
-    clear_plans()
     for (name, d, layout), (regs, smem) in sorted(resources.items()):
         print(f"config {name} D={d} {layout}: {regs} registers/thread, {smem / 1024:.0f} KB shared memory")
 

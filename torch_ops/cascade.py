@@ -86,7 +86,7 @@ def _prefix_chunks(query, k_cache, shared_block_tables) -> int:
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     rows = -(-tokens * hq // max(1, groups * hkv))
     programs = max(1, groups * hkv * -(-rows // ROWS_PER_PROGRAM))
-    sms = gpu.sm_count(query.device) if query.is_cuda else 8
+    sms = gpu.sm_count(query.device, cpu=8)
     most = max(1, max_blocks * block_size // MIN_CHUNK_TOKENS)
     return max(1, min(most, -(-2 * sms // programs)))
 

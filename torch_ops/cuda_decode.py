@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import errors, gpu
+from . import errors, gpu, quant
 from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool
 from .replay import c_call
 
@@ -59,7 +59,6 @@ QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters o
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
 TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= TILE_ROWS rows: the build for two CTAs per SM on multi-wave grids
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
-KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}  # AttnDecodeKV (0: plain)
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
 # programmatic dependent launch (ATTN_DECODE_PDL=1): each call's grid is scheduled while the previous
 # kernel on the stream finishes, and waits for it before touching memory. Off by default: on an H200
@@ -166,17 +165,13 @@ def _library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def kv_format_code(cache_dtype: torch.dtype) -> int:
-    return KV_FORMATS.get(cache_dtype, 0)
-
-
 @functools.lru_cache(maxsize=None)
 def resident_clusters(path: Path, device_index: int, dtype: torch.dtype, head_dim: int, size: int,
                       cache_dtype: torch.dtype | None = None, per_sm: int = 1) -> int:
     """Clusters of `size` CTAs of the build for `per_sm` CTAs per SM that fit on the device at once
     (the hardware's answer)."""
     args = DecodeArgs(head_dim=head_dim, dtype=DTYPES[dtype], cluster_size=size, hq=1, hkv=1, q_per_seq=1, batch=1,
-                      kv_format=kv_format_code(cache_dtype or dtype), ctas_per_sm=per_sm)
+                      kv_format=quant.abi_code(cache_dtype or dtype), ctas_per_sm=per_sm)
     with torch.cuda.device(device_index):
         n = _library(path).attn_decode_sm90_max_clusters(ctypes.byref(args))
     if n < 0:
@@ -277,16 +272,20 @@ def unsupported(query, *args, **options) -> list[str]:
     return why + problem_reasons(query, *args, **options)
 
 
+def _quantized(cache_dtype: torch.dtype) -> bool:
+    return quant.kv_format(cache_dtype) is not quant.KVFormat.PLAIN
+
+
 def problem_reasons(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None,
                     **options) -> list[str]:
     """The device-independent part of `unsupported`: dtypes, head dim, layout, options."""
     why = []
-    if query.dtype not in DTYPES or not (k_cache.dtype == query.dtype or k_cache.dtype in KV_FORMATS):
+    if query.dtype not in DTYPES or not (k_cache.dtype == query.dtype or _quantized(k_cache.dtype)):
         why.append(f"bf16/fp16 queries with caches of their dtype or FP8/INT8/INT4, got {query.dtype} and {k_cache.dtype}")
     d = query.shape[-1]
     if d not in HEAD_DIMS:
         why.append(f"head dim {d} is not built (built: {HEAD_DIMS})")
-    elif k_cache.dtype in KV_FORMATS:
+    elif _quantized(k_cache.dtype):
         why += _scale_reasons(k_cache, k_scale, v_scale, d)
     batch, hkv = seq_lens.shape[0], k_cache.shape[2]
     rows = query_rows(query, k_cache, seq_lens)
@@ -343,7 +342,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         batch, hq, hkv, d, t // batch, block_size, DTYPES[query.dtype],
         size,
         (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
-        kv_format_code(k_cache.dtype),
+        quant.abi_code(k_cache.dtype),
         **_scale_fields(k_cache, k_scale, v_scale, d),
         pdl=int(PDL), ctas_per_sm=per_sm,
         num_blocks=k_cache.shape[0], max_blocks=tables.shape[1],
@@ -407,7 +406,7 @@ class CudaDecodeBackend:
         size, _, ctas, single, sms = _grid(query, k_cache, block_tables, seq_lens)
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
-        quantized = k_cache.dtype in KV_FORMATS
+        quantized = _quantized(k_cache.dtype)
         if k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms:
             return []
         if units > single:

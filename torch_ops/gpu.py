@@ -1,4 +1,5 @@
-"""The CUDA device: its facts (looked up once per device), and capturing work in a CUDA graph."""
+"""The CUDA device: its facts (looked up once per device), and capturing work in a CUDA graph.
+Every SM-count and capability lookup of the package goes through here."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ def _properties(index: int):
     return torch.cuda.get_device_properties(index)
 
 
-def sm_count(device: torch.device | int | None = None) -> int:
-    """Streaming multiprocessors of `device` (a CUDA device, its index, or None: the current one)."""
+def sm_count(device: torch.device | int | None = None, cpu: int | None = None) -> int:
+    """Streaming multiprocessors of `device` (a CUDA device, its index, or None: the current one).
+    A CPU device (Triton's interpreter) counts as `cpu` SMs: the caller's stand-in for its heuristics."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        if cpu is None:
+            raise ValueError(f"device must be a CUDA device (or give `cpu`, the SMs of a CPU stand-in), got {device}")
+        return cpu
     return _properties(_index(device)).multi_processor_count
 
 

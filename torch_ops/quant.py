@@ -34,6 +34,21 @@ class KVFormat(enum.Enum):
     def group_scaled(self) -> bool:
         return self in (KVFormat.INT8, KVFormat.INT4)
 
+    @property
+    def qmax(self) -> int:
+        """The largest code of a group-scaled format (0 for the others)."""
+        return _QMAX.get(self.bits, 0)
+
+    @property
+    def code(self) -> int:
+        """The format's number in the Triton kernels (their `FMT` meta-parameter)."""
+        return _KERNEL_CODES[self]
+
+
+_KERNEL_CODES = {KVFormat.PLAIN: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.INT4: 3}
+# `AttnDecodeKV` of csrc/decode_sm90.h: the format, FP8 told apart by its element type
+_ABI_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}
+
 
 def kv_format(cache_dtype: torch.dtype) -> KVFormat:
     """The storage format of a paged cache tensor of this dtype (uint8 means packed INT4)."""
@@ -49,6 +64,12 @@ def kv_format(cache_dtype: torch.dtype) -> KVFormat:
         f"KV cache dtype {cache_dtype} is not supported; expected one of fp16/bf16/fp32, "
         "float8_e4m3fn/float8_e5m2, int8 (INT8) or uint8 (packed INT4)"
     )
+
+
+def abi_code(cache_dtype: torch.dtype) -> int:
+    """`AttnDecodeKV` (csrc/decode_sm90.h) of a cache of this dtype: 0 plain, 1 FP8 e4m3, 2 FP8 e5m2,
+    3 INT8, 4 packed INT4."""
+    return _ABI_CODES.get(cache_dtype, 0)
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -124,4 +124,5 @@ def prepare(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out, lse, causal=F
                 v_scale=v_scale, key_mask=key_mask)
 
     launch.describe = ("Triton RoPE of q and k, then " if rotate else "") + getattr(forward, "describe", "")
+    launch.kernels = getattr(forward, "kernels", ())
     return launch

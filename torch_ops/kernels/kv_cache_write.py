@@ -41,14 +41,14 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   Hkv=8, Hq=32, D=128, bf16, 4 KB k/v in + 4 KB out and 8 + 8 KB of q. cos/sin rows
   (`rot * 4` B per token, shared by the heads of a tile) mostly hit L2, NeoX partners L1.
 - In flight: HBM3/HBM3e need ~2.5-3.5 MB in flight (3.35-4.8 TB/s x ~0.7 us), ~20-27 KB per
-  SM. A program loads `TILE_ELEMS` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
+  SM. A program loads `Tuning.tile_elems` (2048 plain/FP8, 4096 INT8/INT4) elements of k and of v (8-16
   KB in bf16) before its first store; at 4 warps and 48-128 registers (sm_90 build) 4-10
   programs are resident per SM.
 - Access width: the head-dim axis is contiguous (Triton specializes stride 1 and 16-byte
   alignment), so every k/v/q load and bf16 store is 16 B (`ld/st.global.v4.b32` in the PTX);
   scattered (token, head) rows are whole 32-B sectors (256 B bf16, 128 B FP8, 64 B INT4), and
   in NHD a token's group scales for all heads are adjacent (written by one program).
-- Cache hints: from `STREAM_MIN_TOKENS` tokens on, k/v/q are loaded `evict_first` and every row
+- Cache hints: from `Tuning.stream_min_tokens` tokens on, k/v/q are loaded `evict_first` and every row
   is stored `.cs` (streaming): each byte crosses once. Together (neither alone) they take T = 16k
   on an H200 from 82-92 to 85-99 % of copy, except INT8 k/v (90 -> 88) and INT4 RoPE on k (80 ->
   81); at T = 64-256 (decode batches, 2-3 us) the same hints cost 0.1-0.6 us.
@@ -63,15 +63,16 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
   `GROUP_MAX_REGISTERS`. sm_90 build: ~13 SASS instructions per element for FP8 (plain: ~3);
   H200, T = 16k: INT8 88-90 %, INT4 90 % of copy.
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
-  than `MIN_PROGRAMS_PER_SM` programs per SM.
+  than `Tuning.min_programs_per_sm` programs per SM.
 
 Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
 with an odd quant group (a rotated pair would straddle two groups).
-Knobs (tests, tuning): `TILE_ELEMS`, `NUM_WARPS`, `MIN_PROGRAMS_PER_SM`, `STREAM_MIN_TOKENS`, `SPLIT_ROPE`.
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(tile_elems=..., num_warps=...):`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import torch
@@ -79,30 +80,37 @@ import triton
 import triton.language as tl
 
 from .. import errors, gpu
+from ..quant import KVFormat, kv_format
 from . import interpreting
+from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .launcher import TritonLaunch
+from .tuning import Knobs
 from .interpreter import exact_cast
 
-NUM_WARPS = 4
-MIN_PROGRAMS_PER_SM = 4    # shrink tiles for small T until the grid has this many programs per SM
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    # elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k): 2048 for plain
+    # and FP8 caches (FP8 k/v 92 vs 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
+    tile_elems: dict = dataclasses.field(default_factory=lambda: {
+        KVFormat.PLAIN: 2048, KVFormat.FP8: 2048, KVFormat.INT8: 4096, KVFormat.INT4: 4096})
+    num_warps: int = 4
+    min_programs_per_sm: int = 4   # shrink tiles for small T until the grid has this many programs per SM
+    stream_min_tokens: int = 2048  # from this many tokens on, streaming cache hints (module docstring)
+    split_rope: bool = True        # FP8 rows as two halves for NeoX RoPE over the whole head dim (split_halves)
+
+
+tuning = Knobs(Tuning())   # `with kv_cache_write.tuning(num_warps=8): ...`
+
 # INT8/INT4: registers per thread kept at 96, five 4-warp programs per SM (INT8 with a query
 # otherwise takes 100, four per SM: rope_qk at T = 16k 104.5 -> 111.0 us on an H200)
 GROUP_MAX_REGISTERS = 96
 MAX_HEAD_DIM = 1024
-STREAM_MIN_TOKENS = 2048   # from this many tokens on, streaming cache hints (module docstring)
-SPLIT_ROPE = True          # FP8 rows as two halves for NeoX RoPE over the whole head dim (split_halves)
-
-FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
-_FMT = {
-    torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
-    torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
-}
-# elements of one tensor (k, v or q) per program, by cache format (H200, T = 16k): 2048 for plain and FP8 caches (FP8 k/v 92 vs
-# 87% of copy at 4096), 4096 for INT8/INT4 (INT4 RoPE on k 80 vs 68%)
-TILE_ELEMS = {FMT_PLAIN: 2048, FMT_FP8: 2048, FMT_INT8: 4096, FMT_INT4: 4096}
-_QMAX = {FMT_INT8: 127.0, FMT_INT4: 7.0}
 # RN(1 / qmax) in fp32 (the fp64 quotient rounds to the same fp32 value for 127 and 7)
-_QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / q))[0] for f, q in _QMAX.items()}
+_QMAX_RCP = {f: struct.unpack("f", struct.pack("f", 1 / f.qmax))[0] for f in KVFormat if f.group_scaled}
 _ERR_SLOT = tl.constexpr(errors.SLOT_MAPPING)
 _ERR_POS = tl.constexpr(errors.POSITIONS)
 
@@ -219,9 +227,9 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
     stored as one run of bytes instead of group by group."""
     ok = row_ok & (g < NG) & (e < QGROUP)
     d = g * QGROUP + e
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         tl.store(rows + d, exact_cast(x, Cache.dtype.element_ty, INTERPRETED), mask=ok, cache_modifier=STORE_CM)
-    elif FMT == 1:
+    elif FMT == FMT_FP8:
         y = _div_rn(x, scales, INTERPRETED)
         if INTERPRETED:
             # on the GPU the convert saturates (cvt.rn.satfinite): the clamp for finite and
@@ -242,8 +250,8 @@ def _store(x, Cache, rows, scales, stride_sg, row_ok, g, e,
         # (tested with the worst bf16 inputs). The low bits of the sum are rint(x * r) (+ 8 for
         # the INT4 offset), two's complement.
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s.to(tl.float32))
-        bits = _rint_mul(x, r, 12582912.0 + (8.0 if FMT == 3 else 0.0), INTERPRETED)
-        if FMT == 2:
+        bits = _rint_mul(x, r, 12582912.0 + (8.0 if FMT == FMT_INT4 else 0.0), INTERPRETED)
+        if FMT == FMT_INT8:
             tl.store(rows + d, bits.to(tl.int8), mask=ok, cache_modifier=STORE_CM)
         else:
             lo, hi = tl.split(tl.reshape(bits, (BT, BH, NGP, GP // 2, 2)))
@@ -328,7 +336,7 @@ def _kv_cache_write_kernel(
             else:
                 k = _rope(k.to(tl.float32), k_ptrs, ld_ok, 1, CosSin + pos * stride_cs, pos_ok, stride_csd, g, e,
                           BT_KV, BH_KV, NGP, GP, QGROUP, ROT, NEOX)
-        if FMT != 0:
+        if FMT != FMT_PLAIN:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             if SPLIT:
@@ -337,7 +345,7 @@ def _kv_cache_write_kernel(
         offset4 = offset[:, None, None, None]
         k_rows = KCache + block4 * stride_kcb + offset4 * stride_kct + h4 * stride_kch
         v_rows = VCache + block4 * stride_vcb + offset4 * stride_vct + h4 * stride_vch
-        if FMT == 1:
+        if FMT == FMT_FP8:
             # per-head (or per-tensor: stride 0) values, loaded once per head
             hs = tl.where(h < NUM_KV_HEADS, h, 0)
             k_scales = tl.load(KScale + hs * stride_ksh)[None, :, None, None]
@@ -394,19 +402,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1   # the interpreter: few, large programs are fastest
-    return gpu.sm_count(device)
-
-
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:
     """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `tile_elems`
     elements, all heads when they fit, fewer tokens while the grid is under
-    `MIN_PROGRAMS_PER_SM` programs per SM. From shapes only."""
+    `Tuning.min_programs_per_sm` programs per SM. From shapes only."""
     bh = min(_pow2(heads), max(1, tile_elems // row_elems))
     bt = min(max(1, tile_elems // (bh * row_elems)), _pow2(max(num_tokens, 1)))
-    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < MIN_PROGRAMS_PER_SM * sms:
+    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < tuning.current.min_programs_per_sm * sms:
         bt //= 2
     return bt, bh
 
@@ -417,7 +419,7 @@ def split_halves(head_dim: int, k_cache: torch.Tensor, positions, cos_sin_cache,
     thread instead of being loaded a second time. H200, T = 16k, % of copy: FP8 RoPE on k 94 -> 102,
     on q and k 95 -> 101; bf16 (98 -> 92) and INT4 (81 -> 65-80) lose and INT8 moves within -1 to +2
     points, so they keep one tile."""
-    return (SPLIT_ROPE and positions is not None and rope_neox and _FMT[k_cache.dtype] == FMT_FP8
+    return (tuning.current.split_rope and positions is not None and rope_neox and kv_format(k_cache.dtype) is KVFormat.FP8
             and cos_sin_cache.shape[1] == head_dim == _pow2(head_dim))
 
 
@@ -425,7 +427,7 @@ def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale, split: bool = Fa
     """(QGROUP, NG, NGP, GP): groups of QGROUP elements (INT8/INT4 scale groups, else the whole
     row, or its halves when `split`), NG of them per row, padded to powers of 2 in the tile, which
     holds NGP of them (one half when `split`)."""
-    if _FMT[k_cache.dtype] in (FMT_INT8, FMT_INT4):
+    if kv_format(k_cache.dtype).group_scaled:
         ng = k_scale.shape[-1]
         qgroup = head_dim // ng
         return qgroup, ng, _pow2(ng), _pow2(qgroup)
@@ -460,28 +462,29 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     t, hkv, d = key.shape
     if t == 0:
         return _no_tokens
-    fmt = _FMT[k_cache.dtype]
+    fmt = kv_format(k_cache.dtype)
     split = split_halves(d, k_cache, positions, cos_sin_cache, rope_neox)
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
     dp = d // 2 if split else _pow2(d)
     halves = 2 if split else 1
-    sms = num_sms(key.device)
-    bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, TILE_ELEMS[fmt])
+    sms = gpu.sm_count(key.device, cpu=1)   # the interpreter: few, large programs are fastest
+    knobs = tuning.current
+    bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, knobs.tile_elems[fmt])
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
-        bt_q, bh_q = tile(t, hq, dp * halves, sms, TILE_ELEMS[fmt])
+        bt_q, bh_q = tile(t, hq, dp * halves, sms, knobs.tile_elems[fmt])
         n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
 
-    if fmt == FMT_FP8:
+    if fmt is KVFormat.FP8:
         k_sstrides = (0, 0, k_scale.stride(0) if k_scale.dim() else 0, 0)
         v_sstrides = (0, 0, v_scale.stride(0) if v_scale.dim() else 0, 0)
-    elif fmt in (FMT_INT8, FMT_INT4):
+    elif fmt.group_scaled:
         k_sstrides, v_sstrides = k_scale.stride(), v_scale.stride()
     else:
         k_sstrides = v_sstrides = (0, 0, 0, 0)
-    stream = t >= STREAM_MIN_TOKENS
+    stream = t >= knobs.stream_min_tokens
     rope = positions is not None
     cs = cos_sin_cache if rope else key
     kernel = TritonLaunch(_kv_cache_write_kernel, (n_kv + n_q,), (
@@ -496,18 +499,18 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
         *(torch.empty_like(query).stride() if query is not None else (0, 0, 0)),   # the rotated query's
     ), dict(
         NUM_KV_HEADS=hkv, NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-        FMT=fmt, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fmt == FMT_FP8 else 0.0,
-        QMAX=_QMAX.get(fmt, 0.0), QMAX_RCP=_QMAX_RCP.get(fmt, 0.0),
+        FMT=fmt.code, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fmt is KVFormat.FP8 else 0.0,
+        QMAX=float(fmt.qmax), QMAX_RCP=_QMAX_RCP.get(fmt, 0.0),
         QGROUP=qgroup, NG=ng, NGP=ngp, GP=gp, DP=dp,
         ROPE=rope, NEOX=bool(rope_neox), ROT=cs.shape[1] if rope else 0, HAS_QUERY=query is not None, SPLIT=split,
-        FLAT_ROWS=fmt == FMT_INT4 and ng == ngp and qgroup == gp,
+        FLAT_ROWS=fmt is KVFormat.INT4 and ng == ngp and qgroup == gp,
         BT_KV=bt_kv, BH_KV=bh_kv, BT_Q=bt_q, BH_Q=bh_q,
         INTERPRETED=interpreting(),
         LOAD_EVICT="evict_first" if stream else "", STORE_CM=".cs" if stream else "",
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
-        **({"maxnreg": GROUP_MAX_REGISTERS} if fmt in (FMT_INT8, FMT_INT4) and not interpreting() else {}),
+        num_warps=knobs.num_warps, enable_fp_fusion=False,
+        **({"maxnreg": GROUP_MAX_REGISTERS} if fmt.group_scaled and not interpreting() else {}),
     ))
-    scaled = fmt != FMT_PLAIN
+    scaled = fmt is not KVFormat.PLAIN
     flag = errors.device_flag(key.device)
 
     def launch(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,

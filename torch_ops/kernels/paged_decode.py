@@ -48,15 +48,15 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   block size, SM count; `split_count`), so the grid is fixed under CUDA graphs. When the batch
   alone comes near filling the GPU, plain caches take tiles of twice the keys and one or two
   splits instead (`large_tile_splits`; one split for tables of <= 512 keys at D = 128, in 8-warp
-  programs, and <= 1024 keys at D = 64: `SHORT_CONTEXT`). Inside, each
+  programs, and <= 1024 keys at D = 64: `Tuning.short_context`). Inside, each
   sequence cuts its own visible key span into `num_splits` equal parts (rounded up to `BLOCK_N`,
-  at least `MIN_SPLIT_TOKENS`): long sequences use every split, short ones a few, and splits
+  at least `Tuning.min_split_tokens`): long sequences use every split, short ones a few, and splits
   past the span exit at once (they write nothing, and the merge kernel never reads them).
   With one split the kernel writes `out`/`lse` itself; otherwise `_merge_kernel` combines the
   partial (out, lse) of the active splits and adds the learned sinks once, after the merge.
   Few (sequence, KV head) pairs over long tables (B = 1 on a tensor-parallel shard of 1-2 KV
-  heads) split up to `MAX_SPLITS` = 256 ways, and the merge then takes the head dim in blocks
-  (`MERGE_TILE` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
+  heads) split up to `Tuning.max_splits` = 256 ways, and the merge then takes the head dim in blocks
+  (`Tuning.merge_tile` partial values per program). H200, bf16, 16k-32k keys: 8/1 heads 1.6-1.9x, 16/2
   1.2x, FP8 8/1 1.9x, INT4 2.3x the 64-split cap.
   The merge is a kernel of its own (3.0-4.1 µs of a 9-27 µs call at B <= 16 on an H200): merging
   in the split kernel (the last split of a tile, after an atomic counter) saves 1-2 µs for MHA but
@@ -73,15 +73,16 @@ Not served (`unsupported` says why): head dims > 256; quantized caches whose hea
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
 GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
 
-Module knobs (for tests and tuning): `FORCE_NUM_SPLITS`, `MIN_SPLIT_TOKENS`, `CONFIG_OVERRIDE`,
-`DEQUANT_ASM`, `PROGRAMS_PER_SM`. Under TRITON_INTERPRET=1 the kernel takes a fixed trip count
-(the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(num_splits=..., config=...):`.
+A prepared launch carries its `kernels` (main, then merge) and `num_splits`. Under
+TRITON_INTERPRET=1 the kernel takes a fixed trip count (the interpreter cannot use a loaded value as a loop bound with numpy >= 2.4), feeds `tl.dot`
 fp32 instead of bf16 (the interpreter multiplies bf16 bit patterns) and rounds FP8 output in
 fp32 (its fp32 -> e4m3 cast does not carry into the exponent): same math, CPU-testable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -90,32 +91,45 @@ import triton
 import triton.language as tl
 
 from .. import errors, gpu
+from ..quant import KVFormat, kv_format
 from . import interpreting
+from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
+from .tuning import Knobs
 
-# ---- knobs -------------------------------------------------------------------------------------
-FORCE_NUM_SPLITS: int | None = None   # a fixed split count (tests force split-K with it)
-MIN_SPLIT_TOKENS = 64                 # a split covers at least this many keys (rounded to BLOCK_N)
-MAX_SPLITS = 256                      # B = 1 over 1-2 KV heads takes 128-256 (a cap of 64: 1.2-2.3x slower
-                                      # at 16k-32k keys); 384 and 512 run 2-4x slower (one-tile merge)
-MERGE_TILE = 4096                     # partial values per merge program (more splits: fewer dims each)
-REPLICA_MIN_KEYS = 512                # quantized one-warp programs score 2 tiles side by side from
-                                      # this many keys per split (`config`)
-PROGRAMS_PER_SM: int | None = None    # resident programs per SM for the split heuristic (None: the config's)
-CONFIG_OVERRIDE: dict | None = None   # a `config` dict for every call (replicas, rows32 default off)
-DEQUANT_ASM: bool | None = None       # None: PTX dequantization on CUDA, plain Triton otherwise
-LAST_KERNEL = None                    # the last compiled main kernel (benchmarks read its resources)
-LAST_NUM_SPLITS = 0                   # and the split count it ran with
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    num_splits: int | None = None      # a fixed split count (tests force split-K with it)
+    min_split_tokens: int = 64         # a split covers at least this many keys (rounded to BLOCK_N)
+    max_splits: int = 256              # B = 1 over 1-2 KV heads takes 128-256 (a cap of 64: 1.2-2.3x slower
+                                       # at 16k-32k keys); 384 and 512 run 2-4x slower (one-tile merge)
+    merge_tile: int = 4096             # partial values per merge program (more splits: fewer dims each)
+    replica_min_keys: int = 512        # quantized one-warp programs score 2 tiles side by side from
+                                       # this many keys per split (`config`)
+    programs_per_sm: int | None = None   # resident programs per SM for the split heuristic (None: the config's)
+    config: dict | None = None         # a `config` dict for every call (replicas, rows32 default off)
+    dequant_asm: bool | None = None    # None: PTX dequantization on CUDA, plain Triton otherwise
+    # Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
+    # instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
+    # head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
+    # changes). H200, 16-token pages: D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3,
+    # at 1k within 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0,
+    # B = 16 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
+    short_context: dict = dataclasses.field(
+        default_factory=lambda: {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})})
+
+
+tuning = Knobs(Tuning())   # `with paged_decode.tuning(num_splits=4): ...`; `tuning.current`: the knobs in force
+
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail
 
-FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2, 3
-_FMT = {
-    torch.float16: FMT_PLAIN, torch.bfloat16: FMT_PLAIN, torch.float32: FMT_PLAIN,
-    torch.float8_e4m3fn: FMT_FP8, torch.float8_e5m2: FMT_FP8, torch.int8: FMT_INT8, torch.uint8: FMT_INT4,
-}
+INTERPRETER_SMS = 8   # the interpreter's stand-in: a small "GPU", so that the split heuristic still splits
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
 ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page block tables
@@ -127,13 +141,6 @@ MAX_BLOCK_M_QUANTIZED = 32
 LARGE_TILE_KEYS = {64: 128, 128: 64}
 LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
-# Short contexts on the large tiles (<= 16 query rows, a table of at most `keys` keys): one split
-# instead of two splits and their merge; at D = 128 in 8-warp programs of 7 stages. block_d (the
-# head dim rounded up to a power of two: D = 80 and 96 follow D = 128, unmeasured) -> (keys, config
-# changes). H200, 16-token pages: D = 128 B = 4 32/32 ctx 512 18.3 -> 15.7 us, B = 16 32/8 18.7 -> 16.3, at 1k within
-# 0.3 us, at 2k 42.3 -> 47.6; D = 64 B = 4 32/32 ctx 512 13.1 -> 9.9, ctx 1k 16.4 -> 15.0, B = 16
-# 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
-SHORT_CONTEXT = {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ERR_LEN = tl.constexpr(errors.SEQ_LENS)
@@ -239,28 +246,28 @@ def _unpack_words(w, FMT: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):
     """Words of 4 values (int32: FP8/INT8 bytes; int16: INT4 nibbles) -> 4 fp16 tensors of w's
     shape, lane j holding value j of every word; exact (group scales are applied by the caller)."""
     if ASM:
-        if FMT == 1:
+        if FMT == FMT_FP8:
             if E5M2:
                 code: tl.constexpr = _FP8_E5M2_ASM
             else:
                 code: tl.constexpr = _FP8_E4M3_ASM
             return tl.inline_asm_elementwise(code, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
-        elif FMT == 2:
+        elif FMT == FMT_INT8:
             return tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
         else:
             return tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.float16,) * 4,
                                              is_pure=True, pack=2)
     else:
-        if FMT == 3:
+        if FMT == FMT_INT4:
             u = w.to(tl.int32) & 0xFFFF
             x0 = ((u & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x1 = (((u >> 4) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x2 = (((u >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             x3 = (((u >> 12) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             return x0, x1, x2, x3
-        elif FMT == 2:
+        elif FMT == FMT_INT8:
             x0 = (((w & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             x1 = ((((w >> 8) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             x2 = ((((w >> 16) & 0xFF) ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
@@ -309,7 +316,7 @@ def _load_lanes(Base, rows, n_ok, SBase, srows,
     mask = n_ok[:, None, None] & (col < HEAD_DIM // 4)
     w = tl.load(Base + rows[:, None, None] + col, mask=mask, other=0)
     x0, x1, x2, x3 = _unpack_words(w, FMT, E5M2, ASM)
-    if FMT != 1:
+    if FMT != FMT_FP8:
         if SCALE_PER_GRP:
             # a 2-D load (vectorized along the groups, so the pipeliner can stage it)
             s = tl.load(SBase + srows[:, None] + grp[None, :], mask=n_ok[:, None] & (grp < NG)[None, :], other=0.0)
@@ -374,7 +381,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
             Vt = V + (page * stride_vb + within * stride_vt + v_head)
             k_rows = row * stride_kt
             v_rows = row * stride_vt
-            if FMT != 0:
+            if FMT != FMT_PLAIN:
                 ks_off = page * stride_ksb + within * stride_kst + ks_head
                 vs_off = page * stride_vsb + within * stride_vst + vs_head
                 if SVEC > 1:   # scale rows start on SVEC-element boundaries: vector (pipelinable) loads
@@ -390,12 +397,12 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
             Vt = V
             k_rows = page * stride_kb + within * stride_kt + k_head
             v_rows = page * stride_vb + within * stride_vt + v_head
-            if FMT != 0:
+            if FMT != FMT_PLAIN:
                 KSt = KS
                 VSt = VS
                 ks_rows = page * stride_ksb + within * stride_kst + ks_head
                 vs_rows = page * stride_vsb + within * stride_vst + vs_head
-        if FMT == 0:
+        if FMT == FMT_PLAIN:
             k = _load_plain(Kt, k_rows, n_ok, HEAD_DIM, BLOCK_D)
             if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns: give it fp32
                 k = k.to(tl.float32)
@@ -446,13 +453,13 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, bad, q0, q1, q2, q3, qk_scale, s
     m_i = m_new
 
     acc0 = acc0 * alpha[:, None]
-    if FMT != 0:
+    if FMT != FMT_PLAIN:
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
     for j in tl.static_range(R):
         Vt, v_rows, VSt, vs_rows, n_ok = v_tiles[j]
-        if FMT == 0:
+        if FMT == FMT_PLAIN:
             v = _load_plain(Vt, v_rows, n_ok, HEAD_DIM, BLOCK_D)
             p_op = exact_cast(p, v.dtype, DOT_F32)
             if DOT_F32:
@@ -532,7 +539,7 @@ def _paged_decode_kernel(
     # ---- q: plain -> [BLOCK_M, BLOCK_D]; quantized -> 4 lanes [BLOCK_M, BLOCK_DW] (dims 4c + j)
     q_rows = Query + tok.to(tl.int64) * stride_qt + head * stride_qh
     qk_scale = scale_eff                    # natural-log units until the softcap is applied
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         q0 = _load_q(q_rows, row_ok, stride_qd, 0, 1, HEAD_DIM, BLOCK_D)
         if DOT_F32:
             q0 = q0.to(tl.float32)
@@ -544,7 +551,7 @@ def _paged_decode_kernel(
         q1 = _load_q(q_rows, row_ok, stride_qd, 1, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
         q2 = _load_q(q_rows, row_ok, stride_qd, 2, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
         q3 = _load_q(q_rows, row_ok, stride_qd, 3, 4, HEAD_DIM, BLOCK_DW).to(tl.float32)
-        if FMT == 1:
+        if FMT == FMT_FP8:
             qk_scale = qk_scale * tl.load(KS + kh * stride_fp8s)
         if PRESCALE_Q:
             # bf16 query -> fp16 operand: scale by 2^-sh so that max |q| <= 2^15 (exact)
@@ -584,7 +591,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         acc0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
@@ -619,7 +626,7 @@ def _paged_decode_kernel(
         tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
     # ---- epilogue ------------------------------------------------------------------------------
-    if FMT == 0:
+    if FMT == FMT_PLAIN:
         acc = acc0
     else:   # interleave the lanes back: column 4c + j <- lane j, column c
         acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), (BLOCK_M, BLOCK_D))
@@ -637,7 +644,7 @@ def _paged_decode_kernel(
         tok = b * QPS + qi
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if FMT == 1:
+    if FMT == FMT_FP8:
         inv_l = inv_l * tl.load(VS + kh * stride_fp8s)
     o = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -724,13 +731,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8   # the interpreter: a small "GPU", so that the heuristic still splits
-    return gpu.sm_count(device)
-
-
-def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> dict:
+def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) -> dict:
     """Tile and launch parameters from shapes (`programs` = B x Hkv x M tiles before any split):
     BLOCK_N (keys per tile), num_warps, num_stages, and `programs_per_sm` (resident programs per
     SM, for `split_count`; from the compiled registers and shared memory at D = 128, sm_90a).
@@ -738,11 +739,11 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
     A stage holds one K and one V tile. Triton's pipeliner spends two stages on the block-table
     indirection, so `num_stages = 5` keeps two tiles of each program in flight (three buffers).
     `large_tile_splits` may double the plain format's tile."""
-    if CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE)
+    if tuning.current.config:
+        return dict(tuning.current.config)
     block_d = max(16, _pow2(head_dim))
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
-    if fmt == FMT_PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
+    if fmt is KVFormat.PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
         # programs of 16-key tiles (see below) split finer. Against 4-warp 32-key tiles (H200)
         # B = 1 at 32/32 and B = 4 at 32/8 and 64/8 run 1.00-1.15x (B = 1, ctx 1k, 32/32: 13.5 ->
@@ -750,7 +751,7 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # 0.84-0.97x, ctx 32k 26.1 -> 31.1 us; at 32/8 0.89-0.94x below ctx 4k). From half the SMs
         # up, `large_tile_splits` takes over.
         return one_warp
-    if fmt == FMT_PLAIN:
+    if fmt is KVFormat.PLAIN:
         # D = 128: 32 keys: 64-key tiles take 168 registers and 72 KB (3 programs per SM), and
         # 512 programs then run in 1.3 waves (H200, B=64, ctx 4k, 32/8 heads: 328 -> 249 us).
         # D <= 64: 64 keys (H200, 32/8 heads, D = 64: B=32 ctx 2k 45.6 -> 41.5 us, B=64 ctx 4k
@@ -770,14 +771,14 @@ def config(head_dim: int, fmt: int, block_m: int, programs: int, sms: int) -> di
         # serve 32 keys (merged in the epilogue). H200, 32/8 heads, splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
         # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys run 4-10%
-        # slower (`run` keeps one tile below REPLICA_MIN_KEYS per split); four copies take 255
+        # slower (`run` keeps one tile below `Tuning.replica_min_keys` per split); four copies take 255
         # registers and spill.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
         # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
         # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
         # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `run` leaves it out there); INT8/INT4
         # gain no instructions and lose up to 8%.
-        return dict(one_warp, replicas=2, rows32=fmt == FMT_FP8)
+        return dict(one_warp, replicas=2, rows32=fmt is KVFormat.FP8)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spill 76-228 bytes; two warps spill nothing (168-229 registers). H200,
@@ -811,10 +812,11 @@ def split_count(batch: int, num_kv_heads: int, m_tiles: int, max_blocks: int, bl
     Models the time of the worst case (every sequence at the table's capacity) as
     waves x (keys per split + fixed cost) + the merge (kernel, plus each split's partial state,
     `2 * rows` key-equivalents of traffic), and picks the cheapest count."""
-    if FORCE_NUM_SPLITS is not None:
-        return max(1, int(FORCE_NUM_SPLITS))
+    knobs = tuning.current
+    if knobs.num_splits is not None:
+        return max(1, int(knobs.num_splits))
     return _cheapest_split_count(batch * num_kv_heads * m_tiles, max_blocks * block_size, block_n, group_rows,
-                                 max(1, sms * programs_per_sm), MIN_SPLIT_TOKENS, MAX_SPLITS, SPLIT_FIXED_COST,
+                                 max(1, sms * programs_per_sm), knobs.min_split_tokens, knobs.max_splits, SPLIT_FIXED_COST,
                                  MERGE_COST)
 
 
@@ -839,12 +841,12 @@ def _cheapest_split_count(programs: int, cap: int, block_n: int, group_rows: int
     return best
 
 
-def _group_layout(head_dim: int, fmt: int, k_scale) -> tuple[int, int, int, int, bool]:
+def _group_layout(head_dim: int, fmt: KVFormat, k_scale) -> tuple[int, int, int, int, bool]:
     """(NG, NGP, GW, QGROUP, per_group) of the [BLOCK_N, NGP, GW] word tiles: NG scale groups of
     QGROUP values per row; a group is GW = QGROUP / 4 words when that is a power of 2 (one scale
     load per group), else one padded row with a scale gathered per value."""
     block_dw = max(16, _pow2(head_dim // 4))
-    if fmt == FMT_FP8:
+    if fmt is KVFormat.FP8:
         return 1, 1, block_dw, head_dim, True
     ng = k_scale.shape[-1]
     qgroup = head_dim // ng
@@ -883,10 +885,7 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> l
                    "(the fp32 accumulator and q tile would spill registers)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         why.append(f"query dtype {query.dtype} is not served (fp16/bf16 only)")
-    fmt = _FMT.get(k_cache.dtype)
-    if fmt is None:
-        why.append(f"KV cache dtype {k_cache.dtype} is not served")
-    elif fmt != FMT_PLAIN:
+    if kv_format(k_cache.dtype) is not KVFormat.PLAIN:
         if d % 4:
             why.append(f"a {k_cache.dtype} cache needs a head dim divisible by 4 (read as 4-value words), got {d}")
         elif k_cache.numel() and (_word_view(k_cache) is None or _word_view(v_cache) is None):
@@ -912,18 +911,19 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if t == 0 or batch == 0:
         return no_launch
     _, page, hkv, _ = k_cache.shape
-    fmt = _FMT[k_cache.dtype]
+    fmt = kv_format(k_cache.dtype)
     e5m2 = k_cache.dtype == torch.float8_e5m2
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    block_m = min(MAX_BLOCK_M if fmt == FMT_PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
+    block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
     m_tiles = -(-rows // block_m)
-    sms = num_sms(query.device)
+    sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
-    if fmt in (FMT_INT8, FMT_INT4) and not _group_layout(d, fmt, k_scale)[4] and not CONFIG_OVERRIDE:
+    knobs = tuning.current
+    if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not knobs.config:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if fmt == FMT_PLAIN:
+    if fmt is KVFormat.PLAIN:
         block_d = max(16, _pow2(d))
         block_dw = 16
     else:
@@ -934,28 +934,28 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
     num_splits = 0
-    if (fmt == FMT_PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
-            and not CONFIG_OVERRIDE and FORCE_NUM_SPLITS is None):
+    if (fmt is KVFormat.PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
+            and not knobs.config and knobs.num_splits is None):
         num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
-        keys, short_cfg = SHORT_CONTEXT.get(block_d, (0, {}))
+        keys, short_cfg = knobs.short_context.get(block_d, (0, {}))
         if num_splits > 1 and block_m == 16 and max_blocks * page <= keys:
             num_splits = 1
             cfg.update(short_cfg)
     block_n = cfg["BLOCK_N"]
     if not num_splits:
-        per_sm = PROGRAMS_PER_SM or cfg.get("programs_per_sm", 2)
+        per_sm = knobs.programs_per_sm or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
     replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
     # one tile per step for short splits, and for FP8 at D <= 64 in one split with GQA, where the
     # registers of two copies (126 against 71) cost more occupancy than they save instructions
     # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gain from the copies)
-    if not CONFIG_OVERRIDE and (max_blocks * page < REPLICA_MIN_KEYS * num_splits
-                                or (fmt == FMT_FP8 and d <= 64 and num_splits == 1 and group > 1)):
+    if not knobs.config and (max_blocks * page < knobs.replica_min_keys * num_splits
+                                or (fmt is KVFormat.FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
     chunk = replicas * block_n      # keys per loop step
-    min_split = max(chunk, -(-MIN_SPLIT_TOKENS // chunk) * chunk)
+    min_split = max(chunk, -(-knobs.min_split_tokens // chunk) * chunk)
 
     kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
     ng, ngp, gw, qgroup, per_grp = 1, 1, block_dw, d, True
@@ -963,16 +963,16 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     fp8_stride = 0
     svec = 1
     scales = "none"   # how a call passes its scales (`scale_operands`)
-    if fmt != FMT_PLAIN:
+    if fmt is not KVFormat.PLAIN:
         kc, vc = _word_view(k_cache), _word_view(v_cache)
         ng, ngp, gw, qgroup, per_grp = _group_layout(d, fmt, k_scale)
         scales = "given"
-    if fmt == FMT_FP8:
+    if fmt is KVFormat.FP8:
         fp8_stride = 1 if k_scale.dim() == 1 else 0
         if v_scale.dim() != k_scale.dim():
             # per-head K scale with a 0-d V scale (or the reverse): one stride serves both
             scales, fp8_stride = "per_head", 1
-    elif fmt in (FMT_INT8, FMT_INT4):
+    elif fmt.group_scaled:
         if (k_scale.shape[-1] > 1 and k_scale.stride(-1) != 1) or (v_scale.shape[-1] > 1 and v_scale.stride(-1) != 1):
             ks, vs, scales = k_scale.contiguous(), v_scale.contiguous(), "contiguous"   # rare: strided last dim
         ks_strides, vs_strides = ks.stride()[:3], vs.stride()[:3]
@@ -983,8 +983,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             while svec * 2 <= ng and all(v % (svec * 2) == 0 for v in vals):
                 svec *= 2
     asm = False
-    if fmt != FMT_PLAIN:
-        asm = DEQUANT_ASM if DEQUANT_ASM is not None else (query.device.type == "cuda" and not interpreting())
+    if fmt is not KVFormat.PLAIN:
+        asm = knobs.dequant_asm if knobs.dequant_asm is not None else (query.device.type == "cuda" and not interpreting())
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
@@ -1022,22 +1022,22 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
-        FMT=fmt, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
-        PRESCALE_Q=fmt != FMT_PLAIN and query.dtype == torch.bfloat16,
+        FMT=fmt.code, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
+        PRESCALE_Q=fmt is not KVFormat.PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, SPLIT=split,
         DYNAMIC_LOOP=not static_loop, MAX_ITERS=max_iters if static_loop else 1,
-        DOT_F32=static_loop and fmt == FMT_PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
+        DOT_F32=static_loop and fmt is KVFormat.PLAIN and query.dtype == torch.bfloat16, SVEC=svec,
         SCALE_F16=ks is not None and vs is not None and ks.dtype == vs.dtype == torch.float16,
         HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))
     merge = None
     if split:
-        # tiles of <= MERGE_TILE partials: heads while they fit, then head-dim blocks
+        # tiles of <= merge_tile partials: heads while they fit, then head-dim blocks
         ns_p = _pow2(num_splits)
-        block_h = min(_pow2(hq), max(1, MERGE_TILE // (ns_p * block_d)))
-        merge_d = min(block_d, max(16, MERGE_TILE // ns_p))
+        block_h = min(_pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
+        merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
         merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
             int(window_left), num_splits, min_split, *p_strides,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), max_blocks * page,
@@ -1047,12 +1047,11 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
             num_warps=4,
         ))
-    word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt != FMT_PLAIN else None
+    word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt is not KVFormat.PLAIN else None
     flag = errors.device_flag(query.device)
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, alibi_slopes=None, sinks=None,
                out_scale=None, k_scale=None, v_scale=None, key_mask=None, **_):
-        global LAST_KERNEL, LAST_NUM_SPLITS
         kc, vc = (k_cache, v_cache) if word is None else (k_cache.view(word), v_cache.view(word))
         ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
         pout, plse = split_workspace(num_splits, t, hq, d, query.device) if split else (lse, lse)
@@ -1063,12 +1062,13 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
              lse if key_mask is None else key_mask.view(torch.uint8), flag)
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
-        LAST_KERNEL, LAST_NUM_SPLITS = main.kernel, num_splits
 
     launch.describe = (f"Triton paged_decode, grid {batch * hkv * m_tiles} x {num_splits} split(s)"
                        f"{' + merge' if split else ''}: {block_m} query rows x {block_n}-key tiles"
                        f"{f' ({replicas} per step)' if replicas > 1 else ''}, {cfg['num_warps']} warps, "
                        f"{cfg['num_stages']} stages")
+    launch.kernels = (main,) if merge is None else (main, merge)
+    launch.num_splits = num_splits
     return launch
 
 

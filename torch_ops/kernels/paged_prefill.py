@@ -36,4 +36,5 @@ def prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, ou
                 v_scale=v_scale, key_mask=key_mask)
 
     launch.describe = getattr(forward, "describe", "")
+    launch.kernels = getattr(forward, "kernels", ())
     return launch

@@ -55,7 +55,8 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
 
 Not served (`unsupported` says why): head dims > 256.
 
-Knobs (tests, tuning): `CONFIG_OVERRIDE`; `LAST_KERNEL` (the last compiled kernel, for reports).
+Knobs (tests, tuning): `Tuning`, changed inside `with tuning(config=...):`. A prepared launch's `kernels` are its `TritonLaunch`es
+(main launch first; each holds its compiled kernel once run, for reports).
 Under TRITON_INTERPRET=1 (CPU tests) the loops are `while` loops (the interpreter cannot take a
 tensor as a `range` bound with numpy >= 2.4), bf16 dots take fp32 operands holding bf16 values
 (the interpreter multiplies bf16 bit patterns), and bf16/FP8 outputs are rounded to nearest in
@@ -65,6 +66,7 @@ math as on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -72,17 +74,27 @@ import triton
 import triton.language as tl
 
 from .. import errors
+from ..quant import KVFormat, kv_format
 from . import interpreting
+from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
+from .tuning import Knobs
 
-CONFIG_OVERRIDE: dict | None = None   # {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The kernel family's tuning knobs, read when a launch is prepared (`tuning`)."""
+
+    config: dict | None = None   # a `config` for every call: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+
+
+tuning = Knobs(Tuning())   # `with prefill_attention.tuning(config={...}): ...`
+
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
-LAST_KERNEL = None
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
-_KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3, torch.uint8: 4}   # 0: plain
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ERR_CU = tl.constexpr(errors.CU_SEQLENS)
 _ERR_LEN = tl.constexpr(errors.SEQ_LENS)
@@ -120,23 +132,24 @@ def _masked_load(ptrs, n_ok, c_ok, MASKED: tl.constexpr, PAD: tl.constexpr):
 
 @triton.jit
 def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, FMT: tl.constexpr, QGROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+               BLOCK_D: tl.constexpr, FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] K or V tile in the dot dtype. `rows`: offsets of its token rows (in
     stored elements); plain tiles load as they are, FP8 bytes convert exactly, INT8 values and INT4
     nibbles (low nibble first, offset 8) are multiplied by their group scales at `SBase + s_rows`."""
     PAD: tl.constexpr = HEAD_DIM != BLOCK_D
-    if FMT == 4:
+    if FMT == FMT_INT4:
         c = tl.arange(0, BLOCK_D // 2)
         b = _masked_load(Base + rows[:, None] + c[None, :], n_ok, c < HEAD_DIM // 2, MASKED, PAD).to(tl.int32)
         x = tl.reshape(tl.join((b & 15) - 8, (b >> 4) - 8), (b.shape[0], BLOCK_D))
     else:
         c = tl.arange(0, BLOCK_D)
         x = _masked_load(Base + rows[:, None] + c[None, :], n_ok, c < HEAD_DIM, MASKED, PAD)
-    if FMT == 1:
-        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif FMT == 2:
-        x = x.to(tl.float8e5, bitcast=True).to(tl.float16)
-    elif FMT >= 3:
+    if FMT == FMT_FP8:
+        if E5M2:
+            x = x.to(tl.float8e5, bitcast=True).to(tl.float16)
+        else:
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif FMT != FMT_PLAIN:
         d = tl.arange(0, BLOCK_D)
         scale = _masked_load(SBase + s_rows[:, None] + (d // QGROUP)[None, :], n_ok, d < HEAD_DIM, MASKED, PAD)
         x = x.to(tl.float32) * scale.to(tl.float32)
@@ -149,7 +162,7 @@ def _attend_tile(
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
@@ -176,14 +189,14 @@ def _attend_tile(
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
         v_rows = page * stride_vb + within * stride_vt
-        if KV_FMT >= 3:
+        if KV_FMT == FMT_INT8 or KV_FMT == FMT_INT4:
             ks_rows = page * stride_ksb + within * stride_kst
             vs_rows = page * stride_vsb + within * stride_vst
     else:
         k_rows = offs_n.to(tl.int64) * stride_kt
         v_rows = offs_n.to(tl.int64) * stride_vt
 
-    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
+    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(x) with tanh(x) = 1 - 2 / (exp(2x) + 1); softcap2 = softcap * log2(e)
@@ -215,7 +228,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, QGROUP, DOT_DTYPE)
+    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -229,7 +242,7 @@ def _attend_range(
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
@@ -247,7 +260,7 @@ def _attend_range(
                 acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
+                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
                 HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
             it += 1
     else:
@@ -259,7 +272,7 @@ def _attend_range(
                 acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW,
+                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
                 HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
     return acc, m_i, l_i, bad
 
@@ -279,7 +292,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HPT: tl.constexpr, HEAD_CHUNKS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
-    Q_FP8: tl.constexpr, KV_FMT: tl.constexpr, QGROUP: tl.constexpr,
+    Q_FP8: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
@@ -352,7 +365,7 @@ def _prefill_kernel(
         q = q.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         row_scale *= tl.load(QScale + head * stride_qs, mask=row_ok, other=0.0)
     q = q.to(DOT_DTYPE)
-    if KV_FMT == 1 or KV_FMT == 2:
+    if KV_FMT == FMT_FP8:
         row_scale *= tl.load(KScale + kh * stride_ks)
     alibi = row_scale   # placeholder when there is no ALiBi
     if HAS_ALIBI:
@@ -397,21 +410,21 @@ def _prefill_kernel(
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-            BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+            BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
             HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i, bad = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, bad, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i, bad = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, bad, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     if PAGED and BLOCK_ERR != 0:
         tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
@@ -428,7 +441,7 @@ def _prefill_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     inv_l = 1.0 / l_safe
-    if KV_FMT == 1 or KV_FMT == 2:
+    if KV_FMT == FMT_FP8:
         inv_l *= tl.load(VScale + kh * stride_ks)
     o = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
@@ -466,8 +479,8 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     beyond 16 x 16 tiles. `rows_per_seq` (query rows per sequence from shapes: ceil(T / B) x query
     heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU: the paged
     tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
-    if CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE)
+    if tuning.current.config:
+        return dict(tuning.current.config)
     block_d = max(16, _pow2(head_dim))
     if dtype == torch.float32:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
@@ -516,7 +529,9 @@ def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
     if d > MAX_HEAD_DIM:
         why.append(f"head dim {d} > {MAX_HEAD_DIM} is not served by the Triton prefill kernel "
                    "(the fp32 accumulator and Q tile would not fit in registers)")
-    if kv_dtype not in _DOT_DTYPES and kv_dtype not in _KV_FORMATS:
+    try:
+        kv_format(kv_dtype)
+    except TypeError:
         why.append(f"KV dtype {kv_dtype} is not served")
     return why
 
@@ -544,7 +559,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     hkv = k.shape[-2]
     group = hq // hkv
     q_fp8 = query.dtype == torch.float8_e4m3fn
-    kv_fmt = _KV_FORMATS.get(k.dtype, 0)   # FP8 queries come with FP8 keys and values
+    kv_fmt = kv_format(k.dtype)   # FP8 queries come with FP8 keys and values
     op_dtype = torch.float16 if q_fp8 else query.dtype
     interpret = interpreting()
     dot_dtype = _DOT_DTYPES[op_dtype]
@@ -553,7 +568,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
     rows_per_seq = min(-(-t // num_seqs), max_queries if max_queries is not None else t) * group
-    cfg = config(d, op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt >= 3)
+    cfg = config(d, op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt.group_scaled)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
         short_cfg = {**cfg, "BLOCK_M": SHORT_BLOCK_M, "num_warps": 4}
@@ -562,12 +577,12 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     qk_scale = scale_eff / softcap if softcap > 0 else scale_eff * LOG2E
     stride_ks, group_strides, qgroup = 0, (0,) * 6, 1
     scales = "none"   # how a call passes its K/V scales (`scale_operands`)
-    if kv_fmt in (1, 2):
+    if kv_fmt is KVFormat.FP8:
         scales = "given"
         if k_scale.dim() != v_scale.dim():   # one stride serves both: expand the 0-d one
             scales = "per_head"
         stride_ks = 1 if max(k_scale.dim(), v_scale.dim()) == 1 else 0
-    elif kv_fmt in (3, 4):
+    elif kv_fmt.group_scaled:
         scales = "given"
         if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:   # rare: a strided last dim
             k_scale, v_scale, scales = k_scale.contiguous(), v_scale.contiguous(), "contiguous"
@@ -598,7 +613,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     constants = dict(
         GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)),
         PAGED=paged, PAGE=page,
-        Q_FP8=q_fp8, KV_FMT=kv_fmt, QGROUP=qgroup,
+        Q_FP8=q_fp8, KV_FMT=kv_fmt.code, E5M2=k.dtype == torch.float8_e5m2, QGROUP=qgroup,
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
@@ -614,8 +629,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     def launch(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tables=None, seq_lens=None,
                alibi_slopes=None, sinks=None, out_scale=None, q_scale=None, k_scale=None, v_scale=None,
                key_mask=None, **_):
-        global LAST_KERNEL
-        if kv_fmt in (1, 2):
+        if kv_fmt is KVFormat.FP8:
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         if q_fp8:
             query = query.view(torch.uint8)
@@ -627,11 +641,11 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
                    flag)
         for kernel in kernels:
             kernel(*tensors)
-        LAST_KERNEL = kernels[0].kernel
 
     launch.describe = "Triton prefill, " + " + ".join(
         f"grid {k.grid[0]}: {k.meta['BLOCK_M']} x {k.meta['BLOCK_N']} tiles, {k.meta['num_warps']} warps, "
         f"{k.meta['num_stages']} stages{' (sequences of one tile)' if k.meta['SHORT'] else ''}" for k in kernels)
+    launch.kernels = tuple(kernels)
     return launch
 
 

@@ -45,14 +45,14 @@ def _cache(fmt, blocks=64, page=16):
 
 
 def decode(fmt, key_mask=False, splits=None):
-    paged_decode.DEQUANT_ASM, paged_decode.FORCE_NUM_SPLITS = True, splits   # the GPU's dequantizing PTX
     cache, kw = _cache(fmt)
     q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
     args = (q, cache.k, cache.v, torch.zeros(4, 8, dtype=torch.int32), torch.full((4,), 100, dtype=torch.int32))
     if key_mask:
         kw["key_mask"] = torch.ones(4, 128, dtype=torch.bool)
     out, lse = torch.empty_like(q), torch.empty(4, 32)
-    paged_decode.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
+    with paged_decode.tuning(dequant_asm=True, num_splits=splits):   # the GPU's dequantizing PTX
+        paged_decode.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
 
 
 def prefill(paged, key_mask=False, fmt=torch.bfloat16):

@@ -114,27 +114,26 @@ DECODE_TILES = [(4, None), (16, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2,
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("bs,config", DECODE_TILES)
-def test_decode_block_ids_outside_the_cache(kernel_device, monkeypatch, fmt, bs, config):
-    monkeypatch.setattr(paged_decode, "CONFIG_OVERRIDE", config)
+def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config):
     k, v, scales = _cache(kernel_device, bs=bs, fmt=fmt)
     tables = _index([[0, 9, 1], [-2, 3, 6], [4, 5, 7], [8, -1, 2]], kernel_device)   # 8 blocks
     lens = _index([3 * bs, 2 * bs + 1, 3 * bs - 1, 2 * bs], kernel_device)           # the last one: all absent
     q = torch.randn(4, 4, 16, dtype=torch.bfloat16, device=kernel_device)
-    _check("paged_decode", (q, k, v, tables, lens), scales)
+    with paged_decode.tuning(config=config):
+        _check("paged_decode", (q, k, v, tables, lens), scales)
     _assert_flagged("block_tables")
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("bs", [16, 5])
-def test_prefill_block_ids_outside_the_cache(kernel_device, monkeypatch, causal, bs):
-    # 16 x 16 tiles: the absent blocks lie in tiles every row sees (the unmasked loop) and in masked ones
-    monkeypatch.setattr(prefill_attention, "CONFIG_OVERRIDE", {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4,
-                                                               "num_stages": 2})
+def test_prefill_block_ids_outside_the_cache(kernel_device, causal, bs):
     k, v, _ = _cache(kernel_device, bs=bs, blocks=12)
     tables = _index([[3, 12, 0, -5, 1, 2, 4, 5], [6, 7, 8, 9, -1, 10, 11, 0]], kernel_device)
     lens = _index([40, 33], kernel_device)
     q = torch.randn(23, 4, 16, dtype=torch.bfloat16, device=kernel_device)
-    _check("paged_prefill", (q, k, v, tables, _index([0, 20, 23], kernel_device), lens), {"causal": causal})
+    # 16 x 16 tiles: the absent blocks lie in tiles every row sees (the unmasked loop) and in masked ones
+    with prefill_attention.tuning(config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}):
+        _check("paged_prefill", (q, k, v, tables, _index([0, 20, 23], kernel_device), lens), {"causal": causal})
     _assert_flagged("block_tables")
 
 

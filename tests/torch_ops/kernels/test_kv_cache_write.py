@@ -289,11 +289,12 @@ def test_group_scale_rounded_down(kernel_device, cache_dtype):
     run_and_check((key, value, cache, slots, kwargs))
 
 
-def test_head_blocks_and_odd_head_counts(kernel_device, monkeypatch):
+def test_head_blocks_and_odd_head_counts(kernel_device):
     # tiny tiles: several head blocks per token, with Hq = 12 and Hkv = 3 (not powers of 2)
-    monkeypatch.setattr(kcw, "TILE_ELEMS", dict.fromkeys(kcw.TILE_ELEMS, 128))
-    run_and_check(make_problem(kernel_device, cache_dtype=INT4, group=16, d=64, hq=12, hkv=3, t=5, rope="gptj",
-                               with_query=True))
+    problem = make_problem(kernel_device, cache_dtype=INT4, group=16, d=64, hq=12, hkv=3, t=5, rope="gptj",
+                           with_query=True)
+    with kcw.tuning(tile_elems=dict.fromkeys(kcw.tuning.current.tile_elems, 128)):
+        run_and_check(problem)
 
 
 def test_out_of_range_slots_are_skipped(kernel_device):
@@ -355,8 +356,8 @@ def test_group_scale_division_by_constant_reciprocal():
     # (`_div_by_qmax`); in exact arithmetic that must be the correctly rounded quotient
     rng = random.Random(0)
     bits = [rng.getrandbits(31) for _ in range(3000)] + [1, 0x007FFFFF, 0x00800000, 0x3F800000, 0x7F7FFFFF]
-    for fmt, qmax in kcw._QMAX.items():
-        r = Fraction(kcw._QMAX_RCP[fmt])
+    for fmt, rcp in kcw._QMAX_RCP.items():
+        qmax, r = fmt.qmax, Fraction(rcp)
         assert r == _rn32(Fraction(1) / Fraction(qmax))
         for b in bits:
             if (b >> 23) & 0xFF == 0xFF:
@@ -383,17 +384,17 @@ def test_split_halves_only_for_fp8_and_whole_neox_rotations():
     assert kcw.group_layout(64, cache[E4M3], None) == (64, 1, 1, 64)
 
 
-def test_tile_depends_on_shapes_only(monkeypatch):
-    # (tokens, heads) per program: ~TILE_ELEMS elements, fewer tokens when T is small
-    monkeypatch.setattr(kcw, "MIN_PROGRAMS_PER_SM", 4)
-    assert kcw.tile(16384, 8, 128, 132, 4096) == (4, 8)
-    assert kcw.tile(16384, 8, 128, 132, 2048) == (2, 8)
-    assert kcw.tile(16384, 32, 128, 132, 4096) == (1, 32)
-    assert kcw.tile(16384, 1, 128, 132, 4096) == (16, 1)
-    assert kcw.tile(64, 8, 128, 132, 4096) == (1, 8)
-    assert kcw.tile(3, 8, 128, 1, 4096) == (1, 8)
-    assert kcw.tile(9, 2, 64, 1, 4096) == (2, 2)
-    assert kcw.tile(1, 64, 1024, 132, 4096) == (1, 4)
+def test_tile_depends_on_shapes_only():
+    # (tokens, heads) per program: ~`Tuning.tile_elems` elements, fewer tokens when T is small
+    with kcw.tuning(min_programs_per_sm=4):
+        assert kcw.tile(16384, 8, 128, 132, 4096) == (4, 8)
+        assert kcw.tile(16384, 8, 128, 132, 2048) == (2, 8)
+        assert kcw.tile(16384, 32, 128, 132, 4096) == (1, 32)
+        assert kcw.tile(16384, 1, 128, 132, 4096) == (16, 1)
+        assert kcw.tile(64, 8, 128, 132, 4096) == (1, 8)
+        assert kcw.tile(3, 8, 128, 1, 4096) == (1, 8)
+        assert kcw.tile(9, 2, 64, 1, 4096) == (2, 2)
+        assert kcw.tile(1, 64, 1024, 132, 4096) == (1, 4)
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------

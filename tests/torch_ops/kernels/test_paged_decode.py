@@ -11,6 +11,7 @@ module's knobs); the broad matrix, CUDA graphs and >2^31-element caches are mark
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -114,6 +115,13 @@ def _fp8_rounding(x: torch.Tensor) -> float:
     return (x.to(E4M3).double() - x).abs().max().item() if x.numel() else 0.0
 
 
+def prepared(problem, **options):
+    """The kernel's prepared launch of the problem's signature (its `num_splits`, `kernels`)."""
+    q, cache, bt, sl = problem
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
+    return pd.prepare(q, cache.k, cache.v, bt, sl, out=out, lse=lse, **cache.scale_kwargs(), **options)
+
+
 def run_and_check(problem, **options):
     q, cache, bt, sl = problem
     out, lse = call_triton(q, cache, bt, sl, **options)
@@ -122,12 +130,10 @@ def run_and_check(problem, **options):
 
 
 @pytest.fixture
-def knobs(monkeypatch):
-    """Set the kernel module's knobs for one test (restored afterwards)."""
-    def set_(**kw):
-        for k, v in kw.items():
-            monkeypatch.setattr(pd, k, v)
-    return set_
+def knobs():
+    """Set the kernel's tuning knobs for one test (`paged_decode.tuning`, restored afterwards)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(pd.tuning(**changes))
 
 
 @pytest.fixture(autouse=True)
@@ -144,28 +150,28 @@ def poisoned_workspace(monkeypatch):
 
 
 def test_merge_of_many_splits_in_head_dim_blocks(kernel_device, knobs):
-    # 40 splits x D = 128 exceed one merge tile (MERGE_TILE): the merge programs take 64 dims each
-    knobs(FORCE_NUM_SPLITS=40, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    # 40 splits x D = 128 exceed one merge tile (`Tuning.merge_tile`): the merge programs take 64 dims each
+    knobs(num_splits=40, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     run_and_check(make_problem(kernel_device, lens=[700, 0, 17, 333], hq=4, hkv=1, d=128, bs=16))
 
 
 @pytest.mark.parametrize("bs,block_n,qps,layout", [(16, 16, 1, "NHD"), (5, 16, 3, "HND"), (32, 16, 2, "vllm")])
 def test_plain_gqa_split(kernel_device, knobs, bs, block_n, qps, layout):
     # odd lengths around the block size, a length-0 padding sequence, split-K on 16-key splits
-    knobs(FORCE_NUM_SPLITS=3, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=3, min_split_tokens=16, config={"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2})
     lens = [bs + 1, 0, 41, max(qps, bs - 1)]
     run_and_check(make_problem(kernel_device, lens=lens, hq=4, hkv=2, d=64, bs=bs, qps=qps, layout=layout))
 
 
 def test_fp8_per_head_fp16(kernel_device, knobs):
-    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=2, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[37, 1, 19], hq=4, hkv=2, d=64, bs=8, dtype=FP16,
                            cache_dtype=E4M3, fp8_per_head=True)
     run_and_check(problem)
 
 
 def test_int4_groups_no_split(kernel_device, knobs):
-    knobs(FORCE_NUM_SPLITS=1, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=1, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[23, 0, 16], hq=4, hkv=1, d=64, bs=16, qps=2,
                            cache_dtype=INT4, group=16, scale_dtype=torch.float16)
     run_and_check(problem)
@@ -173,14 +179,14 @@ def test_int4_groups_no_split(kernel_device, knobs):
 
 def test_quantized_rows_in_two_m_tiles(kernel_device, knobs):
     # 8 query heads x 8 new tokens on one KV head: 64 rows, two 32-row tiles for quantized caches
-    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=2, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[30, 8], hq=8, hkv=1, d=64, bs=8, qps=8, cache_dtype=INT4, group=16)
     run_and_check(problem)
 
 
 def test_int8_features(kernel_device, knobs):
     # window + sink tokens + ALiBi + softcap + learned sinks + FP8 output, split-K, one page per tile
-    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=2, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[53, 0, 7], hq=4, hkv=2, d=64, bs=16, qps=2,
                            cache_dtype=INT8, group=32)
     hq = 4
@@ -196,8 +202,8 @@ def test_replicated_rows(kernel_device, knobs, cache_dtype, group, bs, qps, repl
     # one-warp programs scoring `replicas` key tiles side by side (each in its own copy of the
     # query rows), merged in the epilogue; every masking feature, split-K, whole and partial
     # pages, single-page tiles addressed by 64-bit rows or by a base pointer and 32-bit rows
-    knobs(FORCE_NUM_SPLITS=3, MIN_SPLIT_TOKENS=16,
-          CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": rows32})
+    knobs(num_splits=3, min_split_tokens=16,
+          config={"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": rows32})
     hq = 4
     problem = make_problem(kernel_device, lens=[150, 0, 3, 67], hq=hq, hkv=2, d=64, bs=bs, qps=qps,
                            cache_dtype=cache_dtype, group=group, fp8_per_head=True)
@@ -209,7 +215,7 @@ def test_replicated_rows(kernel_device, knobs, cache_dtype, group, bs, qps, repl
 @pytest.mark.parametrize("d,bs,cache_dtype,group", [(80, 7, INT4, 16), (96, 1, INT8, 24), (64, 3, E5M2, None)])
 def test_odd_dims_groups_pages(kernel_device, knobs, d, bs, cache_dtype, group):
     # non-power-of-2 head dims, a gathered (non 4 x 2^k) scale group, e5m2, tiny pages
-    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=2, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[29, 2], hq=4, hkv=2, d=d, bs=bs, cache_dtype=cache_dtype,
                            group=group, fp8_per_head=True)
     run_and_check(problem)
@@ -231,7 +237,7 @@ def static_cache_problem(device, *, lens, capacity, hq, hkv, d, qps=1):
 def test_scores_ramping_up_and_down(kernel_device, knobs, cache_dtype, group):
     # scores rising by ~3 (log2 units) per 16-key tile, so that the online softmax rescales the
     # accumulators at every tile, and falling (the running max is set by the first tile)
-    knobs(FORCE_NUM_SPLITS=1, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=1, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     lens = [150, 150]
     q, cache, bt, sl = make_problem(kernel_device, lens=lens, hq=4, hkv=2, d=64, bs=16, cache_dtype=cache_dtype,
                                     group=group)
@@ -250,7 +256,7 @@ def test_scores_ramping_up_and_down(kernel_device, knobs, cache_dtype, group):
 
 def test_one_page_per_sequence(kernel_device, knobs):
     # pages longer than 256 and not a multiple of the tile: one table load per tile all the same
-    knobs(FORCE_NUM_SPLITS=2, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    knobs(num_splits=2, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     run_and_check(static_cache_problem(kernel_device, lens=[300, 0, 17], capacity=301, hq=4, hkv=2, d=32, qps=2))
 
 
@@ -275,7 +281,7 @@ def test_split_count_depends_on_shapes_only():
     assert f(256, 8, 1, 64, 16, 64, 4) == 1                    # many programs: no split
     assert f(1, 8, 1, 2048, 16, 64, 4) > 8                      # one long sequence: split wide
     assert f(1, 8, 1, 4, 16, 64, 4) == 1                        # 64-key table: nothing to split
-    assert 1 <= f(16, 8, 1, 256, 16, 64, 4) <= pd.MAX_SPLITS
+    assert 1 <= f(16, 8, 1, 256, 16, 64, 4) <= pd.tuning.current.max_splits
     assert f(64, 8, 1, 256, 16, 32, 4) == 1                     # 512 programs fill 528 slots: one wave
 
 
@@ -288,10 +294,10 @@ def test_large_tiles_when_the_batch_nearly_fills_the_gpu():
 
 def test_large_tiles_automatic(kernel_device):
     # no knobs: 4 programs on the interpreter's 8 "SMs" take 128-key tiles in two splits (a table
-    # longer than SHORT_CONTEXT's)
+    # longer than `Tuning.short_context`'s)
     problem = make_problem(kernel_device, lens=[1259, 0, 5, 130], hq=4, hkv=1, d=64, bs=16)
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 2
+    assert prepared(problem).num_splits == 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -299,22 +305,24 @@ def test_short_context_on_large_tiles_takes_one_split(kernel_device, knobs, d):
     # 4 programs on the interpreter's 8 "SMs", a 272-key table: one split, no merge
     problem = make_problem(kernel_device, lens=[259, 0, 5, 130], hq=4, hkv=1, d=d, bs=16)
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 1
-    knobs(SHORT_CONTEXT={})
+    assert prepared(problem).num_splits == 1
+    knobs(short_context={})
     run_and_check(problem)
-    assert pd.LAST_NUM_SPLITS == 2
+    assert prepared(problem).num_splits == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,hq,hkv", [(128, 32, 8), (128, 32, 32), (64, 32, 8)])
 def test_short_context_on_large_tiles_gpu(kernel_device, d, hq, hkv):
-    # B x Hkv = 128 programs (at most one per SM on an H100/H200), a table of SHORT_CONTEXT's keys
+    # B x Hkv = 128 programs (at most one per SM on an H100/H200), a table of `Tuning.short_context`'s keys
     # (make_problem adds a block): one split (of 8 warps at D = 128); ragged lengths, an empty sequence
     rng = random.Random(torch.randint(0, 2**31, ()).item())
-    b, longest = 128 // hkv, pd.SHORT_CONTEXT[d][0] - 16
+    b, longest = 128 // hkv, pd.tuning.current.short_context[d][0] - 16
     lens = [longest, 0, 1, 17] + [rng.randint(1, longest) for _ in range(b - 4)]
-    run_and_check(make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=16))
-    assert pd.LAST_NUM_SPLITS == 1 and pd.LAST_KERNEL.metadata.num_warps == (8 if d == 128 else 4)
+    problem = make_problem(kernel_device, lens=lens, hq=hq, hkv=hkv, d=d, bs=16)
+    run_and_check(problem)
+    launch = prepared(problem)
+    assert launch.num_splits == 1 and launch.kernels[0].meta["num_warps"] == (8 if d == 128 else 4)
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
@@ -389,7 +397,7 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_features(kernel_device, knobs, feature, cache_dtype, group, forced_split):
     if forced_split:
-        knobs(FORCE_NUM_SPLITS=5, MIN_SPLIT_TOKENS=64)
+        knobs(num_splits=5, min_split_tokens=64)
     hq = 16
     problem = make_problem(kernel_device, lens=[700, 3, 0, 161, 1029], hq=hq, hkv=4, d=128, bs=16, qps=2,
                            cache_dtype=cache_dtype, group=group)
@@ -399,7 +407,7 @@ def test_features(kernel_device, knobs, feature, cache_dtype, group, forced_spli
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1, 7, 64, 200])
 def test_split_k_long(kernel_device, knobs, splits):
-    knobs(FORCE_NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64 if splits else pd.MIN_SPLIT_TOKENS)
+    knobs(num_splits=splits, min_split_tokens=64 if splits else pd.tuning.current.min_split_tokens)
     problem = make_problem(kernel_device, lens=[9001, 1, 0, 4096], hq=32, hkv=8, d=128, bs=16)
     run_and_check(problem)
 
@@ -409,9 +417,9 @@ def test_split_k_long(kernel_device, knobs, splits):
 def test_dequant_asm_matches_plain(kernel_device, knobs, cache_dtype, group):
     problem = make_problem(kernel_device, lens=[517, 33, 0], hq=16, hkv=4, d=128, bs=16,
                            cache_dtype=cache_dtype, group=group)
-    knobs(DEQUANT_ASM=True)
+    knobs(dequant_asm=True)
     o1, l1 = run_and_check(problem)
-    knobs(DEQUANT_ASM=False)
+    knobs(dequant_asm=False)
     o2, l2 = run_and_check(problem)
     assert max_error(o1, o2) <= 1e-2 * o2.float().abs().max().item() + 1e-3
 
@@ -475,7 +483,7 @@ def test_cuda_graph_replay(kernel_device, cache_dtype, group):
 def test_key_mask_hides_the_keys_it_marks_false(kernel_device, knobs, qps, splits):
     """`key_mask [T, N]`: a row sees only its true keys (none: zeros and -inf), keys past N none."""
     if splits:
-        knobs(FORCE_NUM_SPLITS=splits, MIN_SPLIT_TOKENS=16, CONFIG_OVERRIDE={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+        knobs(num_splits=splits, min_split_tokens=16, config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     problem = make_problem(kernel_device, lens=[37, 0, 50], hq=4, hkv=2, d=32, bs=8, qps=qps)
     q = problem[0]
     mask = torch.rand(q.shape[0], 45, device=kernel_device) < 0.6

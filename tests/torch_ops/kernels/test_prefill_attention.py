@@ -146,17 +146,24 @@ def check_paged(problem, out, lse, **options) -> None:
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """16 x 16 tiles, so that tiny CPU problems exercise every key loop of the kernel."""
-    monkeypatch.setattr(pa, "CONFIG_OVERRIDE", dict(SMALL_TILES))
+    with pa.tuning(config=dict(SMALL_TILES)):
+        yield
+
+
+@pytest.fixture
+def tiles_32():
+    """32-row tiles for the work list, 16-key tiles."""
+    with pa.tuning(config={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}):
+        yield
 
 
 # ---- CPU (interpreter) cases: few and tiny -----------------------------------------------------
 
 
-def test_paged_mixed_batch_two_launches(kernel_device, monkeypatch):
+def test_paged_mixed_batch_two_launches(kernel_device, tiles_32, monkeypatch):
     # 32-row tiles for the work list, 16-row tiles for sequences of at most 16 // group tokens
-    monkeypatch.setattr(pa, "CONFIG_OVERRIDE", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     launches = []
     kernel = pa._kernel
     monkeypatch.setattr(pa, "_kernel", lambda *a, **kw: launches.append(kw["short"]) or kernel(*a, **kw))
@@ -174,11 +181,10 @@ def test_work_list_slots():
 
 
 @pytest.mark.parametrize("max_queries,slots", [(20, (18, 2)), (40, (19, 0))], ids=["slots-per-sequence", "shared-list"])
-def test_paged_max_queries_leaves_longer_sequences_untouched(kernel_device, monkeypatch, max_queries, slots):
+def test_paged_max_queries_leaves_longer_sequences_untouched(kernel_device, tiles_32, max_queries, slots):
     # what the `mixed` backend asks of the Triton kernel: both launches skip sequences of more than
     # max_queries queries (there the CUTLASS kernel writes), and serve the rest; the work list in
     # 16-token slots of each sequence's own (two each) or shared
-    monkeypatch.setattr(pa, "CONFIG_OVERRIDE", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
     q_lens, seq_lens = [1, 20, 8, 0, 9, 3, 11, 60, 60], [40, 20, 31, 5, 9, 3, 30, 70, 64]
     assert pa.work_slots(sum(q_lens), len(q_lens), 16, max_queries) == slots
     problem = make_paged(kernel_device, q_lens=q_lens, seq_lens=seq_lens, hq=4, hkv=2, d=32, bs=8)
