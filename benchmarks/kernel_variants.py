@@ -5,10 +5,10 @@ It builds `examples/serve.py`'s engine (its GPU defaults, a one-layer model of t
 geometry) and runs its workload with every Triton launch recorded by the key Triton compiles
 under, and skipped: the kernel, its constexprs and launch options, each tensor's dtype and
 16-byte alignment, each integer's width and, unless the kernel marks it `do_not_specialize`,
-whether it is 1 or a multiple of 16. Launch decisions see a GPU of `--sms` SMs. It prints the
-variants that the engine's construction (its CUDA-graph decode buckets), `Engine.warmup()` and
-serving each add: a run on a fresh Triton cache compiles the sum, and serving adds none when
-warm-up covers it.
+whether it is 1 or a multiple of 16 (`torch_ops.kernels.precompile.variant_key`). Launch
+decisions see a GPU of `--sms` SMs. It prints the variants that the engine's construction (its
+CUDA-graph decode buckets), `Engine.warmup()` and serving each add: a run on a fresh Triton cache
+compiles the sum, and serving adds none when warm-up covers it.
 
     python benchmarks/kernel_variants.py [--sms 132] [examples/serve.py options]
 """
@@ -17,92 +17,39 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import sys
 from pathlib import Path
-
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 import torch_ops.kernels  # noqa: E402
 from torch_ops import gpu  # noqa: E402
-from torch_ops.kernels import launcher  # noqa: E402
+from torch_ops.kernels import precompile  # noqa: E402
 from torch_ops.serving import engine as engine_module  # noqa: E402
 
-# the kernel modules whose launch decisions ask whether they run on the interpreter or how many SMs
+# the kernel modules whose launch decisions ask whether they run on the interpreter
 DECIDING = ("paged_decode", "kv_cache_write", "prefill_attention", "context_attention", "merge_states", "launcher")
-
-
-def _integer(value: int, specialize: bool) -> tuple:
-    width = "i32" if -2**31 <= value < 2**31 else "i64" if value < 2**63 else "u64"
-    return (width, value == 1, value % 16 == 0) if specialize else (width,)
-
-
-def _params(fn) -> list[tuple[str, bool, bool, object]]:
-    """(name, constexpr, do_not_specialize, default) of each parameter of a Triton kernel, compiled
-    (`JITFunction`) or interpreted (TRITON_INTERPRET=1)."""
-    if hasattr(fn, "params"):
-        return [(p.name, p.is_constexpr, p.do_not_specialize, p.default) for p in fn.params]
-    plain = set(fn.kwargs.get("do_not_specialize") or ())
-    return [(name, "constexpr" in str(p.annotation), name in plain, None if p.default is p.empty else p.default)
-            for name, p in inspect.signature(fn.fn).parameters.items()]
-
-
-def variant_key(fn, args: tuple, meta: dict) -> tuple:
-    """What Triton compiles `fn(*args, **meta)` under (see the module docstring)."""
-    params = _params(fn)
-    values = dict(zip((name for name, *_ in params), args))
-    values.update(meta)
-    spec = []
-    for name, constexpr, plain, default in params:
-        v = values.get(name, default)
-        if constexpr:
-            spec.append(v)
-        elif isinstance(v, torch.Tensor):
-            spec.append((v.dtype, v.data_ptr() % 16 == 0))
-        elif isinstance(v, bool) or v is None:
-            spec.append(v)
-        elif isinstance(v, int):
-            spec.append(_integer(v, not plain))
-        else:
-            spec.append(type(v).__name__)
-    names = {name for name, *_ in params}
-    options = tuple(sorted((k, v) for k, v in meta.items() if k not in names))
-    return fn.__name__, tuple(spec), options
 
 
 @contextlib.contextmanager
 def census(sms: int):
-    """Record every Triton launch's `variant_key` into the yielded set instead of launching it;
-    launch decisions see a GPU (no interpreter) of `sms` SMs, while the triton backend takes CPU
-    tensors as if they ran on its interpreter."""
-    seen: set[tuple] = set()
+    """Record the block's Triton launches (`precompile.recorded`, yielded) instead of running
+    them; launch decisions see a GPU (no interpreter) of `sms` SMs, while the triton backend takes
+    CPU tensors as if they ran on its interpreter."""
     modules = [importlib.import_module(f"torch_ops.kernels.{m}") for m in DECIDING]
     saved = [(m, "interpreting", m.interpreting) for m in modules if hasattr(m, "interpreting")]
     saved += [(torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting), (gpu, "sm_count", gpu.sm_count)]
-    call, runs = launcher.TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
-
-    def record(self, *tensors):
-        seen.add(variant_key(self.fn, (*tensors, *self.scalars), self.meta))
-
-    def record_jit(self, *args, grid, warmup, **kwargs):
-        seen.add(variant_key(self, args, kwargs))
-
     try:
         for m, name, _ in saved:
             setattr(m, name, (lambda *a, **k: False) if name == "interpreting" else (lambda *a, **k: sms))
         torch_ops.kernels.interpreting = lambda: True
-        launcher.TritonLaunch.__call__ = record
-        JITFunction.run = InterpretedFunction.run = record_jit
-        yield seen
+        with precompile.recorded() as launches:
+            yield launches
     finally:
-        launcher.TritonLaunch.__call__ = call
-        JITFunction.run, InterpretedFunction.run = runs
         for m, name, value in saved:
             setattr(m, name, value)
 
@@ -133,7 +80,11 @@ def serving_variants(argv: list[str] | None = None, sms: int = 132) -> dict[str,
                          max_position=g.max_position)
     engine = serve.build(config, args.backend, torch.device("cpu"), torch.bfloat16, args, graphs=False)
     phases, total = {}, set()
-    with census(sms) as seen:
+    with census(sms) as launches:
+        def new() -> set:
+            seen = {launch.key() for launch in launches}
+            return seen - total
+
         if not args.no_graphs:
             engine.buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs)
             capture, engine_module.capture_cuda_graph = engine_module.capture_cuda_graph, _capture
@@ -141,12 +92,14 @@ def serving_variants(argv: list[str] | None = None, sms: int = 132) -> dict[str,
                 engine._capture_graphs()
             finally:
                 engine_module.capture_cuda_graph = capture
-        phases["graphs"], total = set(seen), set(seen)
+        phases["graphs"] = new()
+        total |= phases["graphs"]
         engine.warmup(progress=False)
-        phases["warmup"], total = seen - total, set(seen)
+        phases["warmup"] = new()
+        total |= phases["warmup"]
         requests, arrivals = serve.make_requests(args, config.vocab_size)
         generate(engine, requests, arrivals)
-        phases["serving"] = seen - total
+        phases["serving"] = new()
     return phases
 
 

@@ -22,7 +22,7 @@ from torch_ops.gpu import capture_cuda_graph
 from torch_ops.testing import assert_replays_match_eager, poison_
 from tests.torch_ops.kernels import test_paged_decode as tp
 
-CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int*": ctypes.c_void_p,
+CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int*": ctypes.c_void_p, "int*": ctypes.c_void_p,
           "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 
 
@@ -34,7 +34,7 @@ def test_args_mirror_the_header():
         line = line.split("//")[0].strip()
         if not line:
             continue
-        ctype, names = re.fullmatch(r"(const void\*|void\*|const int\*|float\*|int64_t|int32_t|float)\s+(.+);", line).groups()
+        ctype, names = re.fullmatch(r"(const void\*|void\*|const int\*|int\*|float\*|int64_t|int32_t|float)\s+(.+);", line).groups()
         fields += [(name.strip(), CTYPES[ctype]) for name in names.split(",")]
     assert [(n, t) for n, t in cd.DecodeArgs._fields_] == fields
 
