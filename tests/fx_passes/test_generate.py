@@ -30,7 +30,8 @@ def gpt_oss(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
-EAGER = {"gemma2": gemma2, "gpt_oss": gpt_oss}   # Hugging Face's eager attention gets float masks
+# (model, attention): Hugging Face's SDPA attention gets bool masks, its eager attention float ones
+LENGTHS = {"llama": (llama, "sdpa"), "gemma2": (gemma2, "eager"), "gpt_oss": (gpt_oss, "eager")}
 PROMPT_LENS, CAPACITY = (5, 7, 9), 16
 
 
@@ -72,43 +73,49 @@ def _agree(tokens, logits, want_tokens, want_logits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,compiled_by", [*((f, "user") for f in FAMILIES), ("llama", "transformers")])
-def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, compiled_by):
-    """`torch.compile(model.forward)` by the user, or transformers' own compile of the decode
-    steps (`CompileConfig`; on CPU only when asked for every device)."""
+@pytest.mark.parametrize("family,compiled_by,device", [
+    *((f, "user", "cpu") for f in FAMILIES), ("llama", "transformers", "cpu"), ("llama", "reduce-overhead", "cpu"),
+    pytest.param("llama", "reduce-overhead", "cuda", marks=pytest.mark.gpu)])
+def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, compiled_by, device):
+    """`torch.compile(model.forward)` by the user (`mode="reduce-overhead"`: CUDA graphs of both
+    graphs on a GPU; on the CPU Inductor runs them without), or transformers' own compile of the
+    decode steps (`CompileConfig`; on CPU only when asked for every device)."""
     torch.manual_seed(0)
-    model = _model(family)
-    ids = torch.randint(1, 128, (3, 7))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0   # left padding
-    mask[2, :1] = 0
+    model = _model(family).to(device)
+    ids, mask = _padded_prompt(7)
+    ids, mask = ids.to(device), mask.to(device)
     with torch.no_grad():
         want = _generate(model, ids, mask, disable_compile=True)
         with fx_passes.enabled():
-            if compiled_by == "user":
-                model.forward = torch.compile(model.forward, fullgraph=True)
-                got = _generate(model, ids, mask, disable_compile=True)
-            else:
+            if compiled_by == "transformers":
                 config = transformers.CompileConfig(fullgraph=True)
                 config._compile_all_devices = True
                 got = _generate(model, ids, mask, compile_config=config)
+            else:
+                mode = None if compiled_by == "user" else compiled_by
+                model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
+                got = _generate(model, ids, mask, disable_compile=True)
     assert counters["attn"]["decode_to_paged_matched"] == LAYERS   # one decode graph, every layer
-    if compiled_by == "user":   # transformers compiles the decode steps only
+    if compiled_by != "transformers":   # transformers compiles the decode steps only
         assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS   # the prefill of the padded prompts
+    if compiled_by == "reduce-overhead":   # prefill and decode: both captured on a GPU, both skipped on the CPU
+        assert counters["inductor"]["cudagraph_skips"] == (2 if device == "cpu" else 0)
     assert sum(counters["graph_break"].values()) == 0
     _agree(*got, *want)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", EAGER)
-def test_generate_eager_attention_takes_the_float_masks(family):
-    """Eager attention adds `generate()`'s masks as float graph inputs (0, or `finfo.min` for
-    padding and outside sliding windows): the prefill of three prompt lengths (one graph,
-    `dynamic=True`) and the decode steps run on the ops with them as `key_mask`, Gemma 2's
-    soft-cap and gpt-oss's sinks included. One static cache capacity for every prompt, so one
-    decode graph too. Without Inductor (the passes on Dynamo's graph, run eagerly): ~8 s."""
+@pytest.mark.parametrize("family", LENGTHS)
+def test_generate_three_prompt_lengths_in_one_graph(family):
+    """The left-padded prefill of three prompt lengths (one graph, `dynamic=True`) and the decode
+    steps run on the ops with `generate()`'s masks as `key_mask`: SDPA takes them as bool graph
+    inputs, eager attention adds them as float ones (0, or `finfo.min` for padding and outside
+    sliding windows), Gemma 2's soft-cap and gpt-oss's sinks included. One static cache capacity
+    for every prompt, so one decode graph too. Without Inductor (the passes on Dynamo's graph, run
+    eagerly): ~8 s."""
     torch.manual_seed(0)
-    model = EAGER[family]("eager").eval().to(torch.bfloat16)
+    build, impl = LENGTHS[family]
+    model = build(impl).eval().to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     eager, ops = model.forward, []
     compiled = torch.compile(eager, fullgraph=True, dynamic=True, backend=passes_then_eager(ops))
