@@ -4,12 +4,14 @@ An additive bias on scores `[..., Sq, Sk]` is ALiBi if it equals `slope[h] * k +
 the key index and `r` does not depend on `k` (it may depend on the batch, head and query index).
 Softmax is shift-invariant per row, so `r` drops out, and on causal rows (`k <= q`) the rest equals
 the ops' `-slope[h] * |q - k|` up to a row term. So `slope * k` (BLOOM, Falcon) and the relative
-`slope * (k - q)` are the same ALiBi; the op needs a causal mask (the caller checks it).
+`slope * (k - q)` are the same ALiBi; the op needs a causal mask, or a mask whose rows it checks
+on the device (the caller sees to it).
 
 Hugging Face builds the bias from the slopes (`pow` of `arange`, evaluated here at compile time)
 and key positions (`arange(Sk)`, or `(ones.cumsum(-1) - 1) * ones` as Falcon writes it without
-padding), reshapes it through `[B*H, 1, Sk]` and back, scales it, and may fold it into a float
-causal mask: `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)` (Falcon).
+padding, `(m.cumsum(-1) - 1) * m` of a padding mask `m` known at run time only), reshapes it
+through `[B*H, 1, Sk]` and back, scales it, and may fold it into a float causal mask:
+`masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)` (Falcon).
 
 `bias(x)` interprets the producers of a float tensor abstractly as a sum of `Term`s, each
 `base[i[head] % H] * coef * scalars * pos(i)` at index `i`, with `pos` an `index_mask.Affine`
@@ -19,7 +21,10 @@ as the model does) or a module buffer/parameter read at run time. `scalars` are 
 (float module attributes that `dynamic=True` lifts to graph inputs) that multiply or divide.
 Shape ops (unsqueeze, indexing, expand, repeat, view/reshape that merge or split dims, transpose)
 move `head` and `pos`; a head dim merged with an outer dim (`[B, H] -> [B*H]`) keeps
-`head index = i % H`. `additive_mask(x)` splits a float mask into its causal part (a bool mask
+`head index = i % H`. Positions of a padding mask (`padding_positions`) are a term whose `pos`
+is the key index, with `Positions` saying where they are read: their row follows the batch dim
+(`row = i // inner` once merged with inner dims), which the caller matches to the scores' batch
+and hands to a device-side check that they are the key index up to a row constant. `additive_mask(x)` splits a float mask into its causal part (a bool mask
 that `index_mask.causal_window` proves) and its bias. `frame_slopes` reads the per-head slopes of
 a bias added to scores and `slopes_node` builds them in the graph.
 
@@ -57,23 +62,54 @@ _MAX_TERMS = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class Positions:
+    """Run-time positions `node [B, S]` (see `padding_positions`) read at index `i` of a tensor as
+    `node[i[batch] // inner, k]`, `k` the dim where the term's `pos` varies (`batch` None: one row)."""
+
+    node: fx.Node
+    batch: int | None
+    inner: Any = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Term:
-    """`base[i[head] % H] * coef * scalars * pos(i)` at index `i` of a tensor."""
+    """`base[i[head] % H] * coef * scalars * pos(i)` at index `i` of a tensor. With `positions`,
+    `pos(i)` stands for the positions' value there, which differs from it by a run-time term
+    (`padding_positions`): the rewrite checks on the device that this term is constant over the
+    keys each query sees."""
 
     base: Any           # float64 tensor [H] (concrete), or a node of a buffer/parameter with H elements
     head: int | None    # the dim whose index picks the slope; None: H == 1
     pos: Affine         # aligned to the tensor's dims
     coef: float = 1.0
     scalars: tuple = ()  # ((node of a symbolic number, divides), ...)
+    positions: Positions | None = None
 
     @property
     def heads(self) -> int:
         return self.base.numel() if isinstance(self.base, torch.Tensor) else value(self.base).numel()
 
+    @property
+    def is_constant(self) -> bool:
+        """The same known number at every index (up to `base`, `coef` and `scalars`)."""
+        return self.positions is None and self.pos.is_known and isinstance(self.pos.const, int)
+
     def aligned(self, ndim: int) -> "Term":
-        n = len(self.pos.coef)
-        head = None if self.head is None else self.head + ndim - n
-        return dataclasses.replace(self, head=head, pos=self.pos.aligned(ndim))
+        shift = ndim - len(self.pos.coef)
+        return self.moved(lambda d: d + shift, pos=self.pos.aligned(ndim))
+
+    def moved(self, dim, **changes) -> "Term | None":
+        """The term with its head and batch dims `d` at `dim(d)` (None: not kept whole) and `changes`."""
+        head = None if self.head is None else dim(self.head)
+        positions = self.positions
+        if positions is not None and positions.batch is not None:
+            batch = dim(positions.batch)
+            if batch is None:
+                return None
+            positions = dataclasses.replace(positions, batch=batch)
+        if self.head is not None and head is None:
+            return None
+        return dataclasses.replace(self, head=head, positions=positions, **changes)
 
 
 def _constant_term(x: float) -> Term:
@@ -90,10 +126,15 @@ def bias(x: Any, nodes: list) -> tuple[Term, ...] | None:
     if not is_tensor(x):
         return None
     v = value(x)
+    c = call(x)
     if not v.dtype.is_floating_point:
         a = index_mask.analyze(x, nodes)
-        return (Term(torch.ones(1, dtype=torch.float64), None, a),) if isinstance(a, Affine) else None
-    c = call(x)
+        if isinstance(a, Affine):
+            return (Term(torch.ones(1, dtype=torch.float64), None, a),)
+        result = padding_positions(x)
+        if result is None and c is not None and c.name in _SHAPE_OPS:
+            result = _eval(c, x, v, nodes)
+        return None if result is None else _normalized(result, v.shape)
     result = _eval(c, x, v, nodes) if c is not None else None
     if result is None:
         result = _per_head(x, v)
@@ -101,6 +142,26 @@ def bias(x: Any, nodes: list) -> tuple[Term, ...] | None:
         return None
     nodes.append(x)
     return _normalized(result, v.shape)
+
+
+def padding_positions(x: Any) -> tuple[Term] | None:
+    """`x` as one term with run-time positions if it is `(cumsum(m, -1) - 1) * m` (either order)
+    of a 2-D integer or bool `m [B, S]`: Hugging Face's positions of a padded attention mask
+    (BLOOM's and Falcon's ALiBi). Where `m` is 0/1 with its ones in one run from `c_b`, they are
+    `k - c_b` on the ones: the key index up to a per-row term, not on the zeros."""
+    c = call(x)
+    if c is None or c.name != "mul" or value(x).dim() != 2 or c.kwargs:
+        return None
+    for left, m in ((c.input, c.arg(1, "other")), (c.arg(1, "other"), c.input)):
+        sub, one = call(left), None
+        if sub is not None and sub.name == "sub" and not sub.kwargs:
+            one, cumsum = sub.arg(1, "other"), call(sub.input)
+        if one == 1 and not isinstance(one, bool) and cumsum is not None and cumsum.name == "cumsum" \
+                and cumsum.input is m and cumsum.arg(1, "dim") in (-1, 1) and is_tensor(m) \
+                and not value(m).dtype.is_floating_point and known_equal(value(m).shape, value(x).shape):
+            batch = None if known_equal(value(x).shape[0], 1) else 0
+            return (Term(torch.ones(1, dtype=torch.float64), None, Affine((0, 1)), positions=Positions(x, batch)),)
+    return None
 
 
 def _per_head(x: fx.Node, v: torch.Tensor) -> tuple[Term, ...] | None:
@@ -207,7 +268,7 @@ def _eval(c, x: fx.Node, v: torch.Tensor, nodes: list) -> tuple[Term, ...] | Non
 def _rounded(t: Term, dtype: torch.dtype) -> Term:
     """`t` cast to `dtype`: a constant per-head value is rounded as the model rounds it (e.g.
     Falcon's bfloat16 slopes); the rounding of a product with positions is not modelled."""
-    if not (isinstance(t.base, torch.Tensor) and t.pos.is_known and isinstance(t.pos.const, int) and not t.scalars):
+    if not (isinstance(t.base, torch.Tensor) and t.is_constant and not t.scalars):
         return t
     rounded = (t.base * (t.coef * t.pos.const)).to(dtype).double()
     return Term(rounded, t.head, Affine((0,) * len(t.pos.coef), 1))
@@ -237,32 +298,33 @@ def _times(a, b, ndim: int) -> tuple[Term, ...] | None:
 def _product(s: Term, t: Term) -> Term | None:
     """`s * t` if it is a term: one factor has a constant position and one is one number or both
     bases are concrete vectors along the same dim."""
-    if s.pos.is_known and isinstance(s.pos.const, int):
-        pos = t.pos.scaled(s.pos.const)
-    elif t.pos.is_known and isinstance(t.pos.const, int):
-        pos = s.pos.scaled(t.pos.const)
+    if s.is_constant:
+        pos, positions = t.pos.scaled(s.pos.const), t.positions
+    elif t.is_constant:
+        pos, positions = s.pos.scaled(t.pos.const), s.positions
     else:
         return None
     coef, scalars = s.coef * t.coef, s.scalars + t.scalars
     if isinstance(t.base, torch.Tensor) and t.head is None:
         s, t = t, s
     if isinstance(s.base, torch.Tensor) and s.head is None:
-        return Term(t.base, t.head, pos, coef * float(s.base[0]), scalars)
+        return Term(t.base, t.head, pos, coef * float(s.base[0]), scalars, positions)
     if isinstance(s.base, torch.Tensor) and isinstance(t.base, torch.Tensor) and s.head == t.head \
             and s.heads == t.heads:
-        return Term(s.base * t.base, s.head, pos, coef, scalars)
+        return Term(s.base * t.base, s.head, pos, coef, scalars, positions)
     return None
 
 
 def _normalized(terms, shape) -> tuple[Term, ...] | None:
     """Size-1 dims have index 0: no position coefficient there, and a head dim of size 1 picks the
-    first slope. A head dim's size is a multiple of H (so that `i % H` is the head)."""
+    first slope. A head dim's size is a multiple of H (so that `i % H` is the head). A batch dim
+    of size 1 reads the positions' first row: they must have one."""
     out = []
     for t in terms:
         t = t.aligned(len(shape))
         pos = Affine(tuple(0 if known_equal(s, 1) else k for k, s in zip(t.pos.coef, shape)), t.pos.const,
                      t.pos.runtime)
-        head, base = t.head, t.base
+        head, base, positions = t.head, t.base, t.positions
         if head is not None and known_equal(shape[head], 1):
             if not isinstance(base, torch.Tensor):
                 return None
@@ -271,7 +333,11 @@ def _normalized(terms, shape) -> tuple[Term, ...] | None:
             return None
         if head is not None and not statically_known_true(shape[head] % t.heads == 0):
             return None
-        out.append(Term(base, head, pos, t.coef, t.scalars))
+        if positions is not None and positions.batch is not None and known_equal(shape[positions.batch], 1):
+            if not known_equal(value(positions.node).shape[0], 1):
+                return None
+            positions = Positions(positions.node, None)
+        out.append(Term(base, head, pos, t.coef, t.scalars, positions))
     return tuple(out)
 
 
@@ -283,9 +349,8 @@ def _shape_op(c, terms, src, dst) -> tuple[Term, ...] | None:
         if not isinstance(d, int):
             return None
         d %= n + 1
-        return tuple(Term(t.base, None if t.head is None else t.head + (t.head >= d),
-                          Affine(t.pos.coef[:d] + (0,) + t.pos.coef[d:], t.pos.const, t.pos.runtime), t.coef, t.scalars)
-                     for t in terms)
+        return _all(t.moved(lambda e: e + (e >= d), pos=Affine(t.pos.coef[:d] + (0,) + t.pos.coef[d:], t.pos.const,
+                                                               t.pos.runtime)) for t in terms)
     if name == "getitem":
         return _getitem(terms, n, c.args[1])
     if name in ("expand", "expand_as"):
@@ -296,6 +361,9 @@ def _shape_op(c, terms, src, dst) -> tuple[Term, ...] | None:
         out = [t.aligned(len(dst)) for t in terms]
         if any(k and not known_equal(r, 1) for t in out for k, r in zip(t.pos.coef, reps)):
             return None  # a repeated dim's index wraps around: not affine
+        if any(t.positions is not None and t.positions.batch is not None and not known_equal(reps[t.positions.batch], 1)
+               for t in out):
+            return None  # nor is the row of the positions
         return tuple(out)
     if name in ("transpose", "swapaxes", "swapdims", "permute"):
         if name == "permute":
@@ -309,32 +377,41 @@ def _shape_op(c, terms, src, dst) -> tuple[Term, ...] | None:
         if not all(isinstance(d, int) for d in order):
             return None
         order = [d % n for d in order]
-        return tuple(Term(t.base, None if t.head is None else order.index(t.head),
-                          Affine(tuple(t.pos.coef[d] for d in order), t.pos.const, t.pos.runtime), t.coef, t.scalars)
-                     for t in terms)
+        return _all(t.moved(order.index, pos=Affine(tuple(t.pos.coef[d] for d in order), t.pos.const, t.pos.runtime))
+                    for t in terms)
     if name in ("view", "reshape", "flatten"):
         return _reshaped(terms, src, dst)
     return None
 
 
+def _all(terms) -> tuple[Term, ...] | None:
+    terms = tuple(terms)
+    return None if any(t is None for t in terms) else terms
+
+
 def _getitem(terms, ndim: int, index) -> tuple[Term, ...] | None:
-    """Basic indexing; the head dim must be kept whole (a full slice)."""
+    """Basic indexing; the head and batch dims must be kept whole (a full slice), and so must the
+    keys of run-time positions if they stay."""
     index = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, fx.Node) for i in index):
         return None
+
+    def kept(d: int) -> int | None:
+        marker = index_mask.basic_index(Affine(tuple(int(e == d) for e in range(ndim))), ndim, index)
+        if marker is None or marker.const != 0 or sorted(marker.coef) != [0] * (len(marker.coef) - 1) + [1]:
+            return None
+        return marker.coef.index(1)
+
     out = []
     for t in terms:
         pos = index_mask.basic_index(t.pos, ndim, index)
         if pos is None:
             return None
-        head = None
-        if t.head is not None:
-            marker = index_mask.basic_index(Affine(tuple(int(d == t.head) for d in range(ndim))), ndim, index)
-            if marker is None or marker.const != 0 or sorted(marker.coef) != [0] * (len(marker.coef) - 1) + [1]:
-                return None
-            head = marker.coef.index(1)
-        out.append(Term(t.base, head, pos, t.coef, t.scalars))
-    return tuple(out)
+        if t.positions is not None and any(pos.coef) and (
+                pos.const != t.pos.const or sorted(filter(None, pos.coef)) != sorted(filter(None, t.pos.coef))):
+            return None  # the positions read from an offset or with a step
+        out.append(t.moved(kept, pos=pos))
+    return _all(out)
 
 
 def _reshaped(terms, src, dst) -> tuple[Term, ...] | None:
@@ -361,8 +438,31 @@ def _reshaped(terms, src, dst) -> tuple[Term, ...] | None:
                     return None
         if t.head is not None and head is None:
             return None
-        out.append(Term(t.base, head, Affine(tuple(coef), t.pos.const, t.pos.runtime), t.coef, t.scalars))
+        positions = t.positions
+        if positions is not None and positions.batch is not None:
+            positions = _batch_reshaped(positions, groups, src, dst)
+            if positions is None:
+                return None
+        out.append(Term(t.base, head, Affine(tuple(coef), t.pos.const, t.pos.runtime), t.coef, t.scalars, positions))
     return tuple(out)
+
+
+def _batch_reshaped(p: Positions, groups, src, dst) -> Positions | None:
+    """`p` after a view: its batch dim may be the outermost of dims merged into one (the row is
+    the index // the inner dims' size), or split from one whose inner dims are those of a merge."""
+    for into, outof in groups:
+        if p.batch not in into:
+            continue
+        if len(outof) == 1 and p.batch == into[0]:
+            inner = p.inner
+            for d in into[1:]:
+                inner = inner * src[d]
+            return Positions(p.node, outof[0], inner)
+        rest = 1
+        for d in outof[1:]:
+            rest = rest * dst[d]
+        return Positions(p.node, outof[0], 1) if len(into) == 1 and known_equal(p.inner, rest) else None
+    return None
 
 
 def _dim_groups(src, dst) -> list[tuple[list[int], list[int]]] | None:
@@ -416,6 +516,17 @@ def additive_mask(x: Any, nodes: list) -> tuple[int | None, tuple[Term, ...] | N
         return window, (_plus(*terms, value(x).dim()) if len(terms) == 2 else terms[0] if terms else None)
     terms = bias(x, nodes)
     return None if terms is None else (None, terms)
+
+
+def kept_keys(x: Any, nodes: list) -> fx.Node | None:
+    """`m` if float mask `x` is `where(m, 0, -inf or finfo.min)` of a bool `m` (any pattern: the
+    keys each query sees); collects the nodes it read into `nodes`."""
+    c = call(x)
+    if c is None or c.name != "where" or not _is_bool(c.input) or not _is_fill(c.arg(2, "other"), value(x).dtype) \
+            or not _is_zero(c.arg(1, "input")):
+        return None
+    nodes += [x, *([c.arg(1, "input")] if isinstance(c.arg(1, "input"), fx.Node) else [])]
+    return c.input
 
 
 def _masked(keep, kept: Any, x: fx.Node, nodes: list) -> tuple[int, tuple[Term, ...] | None] | None:
@@ -488,8 +599,10 @@ def frame_slopes(terms, shape, scores_shape, head_dim: int, num_heads: int) -> l
     """The per-head slopes of `terms` (of a bias of `shape`) added to scores of `scores_shape`
     whose dim `head_dim` indexes the heads (`[B, H, Sq, Sk]`: 1) or batch and heads with the head
     innermost (`[B*H, Sq, Sk]`: 0), keys last: terms `base [H] * coef * scalars` (position dropped,
-    its key coefficient in `coef`; terms constant along the keys drop out of the softmax). Raises
-    Decline if a term does not vary as per-head slopes times the key index."""
+    its key coefficient in `coef`; terms constant along the keys drop out of the softmax), with
+    their run-time positions if they read some along the keys: those must be `[B, Sk]` (or one
+    row), row b for batch b of the scores. Raises Decline if a term does not vary as per-head
+    slopes times the key index."""
     n = len(scores_shape)
     if len(shape) > n or not all(known_equal(s, 1) or known_equal(s, f)
                                  for s, f in zip(shape, scores_shape[n - len(shape):])):
@@ -504,9 +617,24 @@ def frame_slopes(terms, shape, scores_shape, head_dim: int, num_heads: int) -> l
         if t.heads not in (1, num_heads) and not isinstance(t.base, torch.Tensor):
             raise Decline(f"a slope buffer of {t.heads} values for {num_heads} heads")
         k = t.pos.coef[-1]
+        if k and t.positions is not None:
+            _check_positions(t.positions, scores_shape, head_dim, num_heads)
         if k:
-            out.append(Term(t.base, t.head, Affine(()), t.coef * k, t.scalars))
+            out.append(Term(t.base, t.head, Affine(()), t.coef * k, t.scalars, t.positions))
     return out
+
+
+def _check_positions(p: Positions, scores_shape, head_dim: int, num_heads: int) -> None:
+    """Positions `[B, Sk]` read at the scores' keys, row b at batch b: `[B, H, Sq, Sk]` scores
+    (`head_dim` 1) from their dim 0, `[B*H, Sq, Sk]` ones (`head_dim` 0) from dim 0 // H."""
+    rows, keys = value(p.node).shape
+    per_row = num_heads if head_dim == 0 else 1
+    if not known_equal(keys, scores_shape[-1]):
+        raise Decline(f"positions of {keys} keys for scores over {scores_shape[-1]} keys")
+    if p.batch is None:
+        return
+    if p.batch != 0 or not known_equal(p.inner, per_row) or not known_equal(rows * per_row, scores_shape[0]):
+        raise Decline(f"the rows of the positions {p.node.name} are not the batch of the scores")
 
 
 def slopes_node(graph: fx.Graph, before: fx.Node, terms: list[Term], num_heads: int, device) -> fx.Node:

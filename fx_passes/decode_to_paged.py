@@ -24,12 +24,14 @@ the one query would see key 0 only), float masks other than graph inputs and mas
 between heads, dropout, query dtypes other than fp16/bf16 or other op rejections, autograd.
 Queries of more than one token are left to `sdpa_to_attn`.
 
-Also recognized: the matmul-softmax-matmul spellings over `[B, H, S, D]` tensors that
-`sdpa_to_attn.match_matmul` reads (Hugging Face's eager attention: Gemma 2's soft-cap, gpt-oss's
-learned sinks) with one query over the cache, and either no mask or one that goes to the op as
-`key_mask`: a float mask from a graph input (as `generate()` passes it to eager attention, see
-`replacements.key_mask_of`) or a bool one shared by the heads; soft-cap, sinks and ALiBi slopes
-go to the op. Declined there: `bmm` over `[B*H, S, D]` views (BLOOM) and causal masks.
+Also recognized: the matmul-softmax-matmul spellings that `sdpa_to_attn.match_matmul` reads
+(Hugging Face's eager attention: Gemma 2's soft-cap, gpt-oss's learned sinks, BLOOM's `bmm` over
+`[B*H, S, D]` views) with one query over the cache, and either no mask or one that goes to the
+op as `key_mask`: a float mask from a graph input (as `generate()` passes it to eager attention,
+see `replacements.key_mask_of`) or a bool one shared by the heads (BLOOM's, built in the graph);
+soft-cap, sinks and ALiBi slopes go to the op, ALiBi positions from a padding mask to a device
+check (`replacements.check_alibi`; the op measures `|p - k|` from the last visible key). Declined
+there: causal masks.
 
 At the edge: a length of 0 (an all-false mask row) gives zeros where SDPA gives NaN.
 """
@@ -44,7 +46,7 @@ import torch.fx as fx
 from . import index_mask, sdpa_to_attn
 from .replacements import paged_decode_bhsd
 from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_input_mask, is_scalar_node, unrepeat
-from .torch_ir import Decline, call, declined, erase_unused, graph_constant, is_tensor, known_equal, value
+from .torch_ir import Decline, call, declined, erase_unused, graph_constant, insert_call, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def apply(graph: fx.Graph) -> int:
             if c is not None and c.name == "scaled_dot_product_attention" and _is_decode(c):
                 args, kwargs, dead = _match(node, c)
                 example = _example_output(args, kwargs)
-            elif c is not None and c.name == "matmul" and _is_decode(c) \
+            elif c is not None and c.name in ("matmul", "bmm") and _is_decode(c) \
                     and (attention := sdpa_to_attn.match_matmul(node, c, decode=True)) is not None:
                 args, kwargs, dead, example = _match_eager(attention)
                 kwargs.update(q_factor=sdpa_to_attn.q_factor_node(graph, attention),
@@ -75,6 +77,8 @@ def apply(graph: fx.Graph) -> int:
             new = graph.call_function(paged_decode_bhsd, args, kwargs)
         new.meta.update(node.meta)
         new.meta["example_value"] = example
+        if value(node).dim() == 3:   # bmm over [B*H, S, D] views
+            new = insert_call(graph, node, "flatten", (new, 0, 1), method=True)
         node.replace_all_uses_with(new)
         erase_unused(graph, [node, *dead])
         rewritten += 1
@@ -82,10 +86,13 @@ def apply(graph: fx.Graph) -> int:
 
 
 def _is_decode(c) -> bool:
-    """One query over more than one key, all 4-D: the query's (or the probabilities')
-    second-to-last size is 1, the key's (or value's) is not."""
-    q, k = (c.arg(0, "query"), c.arg(1, "key")) if c.name == "scaled_dot_product_attention" else (c.input, c.arg(1, "other"))
-    if not (is_tensor(q) and is_tensor(k) and value(q).dim() == value(k).dim() == 4):
+    """One query over more than one key, all 4-D (or 3-D for `bmm`): the query's (or the
+    probabilities') second-to-last size is 1, the key's (or value's) is not."""
+    if c.name == "scaled_dot_product_attention":
+        q, k = c.arg(0, "query"), c.arg(1, "key")
+    else:
+        q, k = c.input, c.arg(1, "mat2" if c.name == "bmm" else "other")
+    if not (is_tensor(q) and is_tensor(k) and value(q).dim() == value(k).dim() == (3 if c.name == "bmm" else 4)):
         return False
     return known_equal(value(q).shape[-2], 1) and not known_equal(value(k).shape[-2], 1)
 
@@ -93,10 +100,9 @@ def _is_decode(c) -> bool:
 def _match_eager(a: sdpa_to_attn.Attention) -> tuple[tuple, dict, list[fx.Node], torch.Tensor]:
     """(args, kwargs of `paged_decode_bhsd` without the query factor and slopes, the nodes it
     makes dead, its example output) of an eager-spelled decode attention."""
-    if a.merged:
-        raise Decline("bmm over [B*H, S, D] views (BLOOM's spelling) in a decode step")
     args = (a.query, a.key, a.value, a.key_mask)
-    kwargs = {"scale": a.scale, "key_mask": a.key_mask is not None, "softcap": a.softcap, "sinks": a.sinks}
+    kwargs = {"scale": a.scale, "key_mask": a.key_mask is not None, "softcap": a.softcap, "sinks": a.sinks,
+              "alibi_positions": a.positions}
     q = value(a.query)
     with q.fake_mode:
         slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if a.alibi else None

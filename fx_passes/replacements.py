@@ -32,9 +32,30 @@ def key_mask_of(mask: torch.Tensor) -> torch.Tensor:
     return keep
 
 
+def check_alibi(rows: torch.Tensor, batch: int, positions=None, query_positions=None) -> None:
+    """A device-side assert that fails the call where the op's ALiBi, `-slope * |p - k|`, is not
+    the model's `slope * position(k)` up to a term constant per row on the keys each query sees,
+    `rows [batch * Sq, Sk]` (bool): a key seen after the op's query position `query_positions
+    [Sq]` (p of each query), or run-time `positions [batch or 1, Sk]` that differ from the key
+    index by more than one number over a row's keys (e.g. a padding mask with a hole)."""
+    sk = rows.shape[-1]
+    seen = rows.view(batch, -1, sk)
+    keys = torch.arange(sk, device=rows.device)
+    bad = torch.zeros((), dtype=torch.bool, device=rows.device)
+    if query_positions is not None:
+        bad = bad | (seen & (keys > query_positions[:, None])).any()
+    if positions is not None:
+        offset = (positions.long() - keys).expand(batch, sk)[:, None, :]
+        lowest = torch.where(seen, offset, torch.iinfo(torch.int64).max).amin(-1)
+        highest = torch.where(seen, offset, torch.iinfo(torch.int64).min).amax(-1)
+        bad = bad | (highest > lowest).any()
+    torch._assert_async(~bad, "attn alibi_slopes: a query sees a key after its position, or the model's ALiBi "
+                              "positions are not the key index up to a constant on the keys a query sees")
+
+
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
-                           softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None):
+                           softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None, alibi_positions=None):
     """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
     `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
 
@@ -47,7 +68,9 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     to `[B, 1, S, R]`, Sq == Sk, see `rope_table`): query and key are rotated (RoPE, partial when
     R < D) inside the op. `key_mask` (bool, or a 0/-inf float mask: `key_mask_of`; broadcastable to
     `[B, 1, Sq, Sk]`): which keys each query sees (any pattern: e.g. left padding), the op's
-    `key_mask` row by row."""
+    `key_mask` row by row; with ALiBi, `check_alibi` fails the call if a query sees a key after
+    its position in the op (`Sk - Sq + i`), or, given the model's `alibi_positions [B, Sk]`, if
+    they are not the key index up to a constant on each row's keys."""
     b, hq, sq, d = query.shape
     sk = key.shape[2]
 
@@ -64,6 +87,8 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
         positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)
         rope = dict(positions=positions, cos_sin_cache=table, rope_neox=rope_neox)
     rows = None if key_mask is None else key_mask_of(key_mask).expand(b, 1, sq, sk)[:, 0].reshape(b * sq, sk)
+    if rows is not None and alibi_slopes is not None:
+        check_alibi(rows, b, alibi_positions, torch.arange(sk - sq, sk, device=query.device))
     out, _ = torch.ops.attn.context_attention(
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
         out_scale=out_scale, window_left=window_left, softcap=softcap,
@@ -73,7 +98,7 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
 
 def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None,
                       block_tables=None, seq_lens=None, key_mask: bool = False, softcap: float = 0.0, sinks=None,
-                      alibi_slopes=None):
+                      alibi_slopes=None, alibi_positions=None):
     """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key`/`value [B, Hkv, S, D]`
     (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in place: each
     sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1], ...]`).
@@ -81,7 +106,8 @@ def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_fa
     the keys in every row; None: all S keys) gives the sequence length: its number of true keys.
     With `key_mask`, `mask` (bool or a 0/-inf float mask, one for all heads; see `key_mask_of`) is
     any pattern: it goes to the op as each sequence's `key_mask` row, and the length is its last
-    visible key + 1, the query's position (ALiBi's `-slope * |p - j|` is measured from it).
+    visible key + 1, the query's position (ALiBi's `-slope * |p - j|` is measured from it; the
+    model's run-time `alibi_positions [B, S]` are checked as in `context_attention_bhsd`).
     `block_tables` (int32 `[B, 1]`) and `seq_lens` (int32 `[B]`), when given, are those tables
     already made (graph constants when B and S are static). Returns `[B, Hq, 1, D]`;
     `q_factor`, `out_scale`, `softcap`, `sinks` and `alibi_slopes` as in `context_attention_bhsd`."""
@@ -92,6 +118,8 @@ def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_fa
         rows = key_mask_of(mask).expand(b, 1, 1, s)[:, 0, 0, :]
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         seq_lens = (rows * torch.arange(1, s + 1, device=device)).amax(-1).to(torch.int32)
+        if alibi_positions is not None:
+            check_alibi(rows, b, alibi_positions)
     if seq_lens is None and mask is None:
         seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
     elif seq_lens is None:

@@ -16,7 +16,9 @@ Recognized spellings, in Dynamo's torch-level graph:
   `masked_fill(mask, -inf or finfo.min)` whose mask is `triu`/`tril` of `ones`, possibly negated
   (`~`, `logical_not`, `== 0`) or provably causal (`index_mask`), or at most one additive
   `+ where(mask, 0, -inf or finfo.min)` with a provably causal or sliding-window mask (Hugging
-  Face's eager spelling) or `+ mask` of a float graph-input mask as above, and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
+  Face's eager spelling) or `+ mask` of a float graph-input mask as above or `+ where(mask, 0,
+  -inf)` of any other bool mask the heads share (BLOOM's padded mask, built in the graph from
+  the 2-D mask: `key_mask`), and soft-capping `c * tanh(s / c)` by a constant `c` before the mask
   (`softcap=c`; Gemma 2's spelling, whose cap Dynamo lifts to a graph input under
   `dynamic=True`: then declined); float casts around the softmax (fp32 softmax) and eval-mode
   dropout are allowed; learned sinks: the softmax over `cat([scores, sinks.reshape(1, -1, 1,
@@ -29,8 +31,13 @@ Recognized spellings, in Dynamo's torch-level graph:
 
 ALiBi: a bias that `alibi` proves is per-head slopes times key positions, up to a term constant
 per row, becomes the op's `alibi_slopes` (constant slopes fold into a graph constant; slopes
-from a buffer and symbolic factors such as BLOOM's lifted `beta` are applied at run time). Only
-with a causal mask: `slope * k` is `-slope * |q - k|` plus a row constant only where `k <= q`.
+from a buffer and symbolic factors such as BLOOM's lifted `beta` are applied at run time). With
+a causal mask: `slope * k` is `-slope * |q - k|` plus a row constant where `k <= q`. With a
+`key_mask` instead, the op's query `i` sits at `Sk - Sq + i` and the replacement checks on the
+device that no query sees a key after it (`replacements.check_alibi`). Positions from a padding
+mask `m` (`(cumsum(m) - 1) * m`, BLOOM's and Falcon's, `alibi.padding_positions`) are `k - c_b`
+on the keys of a left-padded row: the same check fails the call where they are not the key
+index plus one number on the keys a query sees (a mask with holes); they need a `key_mask`.
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -45,7 +52,8 @@ linear, so scaling before it is the same), and the op's `scale` keeps the consta
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
 other mask or bias (bool masks that differ between heads, float masks that are not a causal
-mask with an ALiBi bias, positions from a padding mask, ALiBi without a causal mask), dropout in training, dtypes other than
+mask with an ALiBi bias, ALiBi without a causal mask or a `key_mask`, positions from a padding
+mask without a `key_mask`), dropout in training, dtypes other than
 fp16/bf16/fp32, devices other than CPU/CUDA, attention that autograd records (the op has no
 autograd formula: compile under no_grad), one query over many keys (a decode step over a `[B,
 H, S, D]` cache: the op would repack the cache every call; on an H200 that made a 1B Llama
@@ -103,6 +111,7 @@ class Attention:
     alibi: list[alibi.Term] | None = None   # ALiBi slopes (`alibi.frame_slopes`), summed by `alibi.slopes_node`
     merged: bool = False    # `node` returns [B*Hq, Sq, D] (bmm over [B*H, S, D] views)
     key_mask: fx.Node | None = None   # a bool mask shared by the heads, of any pattern (not causal)
+    positions: fx.Node | None = None  # the ALiBi's run-time positions [B, Sk] (`alibi.padding_positions`)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -229,7 +238,7 @@ def match_matmul(node: fx.Node, c: Call, decode: bool = False) -> Attention | No
             x, softcap = cx.input, scale   # the factors before the tanh keep multiplying `scale`
         elif cx.name == "masked_fill" and not causal and not softcap:
             x, causal = _causal_fill(cx, mask_nodes), True
-        elif cx.name == "add" and not softcap and key_mask is None and (found := _input_mask_added(cx)):
+        elif cx.name == "add" and not softcap and key_mask is None and (found := _key_mask_added(cx, mask_nodes)):
             x, key_mask = found
             check_mask_shape(key_mask, value(x).shape)
         elif cx.name == "add" and not softcap:
@@ -288,15 +297,24 @@ def _additive(c: Call, nodes: list) -> tuple[fx.Node, fx.Node, int | None, tuple
                   "or of an ALiBi bias (per-head slopes times key positions)")
 
 
-def _input_mask_added(c: Call) -> tuple[fx.Node, fx.Node] | None:
-    """(scores, mask) of `scores + mask` (either order) where `mask` is a float mask from a graph
-    input (`is_input_mask`), else None."""
+def _key_mask_added(c: Call, nodes: list) -> tuple[fx.Node, fx.Node] | None:
+    """(scores, key mask) of `scores + mask` (either order) where `mask` is a float mask from a
+    graph input (`is_input_mask`; the key mask is the mask), or `where(m, 0, -inf)` of a bool `m`
+    shared by the heads that is not a causal mask (`alibi.additive_mask`: the op's causal flag
+    serves those; the key mask is `m`); else None. Collects the nodes it makes dead into `nodes`."""
     a, b = c.input, c.arg(1, "other")
     if c.kwargs.get("alpha", 1) != 1:
         return None
     for scores, mask in ((a, b), (b, a)):
-        if is_tensor(scores) and is_input_mask(mask):
+        if not is_tensor(scores) or not is_tensor(mask):
+            continue
+        if is_input_mask(mask):
             return scores, mask
+        read = []
+        if (m := alibi.kept_keys(mask, read)) is not None and is_head_shared_bool(m) \
+                and alibi.additive_mask(mask, []) is None:
+            nodes += read
+            return scores, m
     return None
 
 
@@ -388,11 +406,16 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
                       "aligns the mask top-left, context_attention bottom-right")
     if sinks is not None and not known_equal(value(sinks).shape, (qv.shape[1],)):
         raise Decline(f"sink logits of shape {tuple(value(sinks).shape)}, not one per query head ({qv.shape[1]})")
-    if alibi and not causal and not decode:
+    if alibi and not causal and not decode and key_mask is None:
         raise Decline("an ALiBi bias without a causal mask: slope * k is the op's -slope * |q - k| (up to a "
                       "constant per row) only where k <= q")
+    positions = {t.positions.node for t in alibi or () if t.positions is not None}
+    if len(positions) > 1:
+        raise Decline("ALiBi biases of two run-time position tensors")
+    if positions and key_mask is None:
+        raise Decline("ALiBi of run-time positions without a mask of the keys each query sees")
     return Attention(node, q, k, v, causal, scale, nodes, q_factors, window_left, softcap, sinks, alibi, merged,
-                     key_mask)
+                     key_mask, next(iter(positions), None))
 
 
 def q_factor_value(attention: Attention):
@@ -444,7 +467,7 @@ def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> No
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
                                    "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks,
-                                   "alibi_slopes": slopes, "key_mask": a.key_mask})
+                                   "alibi_slopes": slopes, "key_mask": a.key_mask, "alibi_positions": a.positions})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example.unflatten(0, value(a.query).shape[:2]) if a.merged else example
     out = insert_call(graph, a.node, "flatten", (new, 0, 1), method=True) if a.merged else new

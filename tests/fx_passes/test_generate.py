@@ -3,11 +3,14 @@ step's mask outside the graph (a graph input), and both the prefill of the left-
 (`attn::context_attention`) and the decode steps (`attn::paged_decode`) run on the ops, taking
 the mask as `key_mask`."""
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
+from torch_ops.testing import assert_error_ratio
 
 from .test_hf_models import VOCAB, gemma2, gemma3, llama, mistral, passes_then_eager, tiny
 
@@ -30,7 +33,20 @@ def gpt_oss(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
-EAGER = {"gemma2": gemma2, "gpt_oss": gpt_oss}   # Hugging Face's eager attention gets float masks
+def bloom(impl):
+    """ALiBi, by positions from the padding mask; the attention's output projection scaled up
+    (x30) so that the logits depend on the attention, and on its slopes, above bf16 noise."""
+    model = tiny("bloom", impl)
+    with torch.no_grad():
+        for layer in model.transformer.h:
+            layer.self_attention.dense.weight.mul_(30)
+    return model
+
+
+# (model, attention): Hugging Face's SDPA attention gets bool masks, its eager attention float
+# ones; BLOOM builds its mask and ALiBi positions in the graph from the 2-D mask
+LENGTHS = {"llama": (llama, "sdpa"), "gemma2": (gemma2, "eager"), "gpt_oss": (gpt_oss, "eager"),
+           "bloom": (bloom, "eager")}
 PROMPT_LENS, CAPACITY = (5, 7, 9), 16
 
 
@@ -58,58 +74,85 @@ def _generate(model, ids, mask, **kwargs):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()   # [B, N], [B, N, V]
 
 
-def _agree(tokens, logits, want_tokens, want_logits):
-    """Tokens equal eager's up to the first step where eager's top two logits nearly tie; before
-    that, logits within bf16 noise of eager's (teacher forcing: the same tokens went in)."""
+def _agree(tokens, logits, want_tokens, want_logits, truth=None):
+    """Tokens equal eager's up to the first step where eager's top two logits nearly tie; up to
+    there, logits within bf16 noise of eager's (teacher forcing: the same tokens went in), and as
+    close to the float64 `truth` (`_truth` of eager's tokens), if given, as eager's are."""
     top2 = want_logits.topk(2, -1).values
     margin = top2[..., 0] - top2[..., 1]
     for b in range(tokens.shape[0]):
-        for n in range(tokens.shape[1]):
+        steps = tokens.shape[1]
+        for n in range(steps):
             torch.testing.assert_close(logits[b, n], want_logits[b, n], atol=5e-2, rtol=5e-2)
             if tokens[b, n] != want_tokens[b, n]:
                 assert margin[b, n] < NEAR_TIE, f"sequence {b} step {n}: token differs, eager margin {margin[b, n]:.3f}"
+                steps = n + 1
                 break
+        if truth is not None:   # bf16 logits: bf16 rounding is the floor
+            assert_error_ratio(logits[b, :steps].bfloat16(), truth[b, :steps], want_logits[b, :steps].bfloat16(),
+                               name=f"sequence {b} logits")
+
+
+def _truth(model64, ids, mask, tokens):
+    """`[B, N, V]` float64 logits of the `N` steps that generated `tokens [B, N]`: each sequence
+    without its left padding through the float64 model, in one forward."""
+    n, rows = tokens.shape[1], []
+    for b in range(ids.shape[0]):
+        sequence = torch.cat([ids[b][mask[b].bool()], tokens[b]])[None]
+        rows.append(model64(sequence, use_cache=False).logits[0, -n - 1:-1])
+    return torch.stack(rows).float()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,compiled_by", [*((f, "user") for f in FAMILIES), ("llama", "transformers")])
-def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, compiled_by):
-    """`torch.compile(model.forward)` by the user, or transformers' own compile of the decode
-    steps (`CompileConfig`; on CPU only when asked for every device)."""
+@pytest.mark.parametrize("family,compiled_by,device", [
+    *((f, "user", "cpu") for f in FAMILIES), ("llama", "transformers", "cpu"), ("llama", "reduce-overhead", "cpu"),
+    pytest.param("llama", "reduce-overhead", "cuda", marks=pytest.mark.gpu)])
+def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, compiled_by, device):
+    """`torch.compile(model.forward)` by the user (`mode="reduce-overhead"`: CUDA graphs of both
+    graphs on a GPU; on the CPU Inductor runs them without), or transformers' own compile of the
+    decode steps (`CompileConfig`; on CPU only when asked for every device)."""
     torch.manual_seed(0)
-    model = _model(family)
-    ids = torch.randint(1, 128, (3, 7))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0   # left padding
-    mask[2, :1] = 0
+    model = _model(family).to(device)
+    ids, mask = _padded_prompt(7)
+    ids, mask = ids.to(device), mask.to(device)
     with torch.no_grad():
         want = _generate(model, ids, mask, disable_compile=True)
         with fx_passes.enabled():
-            if compiled_by == "user":
-                model.forward = torch.compile(model.forward, fullgraph=True)
-                got = _generate(model, ids, mask, disable_compile=True)
-            else:
+            if compiled_by == "transformers":
                 config = transformers.CompileConfig(fullgraph=True)
                 config._compile_all_devices = True
                 got = _generate(model, ids, mask, compile_config=config)
+            else:
+                mode = None if compiled_by == "user" else compiled_by
+                model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
+                got = _generate(model, ids, mask, disable_compile=True)
     assert counters["attn"]["decode_to_paged_matched"] == LAYERS   # one decode graph, every layer
-    if compiled_by == "user":   # transformers compiles the decode steps only
+    if compiled_by != "transformers":   # transformers compiles the decode steps only
         assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS   # the prefill of the padded prompts
+    if compiled_by == "reduce-overhead":   # prefill and decode: both captured on a GPU, both skipped on the CPU
+        assert counters["inductor"]["cudagraph_skips"] == (2 if device == "cpu" else 0)
     assert sum(counters["graph_break"].values()) == 0
     _agree(*got, *want)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", EAGER)
-def test_generate_eager_attention_takes_the_float_masks(family):
-    """Eager attention adds `generate()`'s masks as float graph inputs (0, or `finfo.min` for
-    padding and outside sliding windows): the prefill of three prompt lengths (one graph,
-    `dynamic=True`) and the decode steps run on the ops with them as `key_mask`, Gemma 2's
-    soft-cap and gpt-oss's sinks included. One static cache capacity for every prompt, so one
+@pytest.mark.parametrize("family", LENGTHS)
+def test_generate_three_prompt_lengths_in_one_graph(family):
+    """The left-padded prefill of three prompt lengths (one graph, `dynamic=True`) and the decode
+    steps run on the ops with `generate()`'s masks as `key_mask`: SDPA takes them as bool graph
+    inputs, eager attention adds them as float ones (0, or `finfo.min` for padding and outside
+    sliding windows), Gemma 2's soft-cap and gpt-oss's sinks included; BLOOM's mask, built in the
+    graph, goes to the op as a bool, and its ALiBi, by positions from the padding mask, as
+    `alibi_slopes` (in `paged_decode` too). One static cache capacity for every prompt, so one
     decode graph too. Without Inductor (the passes on Dynamo's graph, run eagerly): ~8 s."""
     torch.manual_seed(0)
-    model = EAGER[family]("eager").eval().to(torch.bfloat16)
+    build, impl = LENGTHS[family]
+    model = build(impl).eval().to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
+    model64 = copy.deepcopy(model)
+    if family == "gpt_oss":
+        model64.set_experts_implementation("eager")   # its grouped_mm experts take no float64
+    model64 = model64.double()
     eager, ops = model.forward, []
     compiled = torch.compile(eager, fullgraph=True, dynamic=True, backend=passes_then_eager(ops))
 
@@ -123,9 +166,10 @@ def test_generate_eager_attention_takes_the_float_masks(family):
         for s in PROMPT_LENS:
             ids, mask = _padded_prompt(s)
             want = generate(eager, ids, mask)
-            _agree(*generate(compiled, ids, mask), *want)
+            _agree(*generate(compiled, ids, mask), *want, truth=_truth(model64, ids, mask, want[0]))
     assert counters["stats"]["unique_graphs"] == 2   # prefill, decode
     assert sum(counters["graph_break"].values()) == 0
-    rewritten = [line.split()[0] for line in ops if line.startswith(("context_attention", "paged_decode"))]
-    assert rewritten == ["context_attention_bhsd"] * LAYERS + ["paged_decode_bhsd"] * LAYERS
-    assert not [line for line in ops if line in ("matmul", "bmm", "scaled_dot_product_attention")]
+    rewritten = [line for line in ops if line.startswith(("context_attention", "paged_decode"))]
+    assert [line.split()[0] for line in rewritten] == ["context_attention_bhsd"] * LAYERS + ["paged_decode_bhsd"] * LAYERS
+    assert [" alibi" in line for line in rewritten] == [family == "bloom"] * (2 * LAYERS)
+    assert not [line for line in ops if line in ("matmul", "bmm", "baddbmm", "scaled_dot_product_attention")]

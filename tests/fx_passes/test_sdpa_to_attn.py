@@ -305,6 +305,48 @@ def matmul_alibi_not_causal(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, dim=-1) @ v
 
 
+def bmm_alibi_data_positions_causal(q, k, v):
+    """BLOOM's spelling with positions `(cumsum(m) - 1) * m` of a mask computed from the data
+    (`k == k`), not provably all ones, and the causal mask only."""
+    b, h, s, d = q.shape
+    m = (k[:, 0, :, 0] == k[:, 0, :, 0]).long()
+    alibi = (alibi_slopes(h, q.device)[..., None] * ((m.cumsum(-1) - 1) * m)[:, None, :]).reshape(b * h, 1, s)
+    scores = alibi.to(q.dtype).baddbmm(q.reshape(b * h, -1, d), k.reshape(b * h, -1, d).transpose(-1, -2))
+    probs = F.softmax(scores.view(b, h, s, -1) + hf_additive_mask(b, s, q.dtype, q.device), dim=-1)
+    return torch.bmm(probs.view(b * h, s, -1), v.reshape(b * h, -1, d)).view(b, h, s, d)
+
+
+def bmm_bloom_padding_alibi(q, k, v, padding):
+    """BLOOM with a 0/1 padding mask `padding [B, Sk]`: the ALiBi positions `(cumsum(padding) - 1)
+    * padding` and the mask `k <= q & padding[b, k]` built in the graph; the queries are the last
+    Sq keys (a static cache's prefill, or a decode step when Sq = 1)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    positions = ((padding.cumsum(-1) - 1) * padding)[:, None, :]
+    alibi = (alibi_slopes(h, q.device)[..., None] * positions).reshape(b * h, 1, sk).to(q.dtype)
+    scores = alibi.baddbmm(batch1=q.reshape(b * h, -1, d), batch2=k.reshape(b * h, -1, d).transpose(-1, -2),
+                           beta=1.0, alpha=d ** -0.5)
+    batch, key = torch.arange(b, device=q.device)[:, None, None, None], torch.arange(sk, device=q.device)
+    keep = (key <= torch.arange(sk - sq, sk, device=q.device)[:, None]) & padding.bool()[batch, key]
+    mask = torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
+    probs = F.softmax(scores.view(b, h, sq, -1) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs.view(b * h, sq, -1), v.reshape(b * h, -1, d)).view(b, h, sq, d)
+
+
+def padding_mask(b, sk, pad):
+    """`[B, Sk]` 0/1: sequence 1 left-padded by `pad`."""
+    mask = torch.ones(b, sk, dtype=torch.long)
+    mask[1, :pad] = 0
+    return mask
+
+
+def matmul_alibi_input_mask(q, k, v, keep):
+    """ALiBi `slope * k` on scores masked by a bool graph input `keep` of any pattern."""
+    b, h, s, _ = q.shape
+    bias = alibi_slopes(h, q.device)[:, None, None] * torch.arange(s, device=q.device)
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias + torch.where(keep.bool(), 0.0, -math.inf), dim=-1) @ v
+
+
 BIAS = torch.randn(4, 1, 6)
 
 
@@ -392,6 +434,7 @@ def test_rewrites_onto_context_attention(fn, shapes):
     pytest.param(sdpa_alibi_quadratic, {}, "not recognized as where(causal mask", id="alibi_quadratic"),
     pytest.param(sdpa_alibi_per_query, {}, "per-head factor along dim 2", id="alibi_per_query"),
     pytest.param(matmul_alibi_not_causal, {}, "without a causal mask", id="alibi_not_causal"),
+    pytest.param(bmm_alibi_data_positions_causal, {}, "run-time positions without a mask", id="alibi_positions_causal"),
     pytest.param(sdpa_bias_not_from_positions, {}, "not recognized as where(causal mask", id="bias_tensor"),
 ])
 def test_declines_with_reason(fn, shapes, reason, caplog):
@@ -624,6 +667,52 @@ def test_float_input_mask_becomes_key_mask(sq, op):
     assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
     assert op in code
     check_close(matmul_softcap_input_mask, inputs, out)
+
+
+@pytest.mark.parametrize("sq,op", [(6, OP), (1, "attn.paged_decode")], ids=["prefill", "decode"])
+def test_alibi_of_padding_positions(sq, op):
+    """BLOOM with a padding mask over a static cache: the mask built in the graph is the op's
+    key_mask, the slopes its alibi_slopes; the positions from the padding mask are the key index
+    less the padding on the keys each query sees (checked on the device)."""
+    inputs = (*qkv(sq=sq, sk=9, dtype=torch.bfloat16), padding_mask(2, 9, 3))
+    out, code = compile_and_run(bmm_bloom_padding_alibi, inputs)
+    assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
+    assert op in code and "alibi_slopes" in code
+    check_close(bmm_bloom_padding_alibi, inputs, out)
+
+
+@pytest.mark.parametrize("sq", [6, 1], ids=["prefill", "decode"])
+def test_alibi_of_padding_positions_with_a_hole_fails_the_call(sq):
+    """A hole in the padding mask shifts the positions after it: not the key index plus one
+    number on a query's keys, the rewrite would not be exact, the call fails."""
+    padding = padding_mask(2, 9, 3)
+    padding[1, 5] = 0
+    with pytest.raises(RuntimeError, match="ALiBi positions"):
+        compile_and_run(bmm_bloom_padding_alibi, (*qkv(sq=sq, sk=9, dtype=torch.bfloat16), padding))
+    assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
+
+
+def random_keep(causal: bool):
+    """A bool `[2, 1, 6, 6]` mask of random kept keys, key 0 in every row; `causal`: none after the query."""
+    keep = torch.rand(2, 1, 6, 6) < 0.7
+    keep[..., 0] = True
+    return keep & torch.ones(6, 6, dtype=torch.bool).tril() if causal else keep
+
+
+def test_alibi_with_a_causal_input_mask():
+    """ALiBi with a bool mask passed in (causal, with holes): the op measures `|p - k|` from each
+    query's position, the model `k`, the same up to a constant per row where no query sees a key
+    after its own."""
+    inputs = (*qkv(), random_keep(causal=True))
+    out, code = compile_and_run(matmul_alibi_input_mask, inputs)
+    assert OP in code and "alibi_slopes" in code
+    check_close(matmul_alibi_input_mask, inputs, out)
+
+
+def test_alibi_with_an_input_mask_past_the_query_fails_the_call():
+    with pytest.raises(RuntimeError, match="a query sees a key after its position"):
+        compile_and_run(matmul_alibi_input_mask, (*qkv(), random_keep(causal=False)))
+    assert counters["attn"]["sdpa_to_attn_matched"] == 1
 
 
 def test_float_input_mask_of_other_values_fails_the_call():
