@@ -24,9 +24,10 @@ move `head` and `pos`; a head dim merged with an outer dim (`[B, H] -> [B*H]`) k
 `head index = i % H`. Positions of a padding mask (`padding_positions`) are a term whose `pos`
 is the key index, with `Positions` saying where they are read: their row follows the batch dim
 (`row = i // inner` once merged with inner dims), which the caller matches to the scores' batch
-and hands to a device-side check that they are the key index up to a row constant. `additive_mask(x)` splits a float mask into its causal part (a bool mask
-that `index_mask.causal_window` proves) and its bias. `frame_slopes` reads the per-head slopes of
-a bias added to scores and `slopes_node` builds them in the graph.
+and hands to a device-side check that they are the key index up to a row constant.
+`additive_mask(x)` splits a float mask into its causal part (a bool mask that
+`index_mask.causal_window` proves) and its bias. `frame_slopes` reads the per-head slopes of a
+bias added to scores and `slopes_node` builds them in the graph.
 
 Exact in real arithmetic; not reproduced: roundings of the bias itself (Falcon rounds
 `slope * position` to bfloat16, half-precision models round the bias to their dtype; the op
