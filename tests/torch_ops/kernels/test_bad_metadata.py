@@ -223,9 +223,9 @@ def test_cache_attention_key_count_past_max_kvlen(kernel_device):
 def test_cuda_decode_absent_blocks_and_clamped_lengths(csrc_libraries, fmt):
     """The CUDA decode kernel (csrc/decode_sm90.cu) on bad metadata, over more than 32 key tiles:
     what the reference does, and the same bits flagged."""
-    k, v, scales = samples.paged_cache(64, 16, 2, 128, fmt, device="cuda")
-    tables = samples.block_tables_for([700, 300, 40], 16, 64, max_blocks=48).cuda()
-    tables[0, 3], tables[0, 40], tables[1, 0] = 64, -2, 1000   # outside [0, 64): absent blocks
+    k, v, scales = samples.paged_cache(80, 16, 2, 128, fmt, device="cuda")
+    tables = samples.block_tables_for([700, 300, 40], 16, 80, max_blocks=48).cuda()
+    tables[0, 3], tables[0, 40], tables[1, 0] = 80, -2, 1000   # outside [0, 80): absent blocks
     lens = _index([700, 300 + 10_000, -5], "cuda")             # past the table, negative
     q = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
     _check("paged_decode", (q, k, v, tables, lens), scales, backend="cuda")

@@ -13,8 +13,8 @@ from .. import samples
 
 
 def _decode(device, batch):
-    k, v, _ = samples.paged_cache(16, 4, 2, 16, "bf16", device=device)
-    tables = samples.block_tables_for([7] * batch, 4, 16).to(device)
+    k, v, _ = samples.paged_cache(2 * batch, 4, 2, 16, "bf16", device=device)
+    tables = samples.block_tables_for([7] * batch, 4, 2 * batch).to(device)
     lens = torch.full((batch,), 7, dtype=torch.int32, device=device)
     q = torch.randn(batch, 4, 16, dtype=torch.bfloat16, device=device)
     return q, k, v, tables, lens
