@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import replay
+from . import gpu, replay
 
 BLOCK_TABLES = 1
 SEQ_LENS = 2
@@ -41,12 +41,13 @@ def _key(device) -> torch.device:
 
 def device_flag(device) -> torch.Tensor:
     """The error flag of `device`: one int32 `[1]` tensor, allocated at its first use and kept for
-    the life of the process (a constant address: CUDA graphs and recorded launches may hold it).
-    Allocate it outside CUDA-graph capture (an eager call of any op on the device does)."""
+    the life of the process (a constant address: CUDA graphs and recorded launches may hold it;
+    `gpu.kept_tensor`). Allocate it outside a stream capture (an eager call of any op on the
+    device does)."""
     key = _key(device)
     flag = _FLAGS.get(key)
     if flag is None:
-        flag = _FLAGS[key] = replay.keep(torch.zeros(1, dtype=torch.int32, device=key))
+        flag = _FLAGS[key] = replay.keep(gpu.kept_tensor(lambda: torch.zeros(1, dtype=torch.int32, device=key), key))
     return flag
 
 

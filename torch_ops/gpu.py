@@ -1,5 +1,6 @@
-"""The CUDA device: its facts (looked up once per device), and capturing work in a CUDA graph.
-Every SM-count and capability lookup of the package goes through here."""
+"""The CUDA device: its facts (looked up once per device), tensors kept for the process, and
+capturing work in a CUDA graph. Every SM-count and capability lookup of the package goes through
+here."""
 
 from __future__ import annotations
 
@@ -34,6 +35,22 @@ def capability(device: torch.device | int | None = None) -> tuple[int, int]:
     """`(major, minor)` compute capability of `device`."""
     p = _properties(_index(device))
     return p.major, p.minor
+
+
+def kept_tensor(make, device: torch.device) -> torch.Tensor:
+    """`make()`, a tensor on `device` that the package keeps for the life of the process, made on a
+    side stream and waited for: its memory comes from the allocator's ordinary pool, never from
+    the private pool of a CUDA graph that `torch.compile(mode="reduce-overhead")` routes the
+    current stream's allocations to while it warms up (make it outside a stream capture)."""
+    if device.type != "cuda":
+        return make()
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tensor = make()
+        stream.synchronize()
+    return tensor
 
 
 def capture_cuda_graph(fn):

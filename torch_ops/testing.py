@@ -7,16 +7,19 @@ plus a small floor (the rounding error of the output dtype at the reference's ma
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .gpu import capture_cuda_graph
 
 
 def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max abs difference, with NaN/inf mismatches counted as infinite."""
+    """Max abs difference: equal infinities and NaN against NaN count as 0, any other NaN/inf
+    mismatch as infinite."""
     x, ref = x.double(), ref.double()
-    both_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
-    diff = torch.where(both_inf, torch.zeros_like(x), (x - ref).abs())
+    same = (torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))) | (torch.isnan(x) & torch.isnan(ref))
+    diff = torch.where(same, torch.zeros_like(x), (x - ref).abs())
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
     return diff.max().item() if diff.numel() else 0.0
 
@@ -35,10 +38,15 @@ def assert_error_ratio(
     """`max|out - truth| <= ratio * max|baseline - truth| + floor`.
 
     `truth` is the float64 reference, `baseline` the reference computed in the input precision
-    (the error a plain PyTorch implementation makes), `out` the result under test.
+    (the error a plain PyTorch implementation makes), `out` the result under test. A baseline
+    whose error is infinite (a NaN or infinity the truth lacks, or the reverse) bounds nothing:
+    that raises too.
     """
     err = max_error(out, truth)
     base = max_error(baseline, truth)
+    if math.isinf(base):
+        raise AssertionError(f"{name}: the baseline differs from the truth by inf (non-finite values "
+                             "where the other is finite): no bound")
     if floor is None:
         floor = rounding_floor(truth, out.dtype) + 1e-6
     bound = ratio * base + floor

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import errors, ops, replay
+from .. import errors, gpu, ops, replay
 from ..checks import ppl_cache_views
 from . import kv_cache_write, paged_decode, paged_prefill, prefill_attention
 from .launcher import TritonLaunch
@@ -139,7 +139,7 @@ def _block_size(max_t: int, cache_mode: int, page_size: int) -> int:
 def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
     """Cached on the device, so that a call inside CUDA-graph capture copies nothing from the host
     (kept for the process: replays pass its address)."""
-    return replay.keep(ops.alibi_slopes(num_heads).to(device))
+    return replay.keep(gpu.kept_tensor(lambda: ops.alibi_slopes(num_heads).to(device), device))
 
 
 class _Problem:
