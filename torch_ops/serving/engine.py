@@ -366,13 +366,13 @@ class Engine:
             raise RuntimeError("CUDA graphs are captured before any request runs")
         from torch_ops.kernels import precompile
 
-        runs = {}
-        for bucket in self.buckets:
-            meta = self.attention.step_metadata(self.attention.builder.build(
+        def dummy(bucket: int):   # built right before use: every bucket's views share one buffer
+            return self.attention.step_metadata(self.attention.builder.build(
                 [1] * bucket, [1] * bucket, [[0]] * bucket, token_ids=[0] * bucket))
-            runs[bucket] = functools.partial(self._decode_logits, meta)
-        precompile.compile_ahead(lambda: [run() for run in runs.values()])   # their kernels, in parallel
-        for bucket, run in runs.items():
+
+        precompile.compile_ahead(lambda: [self._decode_logits(dummy(b)) for b in self.buckets])   # in parallel
+        for bucket in self.buckets:
+            run = functools.partial(self._decode_logits, dummy(bucket))
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
 
     def _decode_logits(self, meta) -> torch.Tensor:
