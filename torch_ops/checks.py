@@ -123,10 +123,10 @@ def check_per_head_scale(t, name: str, num_heads: int, device) -> None:
 
 def check_paged_cache(
     query: torch.Tensor, k_cache, v_cache, k_scale, v_scale, *, mutable_scales: bool = False,
-    head_dim: int | None = None, max_block_size: int | None = MAX_BLOCK_SIZE, value_dim: bool = False,
+    head_dim: int | None = None, max_block_size: int | None = MAX_BLOCK_SIZE, separate_value_dim: bool = False,
 ) -> KVFormat:
     """`k_cache [num_blocks, block_size, Hkv, D]`, `v_cache [num_blocks, block_size, Hkv, D]` (D/2
-    bytes for INT4) and their scales; with `value_dim`, `v_cache` of a plain or FP8 cache may have
+    bytes for INT4) and their scales; with `separate_value_dim`, a plain or FP8 `v_cache` may have
     its own head dim `D_v` (`[num_blocks, block_size, Hkv, D_v]`).
 
     Returns the cache format. `head_dim` defaults to the query's last dim; `max_block_size` None
@@ -135,7 +135,7 @@ def check_paged_cache(
     dev = query.device
     d = query.shape[-1] if head_dim is None else head_dim
     check_key_value(k_cache, v_cache, ("k_cache", "v_cache"), 4, "[num_blocks, block_size, Hkv, D]", dev,
-                    same_last_dim=not value_dim)
+                    same_last_dim=not separate_value_dim)
     fmt = kv_format(k_cache.dtype)
     if not (v_cache.shape[-1] == k_cache.shape[-1] or fmt in (KVFormat.PLAIN, KVFormat.FP8)):
         raise ValueError(f"v_cache head dim ({v_cache.shape[-1]}) must equal k_cache head dim "
@@ -234,7 +234,7 @@ def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     check_key_mask(key_mask, query)
     _check_block_tables(block_tables, seq_lens, dev)
     check_vector(cu_seqlens_q, "cu_seqlens_q", seq_lens.shape[0] + 1, dev, INDEX_DTYPES, "[B + 1]")
-    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, value_dim=True)
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, separate_value_dim=True)
     _check_heads(query, k_cache.shape[2], "k_cache")
     check_options(query, **options)
     return fmt

@@ -417,7 +417,8 @@ def _prefill_kernel(
             Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
+            INTERPRET)
     acc, m_i, l_i, bad = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, bad, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
