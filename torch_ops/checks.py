@@ -49,15 +49,20 @@ def check_tensor(
         check_dtype(t, name, dtypes)
 
 
-def check_key_value(k, v, names: tuple[str, str], ndim: int, desc: str, device, dtypes=None) -> None:
+def check_key_value(k, v, names: tuple[str, str], ndim: int, desc: str, device, dtypes=None,
+                    same_last_dim: bool = True) -> None:
     """`k` and `v` (called `names`) are tensors `desc` on `device` with a contiguous last dim, of
-    one shape and one dtype."""
+    one shape (but for the last dim unless `same_last_dim`) and one dtype."""
     for name, t in zip(names, (k, v)):
         check_tensor(t, name, ndim, desc, device, dtypes)
         if not t.stride(-1) == 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-    if not v.shape == k.shape:
-        raise ValueError(f"{names[1]} shape {tuple(v.shape)} must equal {names[0]} shape {tuple(k.shape)}")
+    if same_last_dim:
+        if not v.shape == k.shape:
+            raise ValueError(f"{names[1]} shape {tuple(v.shape)} must equal {names[0]} shape {tuple(k.shape)}")
+    elif not (v.shape[:-1] == k.shape[:-1] and v.shape[-1] > 0):
+        raise ValueError(f"{names[1]} shape {tuple(v.shape)} must equal {names[0]} shape {tuple(k.shape)} "
+                         "but for a last dim > 0")
     if not v.dtype == k.dtype:
         raise TypeError(f"{names[1]} dtype {v.dtype} must equal {names[0]} dtype {k.dtype}")
 
@@ -118,17 +123,24 @@ def check_per_head_scale(t, name: str, num_heads: int, device) -> None:
 
 def check_paged_cache(
     query: torch.Tensor, k_cache, v_cache, k_scale, v_scale, *, mutable_scales: bool = False,
-    head_dim: int | None = None, max_block_size: int | None = MAX_BLOCK_SIZE,
+    head_dim: int | None = None, max_block_size: int | None = MAX_BLOCK_SIZE, separate_value_dim: bool = False,
 ) -> KVFormat:
-    """`k_cache`/`v_cache [num_blocks, block_size, Hkv, D]` (D/2 bytes for INT4) and their scales.
+    """`k_cache [num_blocks, block_size, Hkv, D]`, `v_cache [num_blocks, block_size, Hkv, D]` (D/2
+    bytes for INT4) and their scales; with `separate_value_dim`, a plain or FP8 `v_cache` may have
+    its own head dim `D_v` (`[num_blocks, block_size, Hkv, D_v]`).
 
     Returns the cache format. `head_dim` defaults to the query's last dim; `max_block_size` None
     lifts the block size limit (paged_decode: one page per sequence, e.g. a static cache).
     """
     dev = query.device
     d = query.shape[-1] if head_dim is None else head_dim
-    check_key_value(k_cache, v_cache, ("k_cache", "v_cache"), 4, "[num_blocks, block_size, Hkv, D]", dev)
+    check_key_value(k_cache, v_cache, ("k_cache", "v_cache"), 4, "[num_blocks, block_size, Hkv, D]", dev,
+                    same_last_dim=not separate_value_dim)
     fmt = kv_format(k_cache.dtype)
+    if not (v_cache.shape[-1] == k_cache.shape[-1] or fmt in (KVFormat.PLAIN, KVFormat.FP8)):
+        raise ValueError(f"v_cache head dim ({v_cache.shape[-1]}) must equal k_cache head dim "
+                         f"({k_cache.shape[-1]}) in {fmt.value.upper()} caches (a separate value head dim "
+                         "needs a plain or FP8 cache)")
     num_blocks, block_size, hkv, dc = k_cache.shape
     if not (block_size >= 1 and (max_block_size is None or block_size <= max_block_size)):
         expected = ">= 1" if max_block_size is None else f"in 1..{max_block_size}"
@@ -222,10 +234,16 @@ def check_paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     check_key_mask(key_mask, query)
     _check_block_tables(block_tables, seq_lens, dev)
     check_vector(cu_seqlens_q, "cu_seqlens_q", seq_lens.shape[0] + 1, dev, INDEX_DTYPES, "[B + 1]")
-    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale)
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, separate_value_dim=True)
     _check_heads(query, k_cache.shape[2], "k_cache")
     check_options(query, **options)
     return fmt
+
+
+def paged_value_dim(query, k_cache, v_cache) -> int:
+    """The value head dim `D_v` of a checked paged call: the query's head dim when `v_cache`
+    stores as many elements per token as `k_cache` (packed INT4 included), else `v_cache`'s."""
+    return query.shape[-1] if v_cache.shape[-1] == k_cache.shape[-1] else v_cache.shape[-1]
 
 
 def check_rope(positions, cos_sin_cache, tokens: int, head_dim: int, device) -> None:
@@ -249,15 +267,16 @@ def check_context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, ca
         raise TypeError("query must be a tensor [Tq, Hq, D]")
     dev = query.device
     check_key_mask(key_mask, query)
-    inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D]"))
+    inputs = (("query", query, "[Tq, Hq, D]"), ("key", key, "[Tk, Hkv, D]"), ("value", value, "[Tk, Hkv, D_v]"))
     for name, t, desc in inputs:
         check_tensor(t, name, 3, desc, dev, QUERY_DTYPES + (torch.float8_e4m3fn,))
         if not t.stride(-1) == 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
     if not (key.dtype == query.dtype and value.dtype == query.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if not key.shape == value.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if not (value.shape[:2] == key.shape[:2] and value.shape[2] > 0):
+        raise ValueError(f"value must be [Tk, Hkv, D_v] = [{key.shape[0]}, {key.shape[1]}, D_v > 0] (like key), "
+                         f"got {tuple(value.shape)}")
     if not key.shape[2] == query.shape[2]:
         raise ValueError(f"key head dim ({key.shape[2]}) must equal query head dim ({query.shape[2]})")
     _check_heads(query, key.shape[1], "key")

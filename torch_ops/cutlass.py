@@ -377,7 +377,8 @@ def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, *, out_dtype=None
     """Why the CUTLASS kernels cannot run this `context_attention` call (empty: they can)."""
     if query.device.type != "cuda":
         return [f"CUTLASS kernels need CUDA tensors, got {query.device.type}"]
-    return problem_reasons(query, key, out_dtype=out_dtype, out_scale=out_scale, **options) + _device_reasons(query)
+    return problem_reasons(query, key, value, out_dtype=out_dtype, out_scale=out_scale, **options) + \
+        _device_reasons(query)
 
 
 def paged_unsupported(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out_scale=None,
@@ -400,9 +401,12 @@ def _device_reasons(query) -> list[str]:
     return why
 
 
-def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) -> list[str]:
-    """The device-independent part of `unsupported`: dtypes, head dim, options, sizes."""
+def problem_reasons(query, key, value=None, *, out_dtype=None, out_scale=None, **options) -> list[str]:
+    """The device-independent part of `unsupported`: dtypes, head dims, options, sizes."""
     why = _kernel_reasons(KERNELS, "", query, out_dtype, out_scale, options)
+    if value is not None and value.shape[-1] != query.shape[-1]:
+        why.append(f"value head dim {value.shape[-1]} != query head dim {query.shape[-1]} (the CUTLASS kernels "
+                   "need D_v = D)")
     if key.shape[0] == 0:
         why.append("key is empty (total_k == 0)")
     if max(query.numel(), key.numel()) >= 2**31:
@@ -413,6 +417,9 @@ def problem_reasons(query, key, *, out_dtype=None, out_scale=None, **options) ->
 def paged_problem_reasons(query, k_cache, v_cache, block_tables, *, out_scale=None, **options) -> list[str]:
     """The device-independent part of `paged_unsupported`: dtypes, head dim, cache layout, options."""
     why = _kernel_reasons(PAGED_KERNELS, "paged ", query, None, out_scale, options)
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        why.append(f"v_cache head dim {v_cache.shape[-1]} != k_cache head dim {k_cache.shape[-1]} (the paged CUTLASS "
+                   "kernels need D_v = D)")
     if k_cache.dtype != query.dtype:
         why.append(f"the paged CUTLASS kernels read {query.dtype} caches, not {k_cache.dtype} "
                    "(FP8/INT8/INT4 caches run on Triton)")

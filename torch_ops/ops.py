@@ -106,8 +106,8 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def _paged_output_spec(query, *args, out_scale=None, **kwargs):
-    return query, query.shape[-1], attention_output_dtype(query, out_scale)
+def _paged_output_spec(query, k_cache, v_cache, *args, out_scale=None, **kwargs):
+    return query, checks.paged_value_dim(query, k_cache, v_cache), attention_output_dtype(query, out_scale)
 
 
 def _context_output_spec(query, key, value, *args, out_scale=None, out_dtype=None, **kwargs):

@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import quant
-from .checks import ppl_cache_views
+from .checks import paged_value_dim, ppl_cache_views
 from .ops import alibi_slopes, attention_output_dtype, bucket
 from .quant import KVFormat, kv_format
 
@@ -55,10 +55,10 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence.
 
-    q `[Lq, Hq, D]`, k/v `[Lk, Hkv, D]` (already dequantized), `q_positions [Lq]` absolute
-    positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`,
+    q `[Lq, Hq, D]`, k `[Lk, Hkv, D]`, v `[Lk, Hkv, D_v]` (already dequantized), `q_positions [Lq]`
+    absolute positions of the queries (keys sit at 0..Lk-1), `bias` additive `[Hq or 1, Lq, Lk]`,
     `key_mask` bool `[Lq, Lk]` (False: the query does not see the key).
-    Returns `out [Lq, Hq, D]` and `lse [Lq, Hq]`, fp32 (fp64 when `compute_dtype` is fp64).
+    Returns `out [Lq, Hq, D_v]` and `lse [Lq, Hq]`, fp32 (fp64 when `compute_dtype` is fp64).
     """
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
@@ -97,7 +97,7 @@ def attend(
     denom = torch.exp(terms - row_max).sum(dim=-1, keepdim=True)
     probs = torch.exp(s - row_max) / torch.where(denom == 0, torch.ones_like(denom), denom)   # 0 where masked
     lse = (row_max + denom.log()).squeeze(-1)                                  # [Hq, Lq]; -inf: nothing seen
-    out = probs.to(compute_dtype) @ vc                                         # [Hq, Lq, D]
+    out = probs.to(compute_dtype) @ vc                                         # [Hq, Lq, D_v]
     return out.to(softmax_dtype).transpose(0, 1), lse.transpose(0, 1)
 
 
@@ -131,7 +131,8 @@ def _present_blocks(block_table, length: int, block_size: int, num_blocks: int) 
 
 
 def _gather_paged(cache, scale, fmt: KVFormat, blocks, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `length` tokens of one sequence in `blocks`, dequantized to `[length, Hkv, D]` in `dtype`."""
+    """The first `length` tokens of one sequence in `blocks`, dequantized to `[length, Hkv, D]` in `dtype`
+    (`D` of the cache: its last dim, twice that for packed INT4)."""
     x = cache[blocks].flatten(0, 1)[:length]
     s = scale
     if fmt.group_scaled:
@@ -143,7 +144,7 @@ def _paged_attention(query, k_cache, v_cache, block_tables, q_starts, seq_lens, 
                      v_scale, out_scale, compute_dtype, key_mask=None, **options):
     fmt = kv_format(k_cache.dtype)
     acc = _acc_dtype(compute_dtype)
-    out = torch.zeros(query.shape, dtype=acc, device=query.device)
+    out = torch.zeros(*query.shape[:2], paged_value_dim(query, k_cache, v_cache), dtype=acc, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=acc, device=query.device)
     capacity = block_tables.shape[1] * k_cache.shape[1]
     q_rows, lens = _ranges(q_starts.tolist(), query.shape[0]), seq_lens.tolist()
@@ -178,7 +179,8 @@ def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=Non
 
 def paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
                   k_scale=None, v_scale=None, out_scale=None, compute_dtype=torch.float32, **options):
-    """Varlen `query [T, Hq, D]` (`cu_seqlens_q [B + 1]`) over a paged cache; returns `(out, lse)`."""
+    """Varlen `query [T, Hq, D]` (`cu_seqlens_q [B + 1]`) over a paged cache (`k_cache [..., D]`,
+    `v_cache [..., D_v]`); returns `(out [T, Hq, D_v], lse [T, Hq])`."""
     return _paged_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q.cpu(), seq_lens, causal=causal,
                             k_scale=k_scale, v_scale=v_scale, out_scale=out_scale,
                             compute_dtype=compute_dtype, **options)
@@ -187,7 +189,8 @@ def paged_prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 def context_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, q_scale=None,
                       k_scale=None, v_scale=None, out_scale=None, out_dtype=None, positions=None,
                       cos_sin_cache=None, rope_neox=True, key_mask=None, compute_dtype=torch.float32, **options):
-    """Varlen attention on fresh `query [Tq, Hq, D]`, `key/value [Tk, Hkv, D]`; returns `(out, lse)`.
+    """Varlen attention on fresh `query [Tq, Hq, D]`, `key [Tk, Hkv, D]`, `value [Tk, Hkv, D_v]`;
+    returns `(out [Tq, Hq, D_v], lse [Tq, Hq])`.
     With `positions [T]`, query and key are rotated first (RoPE), rounded to their dtype as a
     separate RoPE op would leave them (the float64 oracle keeps them unrounded)."""
     dtype = attention_output_dtype(query, out_scale, out_dtype)

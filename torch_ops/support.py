@@ -96,7 +96,7 @@ _AXES = {
         "block size": {p: {"page": p} for p in _PAGES},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(64, 64, dtype=torch.bool))},
     }),
-    "context_attention": (_context, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.problem_reasons(*a[:2], **k)}, {
+    "context_attention": (_context, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.problem_reasons(*a[:3], **k)}, {
         "query dtype": {**{k: {"dtype": v} for k, v in _DTYPES.items()}, "FP8 e4m3": {"dtype": torch.float8_e4m3fn}},
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(64, 64, dtype=torch.bool))},

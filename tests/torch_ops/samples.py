@@ -9,11 +9,10 @@ import torch
 from torch_ops import quant
 
 
-def paged_cache(num_blocks, block_size, hkv, d, fmt="bf16", *, per_head=False, group=8, device="cpu"):
+def paged_cache(num_blocks, block_size, hkv, d, fmt="bf16", *, per_head=False, group=8, device="cpu", dv=None):
     """Random `(k_cache, v_cache, {k_scale, v_scale})` in format `fmt`:
-    "fp16"/"bf16"/"fp32", "e4m3"/"e5m2", "int8" or "int4"."""
-    shape = (num_blocks, block_size, hkv, d)
-    dense = [torch.randn(shape, device=device) for _ in range(2)]
+    "fp16"/"bf16"/"fp32", "e4m3"/"e5m2", "int8" or "int4"; values of head dim `dv` (default `d`)."""
+    dense = [torch.randn(num_blocks, block_size, hkv, dim, device=device) for dim in (d, dv or d)]
     plain = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     if fmt in plain:
         return dense[0].to(plain[fmt]), dense[1].to(plain[fmt]), {}
@@ -62,7 +61,7 @@ def paged_prefill(variant="mixed"):
     hq, hkv, d, bs, nb = 4, 2, 16, 4, 32
     fmt = {"int4": "int4", "fp8": "e5m2"}.get(variant, "fp16")
     q_lens, seq_lens = [1, 6, 0, 3], [9, 6, 4, 11]
-    k, v, scales = paged_cache(nb, bs, hkv, d, fmt)
+    k, v, scales = paged_cache(nb, bs, hkv, d, fmt, dv=d // 2 if variant == "mla" else None)
     query = torch.randn(sum(q_lens), hq, d, dtype=torch.float16)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     args = (query, k, v, block_tables_for(seq_lens, bs, nb), cu, torch.tensor(seq_lens, dtype=torch.int32))
@@ -76,7 +75,7 @@ def context_attention(variant="causal"):
     cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + k_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), hq, d)
-    k, v = torch.randn(sum(k_lens), hkv, d), torch.randn(sum(k_lens), hkv, d)
+    k, v = torch.randn(sum(k_lens), hkv, d), torch.randn(sum(k_lens), hkv, d // 2 if variant == "mla" else d)
     kwargs = dict(causal=variant != "cross")
     if variant == "fp8":
         scales = [torch.rand(()) * 0.1 + 0.05 for _ in range(3)]
@@ -156,8 +155,8 @@ def cache_attention(variant="offset"):
 
 VARIANTS = {
     "paged_decode": ["gqa", "mqa", "mha", "features", "fp8", "int8", "int4"],
-    "paged_prefill": ["mixed", "noncausal", "int4", "fp8"],
-    "context_attention": ["causal", "mqa", "cross", "fp8"],
+    "paged_prefill": ["mixed", "noncausal", "int4", "fp8", "mla"],   # mla: value head dim D / 2
+    "context_attention": ["causal", "mqa", "cross", "fp8", "mla"],
     "kv_cache_write": ["bf16", "fp32", "fp8", "int8", "int4", "rope"],
     "merge_states": ["plain"],
     "cache_attention": ["offset", "paged", "int8", "int4"],

@@ -109,3 +109,17 @@ def test_explain_names_the_kernel():
         choice = torch_ops.explain("paged_decode", *args, **kwargs)
     assert choice.backend == "triton" and choice.requested
     assert choice.kernel.startswith("Triton paged_decode, grid ") and "kernel: Triton" in str(choice)
+
+
+def test_cutlass_and_mixed_decline_a_separate_value_head_dim():
+    # the checks the `cutlass` and `mixed` backends run on a GPU, device-independent part
+    from torch_ops import cutlass
+    from . import samples
+
+    (q, k, v, *_), _ = samples.sample("context_attention", "mla")
+    assert any("value head dim 8 != query head dim 16" in why for why in cutlass.problem_reasons(q, k, v))
+    assert not any("value head dim" in why for why in cutlass.problem_reasons(q, k, k))
+    (q, k_cache, v_cache, tables, *_), _ = samples.sample("paged_prefill", "mla")
+    assert any("v_cache head dim 8 != k_cache head dim 16" in why
+               for why in cutlass.paged_problem_reasons(q, k_cache, v_cache, tables))
+    assert not any("v_cache head dim" in why for why in cutlass.paged_problem_reasons(q, k_cache, k_cache, tables))

@@ -60,16 +60,16 @@ def visible(j: int, p: int, causal: bool, window_left: int, sink_tokens: int) ->
 
 def naive_attention(q, k, v, *, causal=False, scale=None, q_scaling=1.0, alibi_slopes=None,
                     window_left=-1, sink_tokens=0, sinks=None, softcap=0.0, bias=None):
-    """One sequence in float64 scalar loops: q `[Lq, Hq, D]`, k/v `[Lk, Hkv, D]` (dequantized),
-    `bias [Hq or 1, Lq, Lk]` additive. Returns float64 `(out [Lq, Hq, D], lse [Lq, Hq])`."""
+    """One sequence in float64 scalar loops: q `[Lq, Hq, D]`, k `[Lk, Hkv, D]`, v `[Lk, Hkv, D_v]`
+    (dequantized), `bias [Hq or 1, Lq, Lk]` additive. Returns float64 `(out [Lq, Hq, D_v], lse [Lq, Hq])`."""
     lq, hq, d = q.shape
-    lk, hkv = k.shape[0], k.shape[1]
+    lk, hkv, dv = v.shape
     qs, ks, vs = (x.double().tolist() for x in (q, k, v))
     slopes = None if alibi_slopes is None else alibi_slopes.tolist()
     sink = None if sinks is None else sinks.tolist()
     mask = None if bias is None else bias.double().tolist()
     scale_eff = (scale if scale is not None else 1 / math.sqrt(d)) / q_scaling
-    out = [[[0.0] * d for _ in range(hq)] for _ in range(lq)]
+    out = [[[0.0] * dv for _ in range(hq)] for _ in range(lq)]
     lse = [[-math.inf] * hq for _ in range(lq)]
     for i in range(lq):
         p = lk - lq + i
@@ -94,14 +94,15 @@ def naive_attention(q, k, v, *, causal=False, scale=None, q_scaling=1.0, alibi_s
             lse[i][h] = m + math.log(sum(math.exp(t - m) for t in terms))
             for j, s in logits:
                 w = math.exp(s - lse[i][h])
-                for e in range(d):
+                for e in range(dv):
                     out[i][h][e] += w * vs[j][g][e]
-    return torch.tensor(out, dtype=F64).reshape(lq, hq, d), torch.tensor(lse, dtype=F64).reshape(lq, hq)
+    return torch.tensor(out, dtype=F64).reshape(lq, hq, dv), torch.tensor(lse, dtype=F64).reshape(lq, hq)
 
 
-def naive_varlen(q, cu_q, keys, values, **opts):
-    """Packed queries (boundaries `cu_q`, a list) over per-sequence keys/values: `(out, lse)`."""
-    out = torch.zeros(q.shape, dtype=F64)
+def naive_varlen(q, cu_q, keys, values, dv=D, **opts):
+    """Packed queries (boundaries `cu_q`, a list) over per-sequence keys/values of head dim `dv`:
+    `(out, lse)`."""
+    out = torch.zeros(*q.shape[:2], dv, dtype=F64)
     lse = torch.full(q.shape[:2], -math.inf, dtype=F64)
     for b, (k, v) in enumerate(zip(keys, values)):
         q0, q1 = cu_q[b], cu_q[b + 1]
@@ -187,13 +188,14 @@ def strided(x: torch.Tensor, hnd: bool) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2) if hnd else x
 
 
-def make_cache(num_blocks, block_size, hkv, fmt, hnd=False):
-    """Random k/v caches `[num_blocks, block_size, Hkv, D]` of format `fmt`, quantized with
-    torch_ops.quant (FP8 scales calibrated to the absmax); returns `(k, v, k_scale, v_scale)`."""
+def make_cache(num_blocks, block_size, hkv, fmt, hnd=False, dv=D):
+    """Random caches `k [num_blocks, block_size, Hkv, D]`, `v [num_blocks, block_size, Hkv, dv]` of
+    format `fmt`, quantized with torch_ops.quant (FP8 scales calibrated to the absmax); returns
+    `(k, v, k_scale, v_scale)`."""
     dtype, kind = FORMATS[fmt]
     made = []
-    for _ in range(2):
-        x = torch.randn(num_blocks, block_size, hkv, D) * torch.empty(hkv, 1).uniform_(0.5, 2)
+    for dim in (D, dv):
+        x = torch.randn(num_blocks, block_size, hkv, dim) * torch.empty(hkv, 1).uniform_(0.5, 2)
         scale = None
         if dtype in FP8_MAX:
             scale = (x.abs().amax(dim=(0, 1, 3)) if kind == "head" else x.abs().amax()) / FP8_MAX[dtype]
@@ -207,16 +209,16 @@ def make_cache(num_blocks, block_size, hkv, fmt, hnd=False):
     return made[0], made[2], made[1], made[3]
 
 
-def naive_gather(cache, scale, table, length) -> torch.Tensor:
+def naive_gather(cache, scale, table, length, dim=D) -> torch.Tensor:
     """Tokens `0..length-1` of one sequence (block `table[t // bs]`, offset `t % bs`),
-    dequantized: float64 `[length, Hkv, D]`."""
+    dequantized: float64 `[length, Hkv, dim]`."""
     bs, hkv = cache.shape[1], cache.shape[2]
     rows = []
     for t in range(length):
         block, off = int(table[t // bs]), t % bs
         rows.append([dequant_vector(cache[block, off, h], token_scale(scale, (block, off, h), h))
                      for h in range(hkv)])
-    return torch.tensor(rows, dtype=F64).reshape(length, hkv, D)
+    return torch.tensor(rows, dtype=F64).reshape(length, hkv, dim)
 
 
 def dequant_packed(x, scale) -> torch.Tensor:
@@ -240,19 +242,19 @@ class PagedKV:
     values: list
 
 
-def paged_kv(seq_lens, hkv, *, block_size=3, fmt="fp16", hnd=False) -> PagedKV:
-    """Random caches whose blocks go to the sequences in a random order; two blocks stay unowned,
-    and block-table entries past a sequence's blocks are random ids."""
+def paged_kv(seq_lens, hkv, *, block_size=3, fmt="fp16", hnd=False, dv=D) -> PagedKV:
+    """Random caches (values of head dim `dv`) whose blocks go to the sequences in a random order;
+    two blocks stay unowned, and block-table entries past a sequence's blocks are random ids."""
     need = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(need) + 2
     perm = torch.randperm(num_blocks, dtype=torch.int32)
     table = torch.randint(0, num_blocks, (len(seq_lens), max(need + [1])), dtype=torch.int32)
     for b, (start, n) in enumerate(zip(cumsum(need), need)):
         table[b, :n] = perm[start:start + n]
-    k_cache, v_cache, k_scale, v_scale = make_cache(num_blocks, block_size, hkv, fmt, hnd)
+    k_cache, v_cache, k_scale, v_scale = make_cache(num_blocks, block_size, hkv, fmt, hnd, dv)
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     keys = [naive_gather(k_cache, k_scale, table[b], n) for b, n in enumerate(seq_lens)]
-    values = [naive_gather(v_cache, v_scale, table[b], n) for b, n in enumerate(seq_lens)]
+    values = [naive_gather(v_cache, v_scale, table[b], n, dv) for b, n in enumerate(seq_lens)]
     return PagedKV(k_cache, v_cache, scales, table, torch.tensor(seq_lens, dtype=torch.int32), keys, values)
 
 
@@ -263,22 +265,22 @@ def naive_context(q, k, v, q_lens, k_lens, **opts):
     """Packed queries and packed keys/values, sequence `b` having `q_lens[b]`/`k_lens[b]`."""
     ck = cumsum(k_lens)
     return naive_varlen(q, cumsum(q_lens), [k[a:b] for a, b in zip(ck, ck[1:])],
-                        [v[a:b] for a, b in zip(ck, ck[1:])], **opts)
+                        [v[a:b] for a, b in zip(ck, ck[1:])], dv=v.shape[-1], **opts)
 
 
-def context_inputs(q_lens, k_lens, hq, hkv, dtype=torch.float16, **opts):
-    """Random packed `context_attention` inputs: `(args, kwargs, naive (out, lse))`."""
+def context_inputs(q_lens, k_lens, hq, hkv, dtype=torch.float16, dv=D, **opts):
+    """Random packed `context_attention` inputs (values of head dim `dv`): `(args, kwargs, naive (out, lse))`."""
     q = rand(sum(q_lens), hq, D, dtype=dtype)
-    k, v = rand(sum(k_lens), hkv, D, dtype=dtype), rand(sum(k_lens), hkv, D, dtype=dtype)
+    k, v = rand(sum(k_lens), hkv, D, dtype=dtype), rand(sum(k_lens), hkv, dv, dtype=dtype)
     return (q, k, v, index(q_lens), index(k_lens)), opts, naive_context(q, k, v, q_lens, k_lens, **opts)
 
 
-def prefill_inputs(q_lens, seq_lens, hq, hkv, *, causal=True, block_size=3, fmt="fp16", hnd=False, **opts):
-    """Random `paged_prefill` inputs (query dtype: the plain cache's, else fp16)."""
-    kv = paged_kv(seq_lens, hkv, block_size=block_size, fmt=fmt, hnd=hnd)
+def prefill_inputs(q_lens, seq_lens, hq, hkv, *, causal=True, block_size=3, fmt="fp16", hnd=False, dv=D, **opts):
+    """Random `paged_prefill` inputs (query dtype: the plain cache's, else fp16; values of head dim `dv`)."""
+    kv = paged_kv(seq_lens, hkv, block_size=block_size, fmt=fmt, hnd=hnd, dv=dv)
     dtype = kv.k_cache.dtype if kv.k_cache.dtype in PLAIN else torch.float16
     q = rand(sum(q_lens), hq, D, dtype=dtype)
-    truth = naive_varlen(q, cumsum(q_lens), kv.keys, kv.values, causal=causal, **opts)
+    truth = naive_varlen(q, cumsum(q_lens), kv.keys, kv.values, dv, causal=causal, **opts)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, index(q_lens), kv.seq_lens)
     return args, {"causal": causal, **opts, **kv.scales}, truth
 
@@ -364,6 +366,19 @@ def test_paged_prefill(hq, hkv, causal, hnd):
     """Varlen queries over a paged cache: the new tokens are the last positions of their sequence
     (a decode, a prefix-cached chunk, a full prefill, and a sequence without new tokens)."""
     check_attention("paged_prefill", *prefill_inputs([3, 0, 1, 5], [7, 4, 9, 5], hq, hkv, causal=causal, hnd=hnd))
+
+
+@CAUSAL
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3-per-head"])
+def test_value_head_dim(causal, fmt):
+    """Values of their own head dim (D_v = 3 D / 2 and D / 2, MLA prefill): `out [T, Hq, D_v]`,
+    the scale 1/sqrt(D) of the query/key head dim."""
+    args, kwargs, truth = context_inputs(CROSS_Q, CROSS_K, 4, 2, dv=3 * D // 2, causal=causal)
+    out, _ = check_attention("context_attention", args, kwargs, truth)
+    assert out.shape == (sum(CROSS_Q), 4, 3 * D // 2)
+    args, kwargs, truth = prefill_inputs([3, 0, 1, 5], [7, 4, 9, 5], 4, 2, causal=causal, fmt=fmt, dv=D // 2)
+    out, _ = check_attention("paged_prefill", args, kwargs, truth)
+    assert out.shape == (9, 4, D // 2)
 
 
 @HEADS

@@ -50,6 +50,11 @@ BAD = [
     ("context_attention", "causal", _set(0, lambda q: q[:, :3].contiguous()), ValueError, "multiple of the KV heads"),
     ("paged_decode", "gqa", _set(0, lambda q: q[..., :8].contiguous()), ValueError, "k_cache last dim must be 8"),
     ("context_attention", "causal", _both(1, 2, lambda k: k[..., :8].contiguous()), ValueError, "key head dim"),
+    ("context_attention", "mla", _set(2, lambda v: v[:-1]), ValueError, "value must be [Tk, Hkv, D_v] = [10, 2, D_v > 0]"),
+    ("paged_prefill", "mla", _set(2, lambda v: v[:-1]), ValueError, "v_cache shape (31, 4, 2, 8) must equal k_cache"),
+    ("paged_prefill", "int4", _set(2, lambda v: v[..., :2].contiguous()), ValueError,
+     "v_cache head dim (2) must equal k_cache head dim (8) in INT4 caches"),
+    ("paged_decode", "gqa", _set(2, lambda v: v[..., :8].contiguous()), ValueError, "v_cache shape"),
     # block tables and metadata
     ("paged_decode", "gqa", _set(3, lambda t: t[0]), ValueError, "block_tables must be 2-D"),
     ("paged_decode", "gqa", _set(3, lambda t: t[:2]), ValueError, "block_tables must have one row per sequence"),

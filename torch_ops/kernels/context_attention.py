@@ -28,7 +28,7 @@ ROPE_TOKENS = 16   # tokens per RoPE program
 
 
 def unsupported(query, key, value, cu_seqlens_q, cu_seqlens_k, **options) -> list[str]:
-    return prefill_attention.unsupported(query, key.dtype)
+    return prefill_attention.unsupported(query, key.dtype, value.shape[-1])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -3,12 +3,12 @@ caching, mixed prefill + decode batches in one launch). The kernel: `prefill_att
 
 from __future__ import annotations
 
-from .. import errors
+from .. import checks, errors
 from . import prefill_attention
 
 
 def unsupported(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, **options) -> list[str]:
-    return prefill_attention.unsupported(query, k_cache.dtype)
+    return prefill_attention.unsupported(query, k_cache.dtype, checks.paged_value_dim(query, k_cache, v_cache))
 
 
 def run(*args, **kwargs) -> None:

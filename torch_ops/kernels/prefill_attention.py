@@ -53,6 +53,11 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   does not fit the GPU (Triton's OutOfResources) is retried with fewer stages, then smaller
   BLOCK_N, and the fitting one remembered.
 
+Value head dim: V tiles, the P @ V product, the accumulator and the output have D_v (`HEAD_DV`,
+padded to `BLOCK_DV`), which may differ from the query/key head dim (plain and FP8 K/V; MLA
+prefill: D = 192, D_v = 128). Tile configs follow the larger of the two; with D_v = D the kernel
+is the one of D alone.
+
 Not served (`unsupported` says why): head dims > 256.
 
 Knobs (tests, tuning): `Tuning`, changed inside `with tuning(config=...):`. A prepared launch's `kernels` are its `TritonLaunch`es
@@ -161,13 +166,14 @@ def _attend_tile(
     acc, m_i, l_i, bad, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
 ):
-    """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units).
+    """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units): K tiles of
+    HEAD_DIM (padded to BLOCK_D) dims, V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
     K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: its
     keys are masked (also in unmasked tiles) and marked in `bad [BLOCK_N]`."""
@@ -228,7 +234,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
+    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -241,7 +247,7 @@ def _attend_range(
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -260,8 +266,8 @@ def _attend_range(
                 acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
             it += 1
     else:
         for it in range(it_lo, it_hi):
@@ -272,8 +278,8 @@ def _attend_range(
                 acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
     return acc, m_i, l_i, bad
 
 
@@ -290,8 +296,8 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_qs, stride_ks, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_kmt, km_len,
     GROUP: tl.constexpr, HPT: tl.constexpr, HEAD_CHUNKS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
@@ -400,7 +406,7 @@ def _prefill_kernel(
     VSh = VScale + kh.to(tl.int64) * stride_vsh
     bt_row = BlockTables + b.to(tl.int64) * stride_btb
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     bad = tl.zeros([BLOCK_N], tl.int1)   # keys of absent blocks (block ids outside the cache)
@@ -410,22 +416,23 @@ def _prefill_kernel(
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-            BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-            HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+            BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
+            INTERPRET)
     acc, m_i, l_i, bad = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, bad, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-        HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i, bad = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, bad, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-        HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     if PAGED and BLOCK_ERR != 0:
         tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
@@ -449,8 +456,9 @@ def _prefill_kernel(
         o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
     tok_rows = (q_start + tok).to(tl.int64)
     o_rows = tok_rows * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, exact_cast(o, Out.dtype.element_ty, INTERPRET),
-             mask=row_ok[:, None] & d_ok[None, :])
+    dv = tl.arange(0, BLOCK_DV)
+    tl.store(Out + o_rows[:, None] + dv[None, :] * stride_od, exact_cast(o, Out.dtype.element_ty, INTERPRET),
+             mask=row_ok[:, None] & (dv < HEAD_DV)[None, :])
     tl.store(Lse + tok_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
@@ -522,13 +530,17 @@ def _launch_key(constants: dict, cfg: dict, device: torch.device) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in constants.items())), tuple(sorted(cfg.items())), str(device)
 
 
-def unsupported(query: torch.Tensor, kv_dtype: torch.dtype) -> list[str]:
-    """Reasons this kernel family cannot serve a call (the op front has validated the rest)."""
+def unsupported(query: torch.Tensor, kv_dtype: torch.dtype, value_dim: int | None = None) -> list[str]:
+    """Reasons this kernel family cannot serve a call (the op front has validated the rest);
+    `value_dim` (D_v) defaults to the query's head dim."""
     why = []
     d = query.shape[-1]
     if d > MAX_HEAD_DIM:
         why.append(f"head dim {d} > {MAX_HEAD_DIM} is not served by the Triton prefill kernel "
                    "(the fp32 accumulator and Q tile would not fit in registers)")
+    if value_dim is not None and value_dim > MAX_HEAD_DIM:
+        why.append(f"value head dim {value_dim} > {MAX_HEAD_DIM} is not served by the Triton prefill kernel "
+                   "(the fp32 accumulator would not fit in registers)")
     try:
         kv_format(kv_dtype)
     except TypeError:
@@ -542,16 +554,18 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
             block_error=errors.BLOCK_TABLES):
     """The launch of a call of this signature (only the arguments' metadata is read): `launch(query,
     k, v, out, lse, **tensors)`, with the tensor arguments of `prepare` by keyword, fills `out [T,
-    Hq, D]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries` queries, if
+    Hq, D_v]` and `lse [T, Hq]` (only the rows of sequences of at most `max_queries` queries, if
     given: the caller serves the others).
 
-    `query [T, Hq, D]`, `cu_seqlens_q [B + 1]`. Packed K/V (`cu_seqlens_k` given): `k/v [Tk, Hkv,
-    D]`. Paged (`block_tables`, `seq_lens` given): `k/v [num_blocks, block_size, Hkv, D]` views.
+    `query [T, Hq, D]`, `cu_seqlens_q [B + 1]`. Packed K/V (`cu_seqlens_k` given): `k [Tk, Hkv,
+    D]`, `v [Tk, Hkv, D_v]`. Paged (`block_tables`, `seq_lens` given): `k [num_blocks, block_size,
+    Hkv, D]`, `v [num_blocks, block_size, Hkv, D_v]` views. D_v is `out`'s last dim.
     `q_scale` (FP8 queries), `k_scale`/`v_scale` (FP8 queries or cache): fp32, 0-d or per head;
     INT8/INT4 caches: `k_scale`/`v_scale` are scale caches `[num_blocks, block_size, Hkv, D // group]`.
     Paged block ids outside `[0, num_blocks)` (default `k.shape[0]`) are absent blocks, flagged
     with the error bit `block_error` (0: none)."""
     t, hq, d = query.shape
+    dv = out.shape[-1]
     num_seqs = cu_seqlens_q.shape[0] - 1
     if t == 0 or num_seqs <= 0:
         return no_launch
@@ -568,7 +582,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
     rows_per_seq = min(-(-t // num_seqs), max_queries if max_queries is not None else t) * group
-    cfg = config(d, op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt.group_scaled)
+    cfg = config(max(d, dv), op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt.group_scaled)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
         short_cfg = {**cfg, "BLOCK_M": SHORT_BLOCK_M, "num_warps": 4}
@@ -611,7 +625,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
     )
     constants = dict(
-        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)),
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), HEAD_DV=dv, BLOCK_DV=max(16, _pow2(dv)),
         PAGED=paged, PAGE=page,
         Q_FP8=q_fp8, KV_FMT=kv_fmt.code, E5M2=k.dtype == torch.float8_e5m2, QGROUP=qgroup,
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,

@@ -34,13 +34,13 @@ def compile_launch(self: launcher.TritonLaunch, *tensors) -> None:
         else:
             signature[p.name] = "fp32"
     options = {k: self.meta[k] for k in ("num_warps", "num_stages") if k in self.meta}
-    triton.compile(ASTSource(self.fn, signature, constants), target=TARGET, options=options)
-    compiled.append(self.fn.__name__)
+    kernel = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET, options=options)
+    compiled.append(f"{self.fn.__name__} ({kernel.metadata.shared} B shared memory)")
 
 
-def _cache(fmt, blocks=64, page=16):
+def _cache(fmt, blocks=64, page=16, d=128):
     group = 32 if fmt in (torch.int8, torch.uint8) else None
-    cache = kv_cache.PagedKVCache.allocate(blocks, page, 8, 128, fmt, quant_group=group, scale_dtype=torch.float16)
+    cache = kv_cache.PagedKVCache.allocate(blocks, page, 8, d, fmt, quant_group=group, scale_dtype=torch.float16)
     return cache, {k: v for k, v in cache.scale_kwargs().items() if v is not None}
 
 
@@ -55,19 +55,20 @@ def decode(fmt, key_mask=False, splits=None):
         paged_decode.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
 
 
-def prefill(paged, key_mask=False, fmt=torch.bfloat16):
-    q = torch.zeros(256, 32, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(256, 32)
+def prefill(paged, key_mask=False, fmt=torch.bfloat16, d=128, dv=128):
+    q = torch.zeros(256, 32, d, dtype=torch.bfloat16)
+    out, lse = torch.empty(256, 32, dv, dtype=torch.bfloat16), torch.empty(256, 32)
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)
     kw = {"key_mask": torch.ones(256, 300, dtype=torch.bool)} if key_mask else {}
     if paged:
-        cache, scales = _cache(fmt)
-        args = (q, cache.k, cache.v, torch.zeros(2, 20, dtype=torch.int32), cu, torch.tensor([150, 300], dtype=torch.int32))
+        cache, scales = _cache(fmt, d=d)
+        values = cache if dv == d else _cache(fmt, d=dv)[0]
+        args = (q, cache.k, values.v, torch.zeros(2, 20, dtype=torch.int32), cu, torch.tensor([150, 300], dtype=torch.int32))
         kw.update(scales)
         paged_prefill.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
     else:
-        k = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
-        args = (q, k, k, cu, torch.tensor([0, 100, 300], dtype=torch.int32))
+        k, v = torch.zeros(300, 8, d, dtype=torch.bfloat16), torch.zeros(300, 8, dv, dtype=torch.bfloat16)
+        args = (q, k, v, cu, torch.tensor([0, 100, 300], dtype=torch.int32))
         context_attention.prepare(*args, out=out, lse=lse, causal=True, **kw)(*args, out=out, lse=lse, **kw)
 
 
@@ -83,6 +84,8 @@ CALLS = {
     "paged_decode INT4, split-K": lambda: decode(torch.uint8, splits=2),
     "context_attention, key_mask": lambda: prefill(False, key_mask=True),
     "paged_prefill INT8, key_mask": lambda: prefill(True, key_mask=True, fmt=torch.int8),
+    "context_attention D 192, D_v 128": lambda: prefill(False, d=192, dv=128),
+    "paged_prefill D 192, D_v 128": lambda: prefill(True, d=192, dv=128),
     "kv_cache_write INT8": lambda: cache_write(torch.int8),
 }
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import random
+import types
 
 import pytest
 import torch
 
 import torch_ops
-from torch_ops import quant, kv_cache, reference
+from torch_ops import checks, quant, kv_cache, reference
 from torch_ops.kernels import paged_prefill, prefill_attention as pa
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
@@ -41,18 +42,26 @@ def cumsum0(lens, device, dtype=torch.int32) -> torch.Tensor:
 
 def make_paged(device, *, q_lens, seq_lens, hq, hkv, d, bs, dtype=BF16, cache_dtype=None, layout="NHD",
                fp8_per_head=False, group=None, scale_dtype=FP32, index_dtype=torch.int32, num_blocks=None,
-               high_block_ids=False, share_prefix=False):
+               high_block_ids=False, share_prefix=False, dv=None):
     """Random paged inputs: `(query, cache, block_tables, cu_seqlens_q, seq_lens)`, each sequence on
-    a random permutation of blocks (optionally sequence 1 reusing sequence 0's first blocks)."""
+    a random permutation of blocks (optionally sequence 1 reusing sequence 0's first blocks). With
+    `dv`, `cache.v` has head dim `dv` (a value cache of its own on the same blocks)."""
     cache_dtype = cache_dtype or dtype
     per_seq = [-(-n // bs) for n in seq_lens]
     needed = sum(per_seq) + 3
     nb = num_blocks or needed
     fp8 = cache_dtype in (E4M3, E5M2)
-    cache = kv_cache.PagedKVCache.allocate(nb, bs, hkv, d, cache_dtype, layout=layout, device=device,
-                                           fp8_scale=torch.ones(hkv) if fp8 and fp8_per_head else None,
-                                           quant_group=group, scale_dtype=scale_dtype)
-    kv_cache.random_(cache)
+
+    def random_cache(head_dim):
+        return kv_cache.random_(kv_cache.PagedKVCache.allocate(
+            nb, bs, hkv, head_dim, cache_dtype, layout=layout, device=device,
+            fp8_scale=torch.ones(hkv) if fp8 and fp8_per_head else None, quant_group=group, scale_dtype=scale_dtype))
+
+    cache = random_cache(d)
+    if dv is not None:
+        keys, values = cache, random_cache(dv)
+        cache = types.SimpleNamespace(k=keys.k, v=values.v,
+                                      scale_kwargs=lambda: {"k_scale": keys.k_scale, "v_scale": values.v_scale})
     ids = torch.randperm(needed).tolist()
     if high_block_ids:
         ids = [nb - 1 - i for i in ids]
@@ -67,11 +76,12 @@ def make_paged(device, *, q_lens, seq_lens, hq, hkv, d, bs, dtype=BF16, cache_dt
             torch.tensor(seq_lens, dtype=index_dtype, device=device))
 
 
-def make_context(device, *, q_lens, k_lens, hq, hkv, d, dtype=BF16):
-    """Random packed inputs: `(query, key, value, cu_seqlens_q, cu_seqlens_k)`."""
+def make_context(device, *, q_lens, k_lens, hq, hkv, d, dtype=BF16, dv=None):
+    """Random packed inputs: `(query, key, value, cu_seqlens_q, cu_seqlens_k)`; values of head dim
+    `dv` (default `d`)."""
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device=device)
     k = torch.randn(sum(k_lens), hkv, d, dtype=dtype, device=device)
-    v = torch.randn(sum(k_lens), hkv, d, dtype=dtype, device=device) * 2
+    v = torch.randn(sum(k_lens), hkv, dv or d, dtype=dtype, device=device) * 2
     return q, k, v, cumsum0(q_lens, device), cumsum0(k_lens, device)
 
 
@@ -87,8 +97,10 @@ def mixed_lengths(rng: random.Random, bs: int) -> tuple[list[int], list[int]]:
 # ---- calls and checks --------------------------------------------------------------------------
 
 
-def _out_buffers(query, dtype, out_scale=None):
-    out = torch.empty(query.shape, dtype=E4M3 if out_scale is not None else dtype, device=query.device)
+def _out_buffers(query, dtype, out_scale=None, value_dim=None):
+    """NaN-poisoned `out [T, Hq, value_dim (default D)]` and `lse [T, Hq]`."""
+    out = torch.empty(*query.shape[:2], value_dim or query.shape[-1], dtype=E4M3 if out_scale is not None else dtype,
+                      device=query.device)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     poison_(out)
     poison_(lse)
@@ -102,7 +114,7 @@ def run_paged(problem, *, functional=False, **options):
     with torch_ops.use_backend("triton"):
         if functional:
             return torch.ops.attn.paged_prefill(*args, **kw)
-        out, lse = _out_buffers(q, q.dtype, options.get("out_scale"))
+        out, lse = _out_buffers(q, q.dtype, options.get("out_scale"), checks.paged_value_dim(q, cache.k, cache.v))
         torch.ops.attn.paged_prefill.out(*args, out=out, lse=lse, **kw)
         return out, lse
 
@@ -113,7 +125,7 @@ def run_context(problem, *, functional=True, **options):
         if functional:
             return torch.ops.attn.context_attention(*problem, **options)
         dtype = options.get("out_dtype") or (BF16 if q.dtype == E4M3 else q.dtype)
-        out, lse = _out_buffers(q, dtype, options.get("out_scale"))
+        out, lse = _out_buffers(q, dtype, options.get("out_scale"), problem[2].shape[-1])
         torch.ops.attn.context_attention.out(*problem, out=out, lse=lse, **options)
         return out, lse
 
@@ -284,11 +296,55 @@ def test_paged_int_cache(kernel_device, small_tiles, cache_dtype, group, scale_d
     check_paged(problem, *run_paged(problem))
 
 
+MLA_DIMS = pytest.mark.parametrize("d,dv", [(192, 128), (64, 32), (32, 16)], ids=["d192-dv128", "d64-dv32", "d32-dv16"])
+CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+@MLA_DIMS
+@CAUSAL
+def test_context_value_head_dim(kernel_device, small_tiles, d, dv, causal):
+    # D_v != D (MLA prefill): GQA, cross lengths (a sequence without keys), poisoned [T, Hq, D_v] buffers
+    problem = make_context(kernel_device, q_lens=[5, 18, 3], k_lens=[21, 18, 0], hq=4, hkv=2, d=d, dv=dv)
+    out, lse = run_context(problem, functional=False, causal=causal)
+    assert out.shape == (26, 4, dv)
+    check("context_attention", problem, out, lse, causal=causal)
+
+
+@MLA_DIMS
+@CAUSAL
+def test_paged_value_head_dim(kernel_device, small_tiles, d, dv, causal):
+    # D_v != D over a paged cache: GQA, a decode, a chunk over cached keys, a padding sequence,
+    # block size 8 < BLOCK_N (per-row page lookups)
+    problem = make_paged(kernel_device, q_lens=[1, 17, 2], seq_lens=[25, 30, 0], hq=4, hkv=2, d=d, bs=8,
+                         dtype=FP16, dv=dv)
+    out, lse = run_paged(problem, causal=causal)
+    assert out.shape == (20, 4, dv)
+    check_paged(problem, out, lse, causal=causal)
+
+
+def test_value_head_dim_fp8_and_rope(kernel_device, small_tiles):
+    # D_v != D with an FP8 cache (per-head scales), FP8 context inputs, and RoPE (query and key only)
+    problem = make_paged(kernel_device, q_lens=[3, 14], seq_lens=[19, 14], hq=4, hkv=2, d=64, bs=16,
+                         cache_dtype=E4M3, fp8_per_head=True, dv=32)
+    check_paged(problem, *run_paged(problem))
+    q, k, v, cq, ck = make_context(kernel_device, q_lens=[6, 17], k_lens=[20, 17], hq=4, hkv=2, d=64, dv=32)
+    scales = {f"{n}_scale": torch.rand((), device=kernel_device) * 0.05 + 0.01 for n in "qkv"}
+    fp8 = tuple(quant.quantize_fp8(x, scales[f"{n}_scale"], E4M3) for n, x in zip("qkv", (q, k, v)))
+    out, lse = run_context((*fp8, cq, ck), causal=True, **scales)
+    check("context_attention", (*fp8, cq, ck), out, lse, baseline_dtype=BF16, causal=True, **scales)
+    self_attn = make_context(kernel_device, q_lens=[9, 14], k_lens=[9, 14], hq=4, hkv=2, d=64, dv=32)
+    rope = dict(positions=torch.randint(0, 64, (23,), device=kernel_device),
+                cos_sin_cache=reference.rope_cos_sin_cache(64, 16).to(kernel_device), causal=True)
+    check("context_attention", self_attn, *run_context(self_attn, functional=False, **rope), **rope)
+
+
 def test_unsupported_reasons():
     q = torch.randn(3, 4, 64, dtype=BF16)
     for dtype in (BF16, E4M3, E5M2, INT8, INT4):
         assert pa.unsupported(q, dtype) == []
     assert "head dim 512" in " ".join(pa.unsupported(torch.randn(3, 4, 512, dtype=BF16), BF16))
+    assert pa.unsupported(q, BF16, 32) == []
+    assert "value head dim 512" in " ".join(pa.unsupported(q, BF16, 512))
     from torch_ops.kernels import context_attention
     big = torch.randn(3, 4, 512, dtype=BF16)
     cu = torch.tensor([0, 3], dtype=torch.int32)
