@@ -11,7 +11,8 @@ holds follows the grid asked for (`persistent_mode`, `built_variants`).
 
 The library comes from, in order: `torch_ops/_fmha_sm90.so` (built at install with
 `ATTN_BUILD_CUDA=1`), or a just-in-time build on first use, cached under `ATTN_CACHE_DIR`
-(default `~/.cache/attn_ops`) in a folder named by a hash of the sources, the CUTLASS version, nvcc's version and the flags. `ATTN_NVCC` names the compiler (default:
+(default `~/.cache/attn_ops`) in a folder named by a hash of the sources (the headers they include
+too), the CUTLASS version, nvcc's version and the flags. `ATTN_NVCC` names the compiler (default:
 `nvcc` on PATH, then `$CUDA_HOME/bin/nvcc`); `MAX_JOBS` caps parallel compiles;
 `ATTN_CUTLASS_LIBRARY` points at a library built elsewhere (e.g. a tuning variant).
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, sources_with_headers
 from .nvcc import nvcc_version as _nvcc_version
 from .nvcc import run_tool as _run_tool
 
@@ -163,7 +164,7 @@ def build_units(variants: tuple[str, ...]) -> list[tuple[str, int, str]]:
 def build_key(nvcc: str, defines: tuple[str, ...] = (), variants: tuple[str, ...] = ("plain",)) -> str:
     """Hash of what the library depends on: sources, CUTLASS version, nvcc version, flags, grids."""
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in sources_with_headers(SOURCES, CSRC):
         h.update((CSRC / name).read_bytes())
     flags = compile_command("nvcc", "x", 0, Path("o"), [], defines)
     for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags),

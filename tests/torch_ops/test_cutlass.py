@@ -15,6 +15,7 @@ import ctypes
 import logging
 import random
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,10 +24,17 @@ import torch
 
 import torch_ops
 from torch_ops import cutlass, cutlass_build, gpu, quant, reference
+from torch_ops.nvcc import sources_with_headers
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
 E4M3, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
 HEADER = cutlass_build.CSRC / "fmha_sm90.h"
+
+
+def fmha_source() -> str:
+    """csrc/fmha_sm90.cu and the csrc headers it includes, as one text."""
+    return "".join((cutlass_build.CSRC / name).read_text()
+                   for name in sources_with_headers(("fmha_sm90.cu",), cutlass_build.CSRC))
 
 
 # ---- build and ABI (CPU) -------------------------------------------------------------------------
@@ -86,7 +94,7 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
 
 
 def test_every_shipped_element_is_defined_in_the_source():
-    source = (cutlass_build.CSRC / "fmha_sm90.cu").read_text()
+    source = fmha_source()
     for element in set(cutlass.KERNELS.values()):
         assert f"defined(ATTN_ELEMENT_{element.upper()})" in source
     assert {d for _, d in cutlass.KERNELS} <= {int(d) for d in re.findall(r"kHeadDim == (\d+)", source)}
@@ -114,8 +122,32 @@ def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
     assert key != cutlass_build.build_key("nvcc")
 
 
+def test_build_key_follows_every_header_the_source_includes(monkeypatch, tmp_path):
+    monkeypatch.setattr(cutlass_build, "_cutlass_version", lambda: "4.2.0")
+    monkeypatch.setattr(cutlass_build, "_nvcc_version", lambda nvcc: "release 13.0")
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cutlass_build.CSRC, csrc)
+    monkeypatch.setattr(cutlass_build, "CSRC", csrc)
+    headers = sources_with_headers(cutlass_build.SOURCES, csrc)[len(cutlass_build.SOURCES):]
+    assert set(headers) == {p.name for p in csrc.glob("fmha_sm90_*.cuh")}
+    for header in headers:
+        key = cutlass_build.build_key("nvcc")
+        with open(csrc / header, "a") as f:
+            f.write("\n")
+        assert cutlass_build.build_key("nvcc") != key, header
+
+
+def test_sources_with_headers_follows_local_includes_through_headers(tmp_path):
+    (tmp_path / "a.cu").write_text('#include <cuda.h>\n#include "cute/tensor.hpp"\n#include "a.h"\n  #  include "b.cuh"\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "c.cuh"  // c\n')
+    (tmp_path / "b.cuh").write_text('#include "a.h"\n#include "b.cuh"\n')
+    (tmp_path / "c.cuh").write_text("")
+    (tmp_path / "unused.cuh").write_text("")
+    assert sources_with_headers(("a.cu",), tmp_path) == ["a.cu", "a.h", "b.cuh", "c.cuh"]
+
+
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
-    source = (cutlass_build.CSRC / "fmha_sm90.cu").read_text()
+    source = fmha_source()
     assert "attn_fmha_sm90_##a##_d##b##c##d##e" in source
 
     def defined(macro):
