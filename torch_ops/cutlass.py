@@ -26,7 +26,7 @@ from .cutlass_build import (CLUSTER_VARIANTS, KERNELS, NOT_BUILT, OUT_DTYPES, PA
 from .cutlass_build import PREBUILT, build, library_path  # noqa: F401  (the build's entry points: setup.py, warmup)
 from .replay import c_call
 
-BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90.cu)
+BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90_config.cuh)
 L2_SECTION_BYTES = 32 << 20   # K/V bytes the heads of one section of the work order may share in L2
 # plain/paged grids run in sections only when causal and at most this many waves of 128-row tiles
 SECTION_MAX_WAVES = 16
@@ -34,7 +34,7 @@ SECTION_MAX_WAVES = 16
 PERSISTENT: bool | None = None   # the persistent kernels or not; None: ATTN_CUTLASS_PERSISTENT
 
 PAGED_MIN_BOX_ROWS = 8    # block_size must be a multiple of this (TMA boxes of whole swizzled rows)
-PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90.cu)
+PAGED_KEY_TILE = 128      # keys per tile of the paged kernels (TileShape's N in csrc/fmha_sm90_config.cuh)
 # automatic choice (H200 and H100, docs/cutlass.md): paged_prefill goes to Triton for sequences of fewer
 # queries (the Triton kernel packs a group's query heads into its tile rows; ours pads them to 128-row
 # tiles), and for caches whose blocks take TMA boxes of fewer bytes per CTA (8 tokens at D = 64: 0.87x as
@@ -290,9 +290,9 @@ def paged_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> tu
     paged ones there), larger boxes to the paged kernels where TMA sees each cache as one line of
     tokens (its blocks start a multiple of 8 tokens apart, the same in K and V: block_size for caches
     of their own, 2 x block_size for the K and V halves of one [num_blocks, 2, block_size, Hkv, D]
-    tensor), else boxes of 16 to paged16 (csrc/fmha_sm90.cu, encode_pages). With an even group and boxes of at most
-    `PAGED_CLUSTER_MAX_BOX_ROWS` tokens, the family's cluster kernels (`CLUSTER_VARIANTS`: two CTAs, two
-    query heads of one KV head, share every box)."""
+    tensor), else boxes of 16 to paged16 (csrc/fmha_sm90_paged.cuh, encode_pages). With an even group
+    and boxes of at most `PAGED_CLUSTER_MAX_BOX_ROWS` tokens, the family's cluster kernels
+    (`CLUSTER_VARIANTS`: two CTAs, two query heads of one KV head, share every box)."""
     block_size, d = k_cache.shape[1], k_cache.shape[-1]
     rows = math.gcd(block_size & -block_size, PAGED_KEY_TILE)
     variant = "paged"
