@@ -1,4 +1,4 @@
-"""The `cutlass` backend (torch_ops/cutlass.py, csrc/fmha_sm90.cu).
+"""The `cutlass` backend (torch_ops/cutlass.py and cutlass_build.py, csrc/fmha_sm90.cu).
 
 CPU: build-command construction, the C ABI mirror, the JIT cache, the persistent-grid knob and
 grid size, the registry's reasons. GPU (marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass
@@ -41,7 +41,8 @@ def fmha_source() -> str:
 
 
 def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
-    cmd = cutlass_build.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")], ("X=1",))
+    cmd = cutlass_build.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")],
+                                        ("X=1",))
     assert cmd[0] == "/opt/nvcc"
     assert "-gencode=arch=compute_90a,code=sm_90a" in cmd
     assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DATTN_PERSISTENT=0", "-DX=1", "-I/inc/a", "-I/inc/b",
@@ -138,7 +139,8 @@ def test_build_key_follows_every_header_the_source_includes(monkeypatch, tmp_pat
 
 
 def test_sources_with_headers_follows_local_includes_through_headers(tmp_path):
-    (tmp_path / "a.cu").write_text('#include <cuda.h>\n#include "cute/tensor.hpp"\n#include "a.h"\n  #  include "b.cuh"\n')
+    (tmp_path / "a.cu").write_text('#include <cuda.h>\n#include "cute/tensor.hpp"\n'
+                                   '#include "a.h"\n  #  include "b.cuh"\n')
     (tmp_path / "a.h").write_text('#pragma once\n#include "c.cuh"  // c\n')
     (tmp_path / "b.cuh").write_text('#include "a.h"\n#include "b.cuh"\n')
     (tmp_path / "c.cuh").write_text("")
@@ -413,7 +415,8 @@ def test_paged_stage_layouts_match_the_tma_boxes(tmp_path, check, define):
     exe = tmp_path / "check"
     cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass_build.ARCH},code=sm_{cutlass_build.ARCH}",
            "--expt-relaxed-constexpr", "-DATTN_ELEMENT_BF16", "-DATTN_HEAD_DIM=128", "-DATTN_PERSISTENT=0",
-           f"-DATTN_PAGED={define}", *(f"-I{p}" for p in cutlass_build.cutlass_include_dirs()), f"-I{cutlass_build.CSRC}",
+           f"-DATTN_PAGED={define}", *(f"-I{p}" for p in cutlass_build.cutlass_include_dirs()),
+           f"-I{cutlass_build.CSRC}",
            str(Path(__file__).with_name(check)), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
