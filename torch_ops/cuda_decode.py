@@ -15,9 +15,9 @@ takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
 just-in-time build on first use (one translation unit without CUTLASS headers, 17-28 s), cached
-under `ATTN_CACHE_DIR` in a folder named by a hash of the sources, nvcc's version and the flags;
-`ATTN_DECODE_LIBRARY` points at a library built elsewhere. `ATTN_DECODE_PDL=1` launches it with
-programmatic dependent launch (`PDL`).
+under `ATTN_CACHE_DIR` in a folder named by a hash of the sources (with the headers they include),
+nvcc's version and the flags; `ATTN_DECODE_LIBRARY` points at a library built elsewhere.
+`ATTN_DECODE_PDL=1` launches it with programmatic dependent launch (`PDL`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from . import errors, gpu, quant
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool
+from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool, sources_with_headers
 from .replay import c_call
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def compile_command(nvcc: str, output: Path, defines: tuple[str, ...] = ()) -> l
 
 def build_key(nvcc: str) -> str:
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in sources_with_headers(SOURCES, CSRC):
         h.update((CSRC / name).read_bytes())
     for part in (nvcc_version(nvcc), " ".join(compile_command("nvcc", Path("o")))):
         h.update(part.encode())

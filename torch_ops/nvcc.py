@@ -1,6 +1,6 @@
-"""What the CUDA libraries built from csrc/ share: finding nvcc, running it, and the on-disk
-cache of just-in-time builds (`torch_ops.cutlass`, `torch_ops.cuda_decode`), and the device guard
-of their launches. Torch is imported only by that guard."""
+"""What the CUDA libraries built from csrc/ share: finding nvcc, running it, the csrc files a build
+reads, the on-disk cache of just-in-time builds (`torch_ops.cutlass_build`, `torch_ops.cuda_decode`),
+and the device guard of their launches. Torch is imported only by that guard."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -40,6 +41,17 @@ def find_nvcc() -> str | None:
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     candidate = Path(cuda_home or "/usr/local/cuda") / "bin" / "nvcc"
     return str(candidate) if candidate.exists() else None
+
+
+def sources_with_headers(names: tuple[str, ...], root: Path) -> list[str]:
+    """`names` (files in `root`, e.g. `CSRC`), then every file of `root` that they include (`#include
+    "..."`), directly or through one another: what a build of `names` reads from there (its cache key)."""
+    found = list(names)
+    for name in found:   # the list grows while it is walked: the headers' own includes
+        for header in re.findall(r'^\s*#\s*include\s*"([^"]+)"', (root / name).read_text(), re.M):
+            if header not in found and (root / header).is_file():
+                found.append(header)
+    return found
 
 
 @functools.cache

@@ -1,7 +1,7 @@
-// Host-side check of the paged16 kernels' key orders (BlockBoxes in csrc/fmha_sm90.cu), built
-// against that file with -DATTN_PAGED=2 by tests/torch_ops/test_cutlass.py: the stage layouts put
-// every logical key where its TMA box lands, the masks see each accumulator element's key, and
-// step k of the PV product multiplies P and V at the same keys for every thread.
+// Host-side check of the paged16 kernels' key orders (BlockBoxes, csrc/fmha_sm90_paged.cuh), built
+// against csrc/fmha_sm90.cu with -DATTN_PAGED=2 by tests/torch_ops/test_cutlass.py: the stage
+// layouts put every logical key where its TMA box lands, the masks see each accumulator element's
+// key, and step k of the PV product multiplies P and V at the same keys for every thread.
 #include "fmha_sm90.cu"
 
 #include <cstdio>

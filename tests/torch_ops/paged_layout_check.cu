@@ -1,7 +1,7 @@
-// Host-side check of the paged kernels' stage layouts (PagedLayouts in csrc/fmha_sm90.cu), built
-// against that file with -DATTN_PAGED=1 by tests/torch_ops/test_cutlass.py: every element of every
-// TMA box (encode_pages: dims (64, 8, D / 64, box_rows / 8), innermost first) lands where the K and
-// V stage layouts that the products read expect its key and dim.
+// Host-side check of the paged kernels' stage layouts (PagedLayouts, csrc/fmha_sm90_paged.cuh),
+// built against csrc/fmha_sm90.cu with -DATTN_PAGED=1 by tests/torch_ops/test_cutlass.py: every
+// element of every TMA box (encode_pages: dims (64, 8, D / 64, box_rows / 8), innermost first)
+// lands where the K and V stage layouts that the products read expect its key and dim.
 #include "fmha_sm90.cu"
 
 #include <cstdio>

@@ -1,4 +1,4 @@
-"""The `cutlass` backend (torch_ops/cutlass.py, csrc/fmha_sm90.cu).
+"""The `cutlass` backend (torch_ops/cutlass.py and cutlass_build.py, csrc/fmha_sm90.cu).
 
 CPU: build-command construction, the C ABI mirror, the JIT cache, the persistent-grid knob and
 grid size, the registry's reasons. GPU (marked; needs an sm_90 GPU, nvcc and the nvidia-cutlass
@@ -15,6 +15,7 @@ import ctypes
 import logging
 import random
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,31 +23,39 @@ import pytest
 import torch
 
 import torch_ops
-from torch_ops import cutlass, gpu, quant, reference
+from torch_ops import cutlass, cutlass_build, gpu, quant, reference
+from torch_ops.nvcc import sources_with_headers
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, poison_
 
 E4M3, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
-HEADER = cutlass.CSRC / "fmha_sm90.h"
+HEADER = cutlass_build.CSRC / "fmha_sm90.h"
+
+
+def fmha_source() -> str:
+    """csrc/fmha_sm90.cu and the csrc headers it includes, as one text."""
+    return "".join((cutlass_build.CSRC / name).read_text()
+                   for name in sources_with_headers(("fmha_sm90.cu",), cutlass_build.CSRC))
 
 
 # ---- build and ABI (CPU) -------------------------------------------------------------------------
 
 
 def test_compile_command_targets_sm90a_and_selects_the_instantiation(tmp_path):
-    cmd = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")], ("X=1",))
+    cmd = cutlass_build.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [Path("/inc/a"), Path("/inc/b")],
+                                        ("X=1",))
     assert cmd[0] == "/opt/nvcc"
     assert "-gencode=arch=compute_90a,code=sm_90a" in cmd
     assert {"-DATTN_ELEMENT_E4M3", "-DATTN_HEAD_DIM=256", "-DATTN_PERSISTENT=0", "-DX=1", "-I/inc/a", "-I/inc/b",
-            f"-I{cutlass.CSRC}"} <= set(cmd)
-    assert cmd[-4:] == ["-c", str(cutlass.CSRC / "fmha_sm90.cu"), "-o", str(tmp_path / "x.o")]
+            f"-I{cutlass_build.CSRC}"} <= set(cmd)
+    assert cmd[-4:] == ["-c", str(cutlass_build.CSRC / "fmha_sm90.cu"), "-o", str(tmp_path / "x.o")]
     assert "-DATTN_PAGED=0" in cmd
-    persistent = cutlass.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [], variant="persistent")
+    persistent = cutlass_build.compile_command("/opt/nvcc", "e4m3", 256, tmp_path / "x.o", [], variant="persistent")
     assert "-DATTN_PERSISTENT=1" in persistent and "-DATTN_PERSISTENT=0" not in persistent
-    paged = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
+    paged = cutlass_build.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged")
     assert {"-DATTN_PAGED=1", "-DATTN_PERSISTENT=0"} <= set(paged)
-    paged16 = cutlass.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged16")
+    paged16 = cutlass_build.compile_command("/opt/nvcc", "bf16", 128, tmp_path / "x.o", [], variant="paged16")
     assert {"-DATTN_PAGED=2", "-DATTN_PERSISTENT=0"} <= set(paged16)
-    link = cutlass.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
+    link = cutlass_build.link_command("/opt/nvcc", [tmp_path / "a.o", tmp_path / "b.o"], tmp_path / "lib.so")
     assert "-shared" in link and "-cudart=static" in link and link[-2:] == ["-o", str(tmp_path / "lib.so")]
 
 
@@ -63,9 +72,9 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
         Path(cmd[-1]).write_bytes(b"")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(cutlass, "_run_tool", fake_tool)
-    monkeypatch.setattr(cutlass, "cutlass_include_dirs", lambda: [Path("/inc")])
-    library = cutlass.build(tmp_path / "out" / "lib.so", nvcc="/opt/nvcc", jobs=1)
+    monkeypatch.setattr(cutlass_build, "_run_tool", fake_tool)
+    monkeypatch.setattr(cutlass_build, "cutlass_include_dirs", lambda: [Path("/inc")])
+    library = cutlass_build.build(tmp_path / "out" / "lib.so", nvcc="/opt/nvcc", jobs=1)
     *compiles, link = commands
     defines = {tuple(a for a in c if a.startswith(("-DATTN_ELEMENT", "-DATTN_HEAD_DIM", "-DATTN_PERSISTENT",
                                                    "-DATTN_PAGED", "-DATTN_CLUSTER")))
@@ -86,7 +95,7 @@ def test_build_compiles_every_instantiation_in_the_chosen_grids_and_links_them(m
 
 
 def test_every_shipped_element_is_defined_in_the_source():
-    source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
+    source = fmha_source()
     for element in set(cutlass.KERNELS.values()):
         assert f"defined(ATTN_ELEMENT_{element.upper()})" in source
     assert {d for _, d in cutlass.KERNELS} <= {int(d) for d in re.findall(r"kHeadDim == (\d+)", source)}
@@ -101,21 +110,46 @@ def test_ctypes_struct_mirrors_the_c_header():
         base, pointer, names = re.match(r"(?:const\s+)?(\w+)\s*(\*?)\s*(.*)", decl).groups()
         ctype = ctypes.c_void_p if pointer else scalars[base]
         fields += [(n.strip(), ctype) for n in names.split(",")]
-    assert cutlass.FmhaArgs._fields_ == fields
+    assert cutlass_build.FmhaArgs._fields_ == fields
 
 
 def test_build_key_follows_sources_flags_and_toolchain(monkeypatch):
-    monkeypatch.setattr(cutlass, "_cutlass_version", lambda: "4.2.0")
-    monkeypatch.setattr(cutlass, "_nvcc_version", lambda nvcc: "release 13.0")
-    key = cutlass.build_key("nvcc")
-    assert key == cutlass.build_key("nvcc")
-    assert key != cutlass.build_key("nvcc", ("ATTN_SOMETHING=1",))
-    monkeypatch.setattr(cutlass, "_nvcc_version", lambda nvcc: "release 13.1")
-    assert key != cutlass.build_key("nvcc")
+    monkeypatch.setattr(cutlass_build, "_cutlass_version", lambda: "4.2.0")
+    monkeypatch.setattr(cutlass_build, "_nvcc_version", lambda nvcc: "release 13.0")
+    key = cutlass_build.build_key("nvcc")
+    assert key == cutlass_build.build_key("nvcc")
+    assert key != cutlass_build.build_key("nvcc", ("ATTN_SOMETHING=1",))
+    monkeypatch.setattr(cutlass_build, "_nvcc_version", lambda nvcc: "release 13.1")
+    assert key != cutlass_build.build_key("nvcc")
+
+
+def test_build_key_follows_every_header_the_source_includes(monkeypatch, tmp_path):
+    monkeypatch.setattr(cutlass_build, "_cutlass_version", lambda: "4.2.0")
+    monkeypatch.setattr(cutlass_build, "_nvcc_version", lambda nvcc: "release 13.0")
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cutlass_build.CSRC, csrc)
+    monkeypatch.setattr(cutlass_build, "CSRC", csrc)
+    headers = sources_with_headers(cutlass_build.SOURCES, csrc)[len(cutlass_build.SOURCES):]
+    assert set(headers) == {p.name for p in csrc.glob("fmha_sm90_*.cuh")}
+    for header in headers:
+        key = cutlass_build.build_key("nvcc")
+        with open(csrc / header, "a") as f:
+            f.write("\n")
+        assert cutlass_build.build_key("nvcc") != key, header
+
+
+def test_sources_with_headers_follows_local_includes_through_headers(tmp_path):
+    (tmp_path / "a.cu").write_text('#include <cuda.h>\n#include "cute/tensor.hpp"\n'
+                                   '#include "a.h"\n  #  include "b.cuh"\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "c.cuh"  // c\n')
+    (tmp_path / "b.cuh").write_text('#include "a.h"\n#include "b.cuh"\n')
+    (tmp_path / "c.cuh").write_text("")
+    (tmp_path / "unused.cuh").write_text("")
+    assert sources_with_headers(("a.cu",), tmp_path) == ["a.cu", "a.h", "b.cuh", "c.cuh"]
 
 
 def test_entry_points_in_the_source_match_the_names_python_looks_up():
-    source = (cutlass.CSRC / "fmha_sm90.cu").read_text()
+    source = fmha_source()
     assert "attn_fmha_sm90_##a##_d##b##c##d##e" in source
 
     def defined(macro):
@@ -123,10 +157,10 @@ def test_entry_points_in_the_source_match_the_names_python_looks_up():
                 if line.startswith(f"#define {macro}")}
     # the entry's suffix: family, cluster, grid
     suffixes = {f + c + g for f in defined("ATTN_FAMILY") for c in defined("ATTN_CLUSTERED") for g in defined("ATTN_GRID")}
-    families = {suffix.removesuffix("_persistent").removesuffix("x2") for suffix in cutlass.VARIANTS.values()}
+    families = {suffix.removesuffix("_persistent").removesuffix("x2") for suffix in cutlass_build.VARIANTS.values()}
     assert families == defined("ATTN_FAMILY")
-    assert set(cutlass.VARIANTS.values()) <= suffixes
-    assert cutlass.VARIANTS["plain"] == ""
+    assert set(cutlass_build.VARIANTS.values()) <= suffixes
+    assert cutlass_build.VARIANTS["plain"] == ""
     assert re.search(rf"Shape<_128, _{cutlass.PAGED_KEY_TILE}, _128>", source)  # the paged kernels' key tile
     # the host sizes the persistent grid with BLOCK_M query rows per work tile: every tile shape's M
     tile_shapes = source[source.index("using TileShape = "):source.index("#endif", source.index("using TileShape = "))]
@@ -142,30 +176,30 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
         target.write_bytes(b"\0" * 1000)
         return target
 
-    monkeypatch.setattr(cutlass, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(cutlass_build, "PREBUILT", tmp_path / "missing.so")
     monkeypatch.setenv("ATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cutlass, "find_nvcc", lambda: "/opt/nvcc")
-    monkeypatch.setattr(cutlass, "build_key", lambda nvcc, variants: "abc123")
-    monkeypatch.setattr(cutlass, "build", fake_build)
-    with caplog.at_level(logging.WARNING, logger="torch_ops.cutlass"):
-        first = cutlass.library_path()
-        second = cutlass.library_path()
-    assert first == second == tmp_path / "cache" / "fmha_sm90-abc123" / cutlass.LIBRARY_NAME
+    monkeypatch.setattr(cutlass_build, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(cutlass_build, "build_key", lambda nvcc, variants: "abc123")
+    monkeypatch.setattr(cutlass_build, "build", fake_build)
+    with caplog.at_level(logging.WARNING, logger="torch_ops.cutlass_build"):
+        first = cutlass_build.library_path()
+        second = cutlass_build.library_path()
+    assert first == second == tmp_path / "cache" / "fmha_sm90-abc123" / cutlass_build.LIBRARY_NAME
     assert builds == [first]
     assert any("compiling the CUTLASS FMHA kernels" in r.message for r in caplog.records)
     assert any(re.search(r"built .* in \d+ s", r.message) for r in caplog.records)
 
 
 def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(cutlass, "PREBUILT", tmp_path / "missing.so")
-    monkeypatch.setattr(cutlass, "find_nvcc", lambda: None)
-    cutlass._build_unavailable.cache_clear()
+    monkeypatch.setattr(cutlass_build, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(cutlass_build, "find_nvcc", lambda: None)
+    cutlass_build._build_unavailable.cache_clear()
     try:
-        assert "no nvcc" in cutlass._build_unavailable()
+        assert "no nvcc" in cutlass_build._build_unavailable()
         with pytest.raises(RuntimeError, match="no nvcc"):
-            cutlass.library_path()
+            cutlass_build.library_path()
     finally:
-        cutlass._build_unavailable.cache_clear()
+        cutlass_build._build_unavailable.cache_clear()
 
 
 # ---- persistent grid (CPU) -----------------------------------------------------------------------
@@ -335,7 +369,7 @@ def test_paged_persistent_grid_where_forced_or_chosen(monkeypatch):
     variant, num_ctas, section = launch()
     assert (variant, num_ctas) == ("paged16x2_persistent", ctas) and section % 2 == 0 and 32 % section == 0
     assert launch(q[:, :24])[:2] == ("paged16_persistent", cutlass.persistent_ctas(300, 2, 24, 132))
-    assert "paged16x2_persistent" in cutlass.built_variants()
+    assert "paged16x2_persistent" in cutlass_build.built_variants()
     monkeypatch.setattr(cutlass, "PERSISTENT", None)
     q, k_cache, v_cache, tables, cu_q, lens = _paged_problem_cpu(d=64, hq=32, hkv=8, tq=1024, seqs=2)
     assert launch(q)[:2] == ("pagedx2_persistent", cutlass.persistent_ctas(1024, 2, 32, 132))
@@ -375,13 +409,14 @@ def test_paged_stage_layouts_match_the_tma_boxes(tmp_path, check, define):
     and V stage layouts put its key and dim (PagedLayouts), and (BlockBoxes, permuted key orders) the
     masks see each accumulator element's key and step k of the PV product pairs P and V at the same keys."""
     pytest.importorskip("cutlass_library", reason="needs the nvidia-cutlass headers (pip install '.[cutlass]')")
-    nvcc = cutlass.find_nvcc()
+    nvcc = cutlass_build.find_nvcc()
     if nvcc is None:
         pytest.skip("needs nvcc")
     exe = tmp_path / "check"
-    cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass.ARCH},code=sm_{cutlass.ARCH}",
+    cmd = [nvcc, "-std=c++17", "-O1", f"-gencode=arch=compute_{cutlass_build.ARCH},code=sm_{cutlass_build.ARCH}",
            "--expt-relaxed-constexpr", "-DATTN_ELEMENT_BF16", "-DATTN_HEAD_DIM=128", "-DATTN_PERSISTENT=0",
-           f"-DATTN_PAGED={define}", *(f"-I{p}" for p in cutlass.cutlass_include_dirs()), f"-I{cutlass.CSRC}",
+           f"-DATTN_PAGED={define}", *(f"-I{p}" for p in cutlass_build.cutlass_include_dirs()),
+           f"-I{cutlass_build.CSRC}",
            str(Path(__file__).with_name(check)), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
