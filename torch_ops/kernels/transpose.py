@@ -13,7 +13,7 @@ position `4c + i` of a group holds its token `2c + (i & 1) + 8 (i >> 1)`, and a 
 that runs past `T` is padded with zero bytes. The FP8 PV product then takes the softmax
 probabilities straight from the QK^T accumulator, where each thread holds the columns `2c, 2c
 + 1, 2c + 8, 2c + 9` of every 16: reordering V's reduction dim the same way replaces an
-exchange between threads (csrc/fmha_sm90.cu, `probabilities_operand`).
+exchange between threads (csrc/fmha_sm90_mainloop.cuh, `probabilities_operand`).
 """
 
 from __future__ import annotations
