@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     env = common.environment()
     print(f"# {env.get('gpu')}  torch {env['torch']}  triton {env['triton']}  flashinfer {env['flashinfer']}", flush=True)
     rows: list[dict] = []
-    payload = {"env": env, "args": vars(args), "shape": asdict(sh), "iters": cfg.iters, "repeats": cfg.repeats,
+    payload = {"env": env, "args": vars(args), "shape": asdict(sh), "iters": cfg.iters, "burst": BURST, "repeats": cfg.repeats,
                "backends": pinned, "warmup_s": warmup_s, "rows": rows}
     out = Path(args.out)
     out_dir = out.parent if out.suffix == ".json" else out

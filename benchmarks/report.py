@@ -345,8 +345,9 @@ def host(data: dict, name: str):
     for r in data["rows"]:
         if "host_us" in r:
             cases.setdefault((r["op"], r["variant"]), {})[r["backend"]] = r
-    text = (f"µs of host time per eager call (median of {data['repeats']} loops of {data['iters']} back-to-back "
-            f"calls) on problems small enough that the host sets the pace: {sh['batch']} sequences of {sh['ctx']} "
+    calls = (f"in bursts of {data['burst']} between syncs" if data.get("burst") else "back to back")
+    text = (f"µs of host time per eager call (median of {data['repeats']} loops of {data['iters']} calls {calls}) "
+            f"on problems small enough that the host sets the pace: {sh['batch']} sequences of {sh['ctx']} "
             f"keys, {sh['hq']}/{sh['hkv']} heads, D = {sh['d']}, {sh['page']}-token pages; prefill "
             f"{sh['prefill_seqs']} x {sh['prefill_q']} queries. The limit is the call's GPU time (`device µs`, the "
             "same call replayed in a CUDA graph). `auto`: the automatic choice (the backend it took); `replayed`: "
