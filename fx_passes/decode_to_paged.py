@@ -44,8 +44,9 @@ import torch
 import torch.fx as fx
 
 from . import index_mask, sdpa_to_attn
+from .masks import check_mask_shape, is_head_shared_bool, is_input_mask
 from .replacements import paged_decode_bhsd
-from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_input_mask, is_scalar_node, unrepeat
+from .sdpa_to_attn import is_scalar_node, unrepeat
 from .torch_ir import Decline, call, declined, erase_unused, graph_constant, insert_call, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
