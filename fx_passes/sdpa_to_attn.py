@@ -165,10 +165,13 @@ def _match_sdpa(node: fx.Node, c: Call) -> Attention:
             key_mask, window = mask, -1
         else:
             window, terms = alibi.additive_mask(mask, mask_nodes) or (None, None)
-            if window is None:
-                raise Decline(f"float attn_mask {mask.name} is not recognized as where(causal mask, 0 or an ALiBi "
-                              "bias, -inf) (an ALiBi bias: per-head slopes times key positions) nor is it a graph "
-                              "input shared by the heads")
+            if window is None and (found := alibi.masked_bias(mask, mask_nodes)) is not None \
+                    and is_head_shared_bool(found[0]):
+                (key_mask, terms), window = found, -1   # e.g. Falcon's ALiBi in a padded mask
+            elif window is None:
+                raise Decline(f"float attn_mask {mask.name} is not recognized as where(causal mask or a bool mask "
+                              "shared by the heads, 0 or an ALiBi bias, -inf) (an ALiBi bias: per-head slopes times "
+                              "key positions) nor is it a graph input shared by the heads")
             slopes = _frame_slopes([(terms, value(mask).shape, scores_shape, False, 1.0, ())], q) if terms else []
         causal = key_mask is None
     else:

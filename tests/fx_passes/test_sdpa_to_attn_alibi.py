@@ -110,11 +110,32 @@ def bmm_bloom_padding_alibi(q, k, v, padding):
     alibi = (alibi_slopes(h, q.device)[..., None] * positions).reshape(b * h, 1, sk).to(q.dtype)
     scores = alibi.baddbmm(batch1=q.reshape(b * h, -1, d), batch2=k.reshape(b * h, -1, d).transpose(-1, -2),
                            beta=1.0, alpha=d ** -0.5)
-    batch, key = torch.arange(b, device=q.device)[:, None, None, None], torch.arange(sk, device=q.device)
-    keep = (key <= torch.arange(sk - sq, sk, device=q.device)[:, None]) & padding.bool()[batch, key]
-    mask = torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
-    probs = F.softmax(scores.view(b, h, sq, -1) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.softmax(scores.view(b, h, sq, -1) + padded_causal_mask(padding, sq, q.dtype), dim=-1,
+                      dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs.view(b * h, sq, -1), v.reshape(b * h, -1, d)).view(b, h, sq, d)
+
+
+def padded_causal_mask(padding, sq, dtype):
+    """`[B, 1, Sq, Sk]`: 0 where query i (at key position Sk - Sq + i) sees key k (`k` up to its
+    position, `padding[b, k]` set), `finfo.min` elsewhere."""
+    b, sk = padding.shape
+    batch, key = torch.arange(b, device=padding.device)[:, None, None, None], torch.arange(sk, device=padding.device)
+    keep = (key <= torch.arange(sk - sq, sk, device=padding.device)[:, None]) & padding.bool()[batch, key]
+    return torch.where(keep, torch.zeros((), dtype=dtype, device=padding.device), torch.finfo(dtype).min)
+
+
+def sdpa_falcon_padding_alibi(q, k, v, padding):
+    """Falcon with a 0/1 padding mask `padding [B, Sk]`: bfloat16 slopes times the positions
+    `(cumsum(padding) - 1) * padding`, over sqrt(D), folded into the padded causal mask SDPA gets
+    (masked where it is below -1); the queries are the last Sq keys."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    positions = ((padding.cumsum(dim=-1) - 1) * padding)[:, None, :]
+    alibi = (alibi_slopes(h, q.device)[..., None].bfloat16() * positions).reshape(b * h, 1, sk).to(q.dtype)
+    alibi = alibi.reshape(b, -1, *alibi.shape[1:])
+    mask = torch.masked_fill(alibi / math.sqrt(d), padded_causal_mask(padding, sq, q.dtype) < -1,
+                             torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def padding_mask(b, sk, pad):
@@ -241,26 +262,28 @@ def test_float_input_mask_becomes_key_mask(sq, op):
     check_close(matmul_softcap_input_mask, inputs, out)
 
 
+@pytest.mark.parametrize("fn", [bmm_bloom_padding_alibi, sdpa_falcon_padding_alibi], ids=["bloom", "falcon"])
 @pytest.mark.parametrize("sq,op", [(6, OP), (1, "attn.paged_decode")], ids=["prefill", "decode"])
-def test_alibi_of_padding_positions(sq, op):
-    """BLOOM with a padding mask over a static cache: the mask built in the graph is the op's
-    key_mask, the slopes its alibi_slopes; the positions from the padding mask are the key index
-    less the padding on the keys each query sees (checked on the device)."""
+def test_alibi_of_padding_positions(fn, sq, op):
+    """BLOOM and Falcon with a padding mask over a static cache: the mask built in the graph is
+    the op's key_mask, the slopes its alibi_slopes; the positions from the padding mask are the
+    key index less the padding on the keys each query sees (checked on the device)."""
     inputs = (*qkv(sq=sq, sk=9, dtype=torch.bfloat16), padding_mask(2, 9, 3))
-    out, code = compile_and_run(bmm_bloom_padding_alibi, inputs)
+    out, code = compile_and_run(fn, inputs)
     assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
     assert op in code and "alibi_slopes" in code
-    check_close(bmm_bloom_padding_alibi, inputs, out)
+    check_close(fn, inputs, out)
 
 
+@pytest.mark.parametrize("fn", [bmm_bloom_padding_alibi, sdpa_falcon_padding_alibi], ids=["bloom", "falcon"])
 @pytest.mark.parametrize("sq", [6, 1], ids=["prefill", "decode"])
-def test_alibi_of_padding_positions_with_a_hole_fails_the_call(sq):
+def test_alibi_of_padding_positions_with_a_hole_fails_the_call(fn, sq):
     """A hole in the padding mask shifts the positions after it: not the key index plus one
     number on a query's keys, the rewrite would not be exact, the call fails."""
     padding = padding_mask(2, 9, 3)
     padding[1, 5] = 0
     with pytest.raises(RuntimeError, match="ALiBi positions"):
-        compile_and_run(bmm_bloom_padding_alibi, (*qkv(sq=sq, sk=9, dtype=torch.bfloat16), padding))
+        compile_and_run(fn, (*qkv(sq=sq, sk=9, dtype=torch.bfloat16), padding))
     assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 1
 
 
