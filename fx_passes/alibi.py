@@ -530,6 +530,29 @@ def kept_keys(x: Any, nodes: list) -> fx.Node | None:
     return c.input
 
 
+def masked_bias(x: Any, nodes: list) -> tuple[fx.Node, tuple[Term, ...]] | None:
+    """`(m, terms)` if float mask `x` is `where(m, b, min)` or `masked_fill(b, not m, min)` of a
+    bool `m` of any pattern (e.g. causal and padding) and a bias `b` that is not zero (Falcon's
+    ALiBi folded into a padded mask); collects the nodes it read into `nodes`."""
+    c = call(x)
+    if c is None or not value(x).dtype.is_floating_point:
+        return None
+    if c.name in _CASTS:
+        return masked_bias(c.input, nodes)
+    read = []
+    if c.name == "where" and _is_bool(c.input) and _is_fill(c.arg(2, "other"), value(x).dtype):
+        keep, kept = c.input, c.arg(1, "input")
+    elif c.name == "masked_fill" and _is_fill(c.arg(2, "value"), value(x).dtype):
+        keep, kept = _negation(c.arg(1, "mask"), read), c.input
+    else:
+        return None
+    terms = None if keep is None or _is_zero(kept) else bias(kept, read)
+    if terms is None:
+        return None
+    nodes += [*read, x]
+    return keep, terms
+
+
 def _masked(keep, kept: Any, x: fx.Node, nodes: list) -> tuple[int, tuple[Term, ...] | None] | None:
     """`kept` where bool `keep` holds, the fill elsewhere."""
     window = index_mask.causal_window(keep, nodes)

@@ -43,9 +43,10 @@ import logging
 import torch
 import torch.fx as fx
 
-from . import index_mask, sdpa_to_attn
+from . import alibi, index_mask, sdpa_to_attn
+from .masks import check_mask_shape, is_head_shared_bool, is_input_mask
 from .replacements import paged_decode_bhsd
-from .sdpa_to_attn import check_mask_shape, is_head_shared_bool, is_input_mask, is_scalar_node, unrepeat
+from .sdpa_to_attn import is_scalar_node, unrepeat
 from .torch_ir import Decline, call, declined, erase_unused, graph_constant, insert_call, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,13 @@ def apply(graph: fx.Graph) -> int:
         try:
             if c is not None and c.name == "scaled_dot_product_attention" and _is_decode(c):
                 args, kwargs, dead = _match(node, c)
-                example = _example_output(args, kwargs)
+                terms = kwargs.pop("alibi_terms", None)
+                q = value(args[0])
+                with q.fake_mode:
+                    slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if terms else None
+                example = _example_output(args, {**kwargs, "alibi_slopes": slopes})
+                if terms:
+                    kwargs["alibi_slopes"] = alibi.slopes_node(graph, node, terms, q.shape[1], q.device)
             elif c is not None and c.name in ("matmul", "bmm") and _is_decode(c) \
                     and (attention := sdpa_to_attn.match_matmul(node, c, decode=True)) is not None:
                 args, kwargs, dead, example = _match_eager(attention)
@@ -123,12 +130,16 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
     (k, k_reps, k_nodes), (v, v_reps, v_nodes) = unrepeat(c.arg(1, "key")), unrepeat(c.arg(2, "value"))
     if not known_equal(k_reps, v_reps):
         raise Decline(f"key and value are repeated differently ({k_reps} vs {v_reps} times)")
-    key_mask = False
+    key_mask, extra = False, {}
     if mask is not None:
         if not is_tensor(mask):
             raise Decline("attn_mask is not a tensor")
         check_mask_shape(mask, (*value(q).shape[:-1], value(k).shape[-2]))
-        if not index_mask.is_key_prefix(mask):
+        if not is_input_mask(mask) and (found := alibi.masked_bias(mask, [])) is not None \
+                and is_head_shared_bool(found[0]):
+            mask, extra = found[0], _alibi(q, k, mask, found[1])   # e.g. Falcon's ALiBi in a padded mask
+            key_mask = True
+        elif not index_mask.is_key_prefix(mask):
             # any other bool mask (e.g. one built outside the graph, as `generate()` does) is
             # passed to the op row by row; it must be the same for every head
             if not is_head_shared_bool(mask) and not is_input_mask(mask):
@@ -140,8 +151,21 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
         scale, q_factor = 1.0, scale
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline(f"scale {scale} is not a number")
-    kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor, "key_mask": key_mask}
+    kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor, "key_mask": key_mask, **extra}
     return (q, k, v, mask), kwargs, k_nodes + v_nodes
+
+
+def _alibi(q: fx.Node, k: fx.Node, mask: fx.Node, terms) -> dict:
+    """`alibi_terms` (the per-head slope terms, `alibi.frame_slopes`) and `alibi_positions` of the
+    ALiBi `terms` of float mask `mask` on the scores of `q [B, Hq, 1, D]` and `k [B, Hkv, S, D]`."""
+    heads = value(q).shape[1]
+    if not isinstance(heads, int):
+        raise Decline(f"ALiBi with a symbolic number of heads ({heads})")
+    slopes = alibi.frame_slopes(terms, value(mask).shape, (*value(q).shape[:-1], value(k).shape[-2]), 1, heads)
+    positions = {t.positions.node for t in slopes if t.positions is not None}
+    if len(positions) > 1:
+        raise Decline("ALiBi biases of two run-time position tensors")
+    return {"alibi_terms": slopes, "alibi_positions": next(iter(positions), None)}
 
 
 def _static_tables(graph: fx.Graph, args: tuple) -> dict:
