@@ -6,7 +6,9 @@ Recognized spellings, in Dynamo's torch-level graph:
   dropout, and without mask or with a bool mask that `index_mask` proves is `k <= q` (Hugging
   Face's compiled causal mask) or `q - w <= k <= q` (its sliding-window mask: `window_left=w`),
   or a float mask of such a mask and an ALiBi bias (`alibi.additive_mask`: Falcon's
-  `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent); any
+  `masked_fill(alibi / sqrt(D), where(m, 0, min) < -1, min)`; the bias may be absent), or of a
+  bool mask the heads share, causal and padded, and an ALiBi bias from the padding mask's
+  positions (`alibi.masked_bias`: Falcon's ALiBi over a padded batch; `key_mask`); any
   other bool mask that the heads share (e.g. a padding mask passed in, as in Hugging Face's
   `generate()`) goes to the op as `key_mask`, row by row, without causality, and so does a float
   mask that is a graph input shared by the heads (`is_input_mask`: Hugging Face's eager masks
@@ -51,8 +53,8 @@ read with `.item()`) multiply the query instead (`q_factor`; RoPE, which the op 
 linear, so scaling before it is the same), and the op's `scale` keeps the constant part.
 
 Declined, with the reason logged at DEBUG on logger `fx_passes` and the graph unchanged: any
-other mask or bias (bool masks that differ between heads, float masks that are not a causal
-mask with an ALiBi bias, ALiBi without a causal mask or a `key_mask`, positions from a padding
+other mask or bias (bool masks that differ between heads, float masks that are neither of the
+above, ALiBi without a causal mask or a `key_mask`, positions from a padding
 mask without a `key_mask`), dropout in training, dtypes other than
 fp16/bf16/fp32, devices other than CPU/CUDA, attention that autograd records (the op has no
 autograd formula: compile under no_grad), one query over many keys (a decode step over a `[B,
