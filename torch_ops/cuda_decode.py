@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from . import errors, gpu, quant
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, nvcc_version, run_tool, sources_with_headers
+from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, nvcc_version, run_tool, sources_with_headers
 from .replay import c_call
 
 log = logging.getLogger(__name__)
@@ -107,26 +107,22 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
     return output
 
 
+LIBRARY = CsrcLibrary(
+    "ATTN_DECODE_LIBRARY", PREBUILT, LIBRARY_NAME, "CUDA decode library",
+    folder=lambda nvcc: f"decode_sm90-{build_key(nvcc)}",
+    build=lambda target, nvcc: build(target, nvcc=nvcc),
+    describe=lambda nvcc: f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH})",
+    unavailable=lambda: _build_unavailable())
+
+
 @functools.cache
 def library_path() -> Path:
-    if os.environ.get("ATTN_DECODE_LIBRARY"):
-        return Path(os.environ["ATTN_DECODE_LIBRARY"])
-    if PREBUILT.exists():
-        return PREBUILT
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("no prebuilt CUDA decode library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
-    return cached_build(f"decode_sm90-{build_key(nvcc)}", LIBRARY_NAME,
-                        f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH}) with {nvcc}",
-                        lambda target: build(target, nvcc=nvcc), log)
+    return LIBRARY.path(log)
 
 
 def library_built() -> bool:
     """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
-    if os.environ.get("ATTN_DECODE_LIBRARY") or PREBUILT.exists() or library_path.cache_info().currsize:
-        return True
-    nvcc = find_nvcc()
-    return nvcc is not None and cached(f"decode_sm90-{build_key(nvcc)}", LIBRARY_NAME)
+    return library_path.cache_info().currsize > 0 or LIBRARY.built()
 
 
 NOT_BUILT = ("the CUDA decode library is not built yet, and the automatic choice builds nothing: "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, cached, cached_build, find_nvcc, sources_with_headers
+from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, sources_with_headers
 from .nvcc import nvcc_version as _nvcc_version
 from .nvcc import run_tool as _run_tool
 
@@ -203,29 +203,12 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
 def library_path() -> Path:
     """`ATTN_CUTLASS_LIBRARY` if set (a library built with `build`), the prebuilt library, or the
     cached JIT build (building it on a miss, under a file lock so that concurrent processes build once)."""
-    if os.environ.get("ATTN_CUTLASS_LIBRARY"):
-        return Path(os.environ["ATTN_CUTLASS_LIBRARY"])
-    if PREBUILT.exists():
-        return PREBUILT
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("no prebuilt CUTLASS library (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
-    variants = built_variants()
-    what = (f"the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, {len(build_units(variants))} instantiations, "
-            f"sm_{ARCH}) with {nvcc}")
-    return cached_build(f"fmha_sm90-{build_key(nvcc, variants=variants)}", LIBRARY_NAME, what,
-                        lambda target: build(target, nvcc=nvcc, variants=variants), log)
+    return LIBRARY.path(log)
 
 
 def library_built() -> bool:
     """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
-    if os.environ.get("ATTN_CUTLASS_LIBRARY") or PREBUILT.exists() or _entry.cache_info().currsize:
-        return True
-    nvcc = find_nvcc()
-    if nvcc is None or _build_unavailable():
-        return False
-    variants = built_variants()
-    return cached(f"fmha_sm90-{build_key(nvcc, variants=variants)}", LIBRARY_NAME)
+    return _entry.cache_info().currsize > 0 or LIBRARY.built()
 
 
 @functools.cache
@@ -242,6 +225,15 @@ def _build_unavailable() -> str | None:
     if not (CSRC / SOURCES[0]).exists():
         return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
     return None
+
+
+LIBRARY = CsrcLibrary(
+    "ATTN_CUTLASS_LIBRARY", PREBUILT, LIBRARY_NAME, "CUTLASS library",
+    folder=lambda nvcc: f"fmha_sm90-{build_key(nvcc, variants=built_variants())}",
+    build=lambda target, nvcc: build(target, nvcc=nvcc, variants=built_variants()),
+    describe=lambda nvcc: (f"the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, {len(build_units(built_variants()))} "
+                           f"instantiations, sm_{ARCH})"),
+    unavailable=_build_unavailable)
 
 
 NOT_BUILT = ("the CUTLASS library is not built yet, and the automatic choice builds nothing: torch_ops.warmup() "

@@ -1,6 +1,7 @@
 """What the CUDA libraries built from csrc/ share: finding nvcc, running it, the csrc files a build
-reads, the on-disk cache of just-in-time builds (`torch_ops.cutlass_build`, `torch_ops.cuda_decode`),
-and the device guard of their launches. Torch is imported only by that guard."""
+reads, where a library comes from (given, prebuilt, or the on-disk cache of just-in-time builds:
+`CsrcLibrary`, for `torch_ops.cutlass_build` and `torch_ops.cuda_decode`), and the device guard
+of their launches. Torch is imported only by that guard."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -101,3 +103,39 @@ def cached_build(folder: str, library_name: str, what: str, build: Callable[[Pat
             logger.warning("attn-ops: built %s in %.0f s (%.1f MB)", target.name, time.perf_counter() - start,
                            target.stat().st_size / 1e6)
     return target
+
+
+@dataclass(frozen=True)
+class CsrcLibrary:
+    """A library built from csrc/: the file `env` names if set, else the one `setup.py` built at
+    install (`prebuilt`), else the just-in-time build cached under `folder(nvcc)`, which
+    `build(target, nvcc)` makes (`cached_build`). `unavailable()` says why a build cannot be
+    made here (None: it can)."""
+
+    env: str
+    prebuilt: Path
+    file_name: str
+    what: str                                   # e.g. "CUDA decode library"
+    folder: Callable[[str], str]
+    build: Callable[[Path, str], object]
+    describe: Callable[[str], str]              # what a build compiles, for the log
+    unavailable: Callable[[], str | None] = lambda: None
+
+    def path(self, logger: logging.Logger) -> Path:
+        """The library's path, building and caching it on a miss (under a file lock)."""
+        if os.environ.get(self.env):
+            return Path(os.environ[self.env])
+        if self.prebuilt.exists():
+            return self.prebuilt
+        nvcc = find_nvcc()
+        if nvcc is None:
+            raise RuntimeError(f"no prebuilt {self.what} (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
+        return cached_build(self.folder(nvcc), self.file_name, f"{self.describe(nvcc)} with {nvcc}",
+                            lambda target: self.build(target, nvcc), logger)
+
+    def built(self) -> bool:
+        """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
+        if os.environ.get(self.env) or self.prebuilt.exists():
+            return True
+        nvcc = find_nvcc()
+        return nvcc is not None and not self.unavailable() and cached(self.folder(nvcc), self.file_name)

@@ -6,6 +6,7 @@ the entry points' names and the JIT cache.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import re
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_ops import cutlass, cutlass_build
+from torch_ops import cutlass, cutlass_build, nvcc
 from torch_ops.nvcc import sources_with_headers
 
 HEADER = cutlass_build.CSRC / "fmha_sm90.h"
@@ -162,9 +163,9 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
         target.write_bytes(b"\0" * 1000)
         return target
 
-    monkeypatch.setattr(cutlass_build, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so"))
     monkeypatch.setenv("ATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cutlass_build, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(nvcc, "find_nvcc", lambda: "/opt/nvcc")
     monkeypatch.setattr(cutlass_build, "build_key", lambda nvcc, variants: "abc123")
     monkeypatch.setattr(cutlass_build, "build", fake_build)
     with caplog.at_level(logging.WARNING, logger="torch_ops.cutlass_build"):
@@ -178,7 +179,9 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
 
 def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(cutlass_build, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so"))
     monkeypatch.setattr(cutlass_build, "find_nvcc", lambda: None)
+    monkeypatch.setattr(nvcc, "find_nvcc", lambda: None)
     cutlass_build._build_unavailable.cache_clear()
     try:
         assert "no nvcc" in cutlass_build._build_unavailable()
