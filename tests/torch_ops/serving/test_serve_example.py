@@ -1,7 +1,8 @@
-"""examples/serve.py runs on CPU, the Triton kernels through the interpreter, and its greedy
-outputs equal the vanilla backend's."""
+"""examples/serve.py runs on CPU, the Triton kernels through the interpreter, and in lockstep with
+the vanilla backend (teacher-forced) its logits agree."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,4 +16,6 @@ def test_serve_example_on_cpu():
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout and "metadata build (CPU)" in result.stdout
-    assert "8/8 requests have the same greedy output" in result.stdout
+    check = next(line for line in result.stdout.splitlines() if line.startswith("check:"))
+    steps, worst = re.search(r"check: (\d+) steps .* max \|logit difference\| (\S+);", check).groups()
+    assert int(steps) > 8 and float(worst) < 1e-3 and "; 0 greedy choices differ" in check, check
