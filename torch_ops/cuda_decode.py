@@ -108,11 +108,10 @@ def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (
 
 
 LIBRARY = CsrcLibrary(
-    "ATTN_DECODE_LIBRARY", PREBUILT, LIBRARY_NAME, "CUDA decode library",
+    "ATTN_DECODE_LIBRARY", PREBUILT, LIBRARY_NAME, "CUDA decode library", SOURCES[0],
     folder=lambda nvcc: f"decode_sm90-{build_key(nvcc)}",
     build=lambda target, nvcc: build(target, nvcc=nvcc),
-    describe=lambda nvcc: f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH})",
-    unavailable=lambda: _build_unavailable())
+    describe=lambda nvcc: f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH})")
 
 
 @functools.cache
@@ -226,13 +225,7 @@ def _grid(query, k_cache, block_tables, seq_lens) -> tuple[int, int, int, int, i
 @functools.cache
 def _build_unavailable() -> str | None:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    if PREBUILT.exists() or os.environ.get("ATTN_DECODE_LIBRARY"):
-        return None
-    if find_nvcc() is None:
-        return "no prebuilt CUDA decode library (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
-    if not (CSRC / SOURCES[0]).exists():
-        return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
-    return None
+    return LIBRARY.unavailable()
 
 
 def _scale_reasons(k_cache, k_scale, v_scale, d: int) -> list[str]:

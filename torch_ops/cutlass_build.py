@@ -211,29 +211,27 @@ def library_built() -> bool:
     return _entry.cache_info().currsize > 0 or LIBRARY.built()
 
 
-@functools.cache
-def _build_unavailable() -> str | None:
-    """Why the library can be neither loaded nor built here (None: it can)."""
-    if PREBUILT.exists() or os.environ.get("ATTN_CUTLASS_LIBRARY"):
-        return None
-    if find_nvcc() is None:
-        return "no prebuilt CUTLASS library (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
+def _cutlass_headers_missing() -> str | None:
     try:
         cutlass_include_dirs()
     except ImportError:
         return "the nvidia-cutlass wheel is not installed (pip install 'attn-ops[cutlass]')"
-    if not (CSRC / SOURCES[0]).exists():
-        return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
     return None
 
 
 LIBRARY = CsrcLibrary(
-    "ATTN_CUTLASS_LIBRARY", PREBUILT, LIBRARY_NAME, "CUTLASS library",
+    "ATTN_CUTLASS_LIBRARY", PREBUILT, LIBRARY_NAME, "CUTLASS library", SOURCES[0],
     folder=lambda nvcc: f"fmha_sm90-{build_key(nvcc, variants=built_variants())}",
     build=lambda target, nvcc: build(target, nvcc=nvcc, variants=built_variants()),
     describe=lambda nvcc: (f"the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, {len(build_units(built_variants()))} "
                            f"instantiations, sm_{ARCH})"),
-    unavailable=_build_unavailable)
+    requirement=_cutlass_headers_missing)
+
+
+@functools.cache
+def _build_unavailable() -> str | None:
+    """Why the library can be neither loaded nor built here (None: it can)."""
+    return LIBRARY.unavailable()
 
 
 NOT_BUILT = ("the CUTLASS library is not built yet, and the automatic choice builds nothing: torch_ops.warmup() "

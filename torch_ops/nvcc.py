@@ -109,17 +109,30 @@ def cached_build(folder: str, library_name: str, what: str, build: Callable[[Pat
 class CsrcLibrary:
     """A library built from csrc/: the file `env` names if set, else the one `setup.py` built at
     install (`prebuilt`), else the just-in-time build cached under `folder(nvcc)`, which
-    `build(target, nvcc)` makes (`cached_build`). `unavailable()` says why a build cannot be
-    made here (None: it can)."""
+    `build(target, nvcc)` makes from csrc/`source` (`cached_build`). `requirement()` says what
+    else a build needs that is missing (None: nothing)."""
 
     env: str
     prebuilt: Path
     file_name: str
     what: str                                   # e.g. "CUDA decode library"
+    source: str
     folder: Callable[[str], str]
     build: Callable[[Path, str], object]
     describe: Callable[[str], str]              # what a build compiles, for the log
-    unavailable: Callable[[], str | None] = lambda: None
+    requirement: Callable[[], str | None] = lambda: None
+
+    def unavailable(self) -> str | None:
+        """Why the library can be neither loaded nor built here (None: it can)."""
+        if os.environ.get(self.env) or self.prebuilt.exists():
+            return None
+        if find_nvcc() is None:
+            return f"no prebuilt {self.what} (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
+        if self.requirement():
+            return self.requirement()
+        if not (CSRC / self.source).exists():
+            return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
+        return None
 
     def path(self, logger: logging.Logger) -> Path:
         """The library's path, building and caching it on a miss (under a file lock)."""
@@ -137,5 +150,4 @@ class CsrcLibrary:
         """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
         if os.environ.get(self.env) or self.prebuilt.exists():
             return True
-        nvcc = find_nvcc()
-        return nvcc is not None and not self.unavailable() and cached(self.folder(nvcc), self.file_name)
+        return not self.unavailable() and cached(self.folder(find_nvcc()), self.file_name)
