@@ -111,7 +111,7 @@ LIBRARY = CsrcLibrary(
     "ATTN_DECODE_LIBRARY", PREBUILT, LIBRARY_NAME, "CUDA decode library", SOURCES[0],
     folder=lambda nvcc: f"decode_sm90-{build_key(nvcc)}",
     build=lambda target, nvcc: build(target, nvcc=nvcc),
-    describe=lambda nvcc: f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH})")
+    describe=lambda: f"the CUDA decode kernel (csrc/decode_sm90.cu, sm_{ARCH})")
 
 
 @functools.cache

@@ -119,7 +119,7 @@ class CsrcLibrary:
     source: str
     folder: Callable[[str], str]
     build: Callable[[Path, str], object]
-    describe: Callable[[str], str]              # what a build compiles, for the log
+    describe: Callable[[], str]                 # what a build compiles, for the log
     requirement: Callable[[], str | None] = lambda: None
 
     def unavailable(self) -> str | None:
@@ -128,8 +128,9 @@ class CsrcLibrary:
             return None
         if find_nvcc() is None:
             return f"no prebuilt {self.what} (install with ATTN_BUILD_CUDA=1) and no nvcc to build one"
-        if self.requirement():
-            return self.requirement()
+        missing = self.requirement()
+        if missing:
+            return missing
         if not (CSRC / self.source).exists():
             return f"csrc sources not found at {CSRC} (install from a source tree, or with ATTN_BUILD_CUDA=1)"
         return None
@@ -143,7 +144,7 @@ class CsrcLibrary:
         nvcc = find_nvcc()
         if nvcc is None:
             raise RuntimeError(f"no prebuilt {self.what} (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
-        return cached_build(self.folder(nvcc), self.file_name, f"{self.describe(nvcc)} with {nvcc}",
+        return cached_build(self.folder(nvcc), self.file_name, f"{self.describe()} with {nvcc}",
                             lambda target: self.build(target, nvcc), logger)
 
     def built(self) -> bool:
