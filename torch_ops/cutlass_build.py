@@ -224,7 +224,7 @@ LIBRARY = CsrcLibrary(
     folder=lambda nvcc: f"fmha_sm90-{build_key(nvcc, variants=built_variants())}",
     build=lambda target, nvcc: build(target, nvcc=nvcc, variants=built_variants()),
     describe=lambda: (f"the CUTLASS FMHA kernels (csrc/fmha_sm90.cu, {len(build_units(built_variants()))} "
-                           f"instantiations, sm_{ARCH})"),
+                      f"instantiations, sm_{ARCH})"),
     requirement=_cutlass_headers_missing)
 
 
