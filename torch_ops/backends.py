@@ -201,7 +201,7 @@ class _Schema:
         schema = getattr(getattr(torch.ops.attn, name), overload or "default")._schema
         self.op, self.with_out = name, overload == "out"
         self.position = {a.name: i for i, a in enumerate(schema.arguments)}
-        self.bucketed = tuple(self.position[n] for n in ops.SPECS[name].bucketed)
+        self.bucketed = tuple((self.position[n], n) for n in ops.SPECS[name].bucketed)   # (position, name)
         positional = [a for a in schema.arguments if not a.kwarg_only]
         self.positional_defaults = tuple(a.default_value for a in positional)
         self.keyword_defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only}
@@ -214,12 +214,11 @@ class _Schema:
         if not self.bucketed:
             return args, kwargs
         args, kwargs = list(args), dict(kwargs)
-        names = {i: n for n, i in self.position.items()}
-        for i in self.bucketed:
+        for i, name in self.bucketed:
             if i < len(args):
                 args[i] = ops.bucket(args[i])
-            elif names[i] in kwargs:
-                kwargs[names[i]] = ops.bucket(kwargs[names[i]])
+            elif name in kwargs:
+                kwargs[name] = ops.bucket(kwargs[name])
         return tuple(args), kwargs
 
     def tensors(self, args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor]]:
@@ -321,7 +320,7 @@ def qualnames() -> list[str]:
 
 def bucketed_positions(qualnames: list[str]) -> list[int]:
     """(index into `qualnames`, schema position) pairs, flattened, of every bucketed integer."""
-    return [v for i, name in enumerate(qualnames) for p in _Schema(name).bucketed for v in (i, p)]
+    return [v for i, name in enumerate(qualnames) for p, _ in _Schema(name).bucketed for v in (i, p)]
 
 
 def hand_cuda_to_replay() -> None:

@@ -117,12 +117,14 @@ def installed() -> bool:
     return _installed
 
 
-def configure() -> None:
-    """Forget every recording and read `ATTN_REPLAY` / `ATTN_DEBUG` again."""
+def configure(bypass: bool | None = None) -> None:
+    """Forget every recording; send every call through the Python front if `bypass`, or, by
+    default, as `ATTN_REPLAY` / `ATTN_DEBUG` say (read again)."""
     if _installed:
         from . import checks
 
-        bypass = os.environ.get("ATTN_REPLAY", "1") == "0" or checks.debug_checks_enabled()
+        if bypass is None:
+            bypass = os.environ.get("ATTN_REPLAY", "1") == "0" or checks.debug_checks_enabled()
         torch.ops._attn_replay.configure(bypass)
 
 

@@ -26,6 +26,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from .. import backends, replay
 from .launcher import TritonLaunch
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,6 @@ def _launch(fn, args: tuple, grid, meta: dict) -> Launch:
 @contextlib.contextmanager
 def recorded():
     """Collect, into the yielded list, the Triton launches of the block instead of running them."""
-    from .. import backends
-
     launches: list[Launch] = []
     call, runs = TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
 
@@ -117,8 +116,7 @@ def recorded():
     def record_jit(self, *args, grid, warmup, **kwargs):
         launches.append(_launch(self, args, grid if isinstance(grid, tuple) else (grid,), kwargs))
 
-    if _replay_installed():
-        torch.ops._attn_replay.configure(True)   # the C++ front records no skipped launch
+    replay.configure(bypass=True)   # the C++ front records no skipped launch
     TritonLaunch.__call__ = record
     JITFunction.run = InterpretedFunction.run = record_jit
     try:
@@ -127,12 +125,6 @@ def recorded():
         TritonLaunch.__call__ = call
         JITFunction.run, InterpretedFunction.run = runs
         backends.clear_plans()   # plans made meanwhile would not be recorded by the C++ front
-
-
-def _replay_installed() -> bool:
-    from .. import replay
-
-    return replay.installed()
 
 
 def _tensor(description: tuple, device: int) -> torch.Tensor:
