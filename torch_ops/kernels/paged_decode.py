@@ -65,9 +65,11 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
-- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table, block ids
-  outside the cache are absent blocks (keys masked, folded into the load and visibility masks);
-  each sets its bit in the device error flag (`torch_ops.errors`).
+- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table; a block id
+  outside the cache is an absent block, read as block 0 with its keys' scores -inf (a bias
+  loaded through the page id: `_absent_bias`); the loop carries no error state
+  (`block_table.flag_absent_blocks` checks a program's ids before it). Each sets its bit in the
+  device error flag (`torch_ops.errors`).
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
@@ -196,6 +198,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         block_dw = max(16, _pow2(d // 4))
         block_d = 4 * block_dw
     max_blocks = block_tables.shape[1]
+    num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
+    kv_cap = max_blocks * page if num_blocks else 0   # absent blocks read block 0
     # With one page per sequence every key is in it: any tile lies in one page (and one compiled
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
@@ -284,7 +288,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         bt.stride(0), bt.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         *p_strides, *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
-        max_blocks * page, k_cache.shape[0] if num_blocks is None else num_blocks,
+        kv_cap, num_blocks,
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
         PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
@@ -306,7 +310,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
         merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
             int(window_left), num_splits, min_split, *p_strides,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), max_blocks * page,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), kv_cap,
         ), dict(
             NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=merge_d,
             NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=has_window,

@@ -40,9 +40,9 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   value from the scale cache: simple, not fast) and rounded to the dot dtype, as the reference
   does. Addresses are int64.
 - **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors; a block id
-  outside the cache is an absent block: masked tiles fold it into their masks, unmasked paged
-  tiles into their loads and one `-inf` bias per key (an FMA with the scaling). Each sets its bit
-  in the device error flag (`torch_ops.errors`).
+  outside the cache is an absent block, read as block 0 with its keys' scores set to `-inf`
+  (loads keep their masks; `block_table.flag_absent_blocks` checks a program's ids before its
+  loop). Each sets its bit in the device error flag (`torch_ops.errors`).
 - **Softmax** online in fp32 with exp2 (log2(e) folded into the scale), scale/q_scaling,
   softcap (exp2-based tanh), ALiBi `-slope * |p - j|`; `tl.dot` on fp16/bf16 tiles with fp32
   accumulation (fp32 inputs: "ieee" dots; FP8 `context_attention` inputs: fp16 dots on the
@@ -81,6 +81,7 @@ import triton.language as tl
 from .. import errors
 from ..quant import KVFormat, kv_format
 from . import interpreting
+from .block_table import flag_absent_blocks
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -163,7 +164,7 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, bad, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
+    acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -175,8 +176,8 @@ def _attend_tile(
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units): K tiles of
     HEAD_DIM (padded to BLOCK_D) dims, V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
-    K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: its
-    keys are masked (also in unmasked tiles) and marked in `bad [BLOCK_N]`."""
+    K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: read
+    as block 0, its keys masked (also in unmasked tiles)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     ks_rows = offs_n * 0
@@ -189,8 +190,6 @@ def _attend_tile(
         else:
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp).to(tl.int64)
         page_ok = (page >= 0) & (page < num_blocks)
-        bad = bad | tl.where(page_ok, False, n_ok)   # (a where: page_ok may be a scalar)
-        n_ok = tl.where(page_ok, n_ok, False)
         page = tl.where(page_ok, page, 0)
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
@@ -202,7 +201,7 @@ def _attend_tile(
         k_rows = offs_n.to(tl.int64) * stride_kt
         v_rows = offs_n.to(tl.int64) * stride_vt
 
-    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED or PAGED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
+    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(x) with tanh(x) = 1 - 2 / (exp(2x) + 1); softcap2 = softcap * log2(e)
@@ -210,8 +209,8 @@ def _attend_tile(
         s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap2
     else:
         s = qk * row_scale[:, None]
-    if PAGED and not MASKED:   # absent blocks' keys (one FMA with the scaling above)
-        s += tl.where(n_ok, 0.0, float("-inf"))[None, :]
+    if PAGED:   # absent blocks' keys (their values are weighted 0)
+        s = tl.where(tl.broadcast_to(page_ok, [BLOCK_N])[None, :], s, float("-inf"))
     dist = pos[:, None] - offs_n[None, :]
     if HAS_ALIBI:
         s += alibi[:, None] * tl.abs(dist).to(tl.float32)
@@ -234,16 +233,16 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED or PAGED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
+    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m_new, l_i, bad
+    return acc, m_new, l_i
 
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, bad, it_lo, it_hi, n_sink, t_lo,
+    acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
@@ -262,8 +261,8 @@ def _attend_range(
             tile = it
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
-            acc, m_i, l_i, bad = _attend_tile(
-                acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
@@ -274,13 +273,13 @@ def _attend_range(
             tile = it
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
-            acc, m_i, l_i, bad = _attend_tile(
-                acc, m_i, l_i, bad, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
-    return acc, m_i, l_i, bad
+    return acc, m_i, l_i
 
 
 # per-step values and bounds, not specialized: one compiled kernel serves every batch
@@ -325,7 +324,7 @@ def _prefill_kernel(
     # metadata reads and writes no memory outside them
     q_lo = tl.load(CuQ + b)
     q_hi = tl.load(CuQ + b + 1)
-    tl.atomic_or(Err, _ERR_CU, mask=(q_lo < 0) | (q_hi < q_lo) | (q_hi > num_tokens))
+    tl.atomic_or(Err, _ERR_CU, mask=(q_lo < 0) | (q_hi < q_lo) | (q_hi > num_tokens), sem="relaxed")
     q_start = tl.minimum(tl.maximum(q_lo, 0), num_tokens).to(tl.int32)
     q_len = tl.minimum(tl.maximum(q_hi, q_start), num_tokens).to(tl.int32) - q_start
     if SHORT:
@@ -341,12 +340,12 @@ def _prefill_kernel(
     if PAGED:   # KvLens: seq_lens [B]
         kv_start = q_len * 0
         k_hi = tl.load(KvLens + b)
-        tl.atomic_or(Err, _ERR_LEN, mask=(k_hi < 0) | (k_hi > kv_cap))
+        tl.atomic_or(Err, _ERR_LEN, mask=(k_hi < 0) | (k_hi > kv_cap), sem="relaxed")
         kv_len = tl.minimum(tl.maximum(k_hi, 0), kv_cap).to(tl.int32)
     else:       # KvLens: cu_seqlens_k [B + 1]
         k_lo = tl.load(KvLens + b)
         k_hi = tl.load(KvLens + b + 1)
-        tl.atomic_or(Err, _ERR_CU, mask=(k_lo < 0) | (k_hi < k_lo) | (k_hi > kv_cap))
+        tl.atomic_or(Err, _ERR_CU, mask=(k_lo < 0) | (k_hi < k_lo) | (k_hi > kv_cap), sem="relaxed")
         kv_start = tl.minimum(tl.maximum(k_lo, 0), kv_cap).to(tl.int32)
         kv_len = tl.minimum(tl.maximum(k_hi, kv_start), kv_cap).to(tl.int32) - kv_start
 
@@ -409,32 +408,35 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    bad = tl.zeros([BLOCK_N], tl.int1)   # keys of absent blocks (block ids outside the cache)
+    if PAGED and BLOCK_ERR != 0:
+        if kh == 0 and chunk == 0:   # one program of each query tile checks the ids its tiles read
+            flag_absent_blocks(bt_row, stride_btp, 0, tl.cdiv(tl.minimum(n_sink * BLOCK_N, kv_len), PAGE),
+                               num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
+            flag_absent_blocks(bt_row, stride_btp, t_lo * BLOCK_N // PAGE,
+                               tl.cdiv(tl.minimum(t_hi * BLOCK_N, kv_len), PAGE), num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
     if HAS_WINDOW:   # masked: sink tiles, then the window's leading edge
-        acc, m_i, l_i, bad = _attend_range(
-            acc, m_i, l_i, bad, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
             INTERPRET)
-    acc, m_i, l_i, bad = _attend_range(   # unmasked: every row sees every key
-        acc, m_i, l_i, bad, f_lo, f_hi, n_sink, t_lo,
+    acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
+        acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
         HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    acc, m_i, l_i, bad = _attend_range(   # masked: causal diagonal, last partial tile
-        acc, m_i, l_i, bad, f_hi, t_hi, n_sink, t_lo,
+    acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
+        acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
         HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    if PAGED and BLOCK_ERR != 0:
-        tl.atomic_or(Err + tl.zeros([BLOCK_N], tl.int32), BLOCK_ERR, mask=bad)
 
     # ---- epilogue ----------------------------------------------------------------------------
     if HAS_SINKS:   # one more logit, with no value
@@ -605,10 +607,12 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     stride_qs = 1 if q_fp8 and q_scale.dim() == 1 else 0
     if paged:
         page = k.shape[1]
+        num_blocks = k.shape[0] if num_blocks is None else num_blocks
+        kv_cap = block_tables.shape[1] * page if num_blocks else 0   # absent blocks read block 0
         kv_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
         bt_strides = (block_tables.stride(0), block_tables.stride(1))
     else:
-        page = 1
+        page, kv_cap, num_blocks = 1, k.shape[0], 0
         kv_strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
         bt_strides = (0, 0)
 
@@ -616,8 +620,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         float(qk_scale), float(softcap * LOG2E), int(window_left), int(sink_tokens), num_seqs,
         SHORT_BLOCK_M // group if short_cfg else 0,
         2**31 - 1 if max_queries is None else max_queries,   # None: a constant, one kernel specialization
-        t, block_tables.shape[1] * k.shape[1] if paged else k.shape[0],
-        (k.shape[0] if num_blocks is None else num_blocks) if paged else 0,
+        t, kv_cap, num_blocks,
         query.stride(0), query.stride(1), query.stride(2),
         *kv_strides, *bt_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),

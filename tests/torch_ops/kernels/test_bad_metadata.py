@@ -112,15 +112,16 @@ def test_good_metadata_flags_nothing(kernel_device):
 DECODE_TILES = [(4, None), (16, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": 2})]
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("bs,config", DECODE_TILES)
-def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config):
+def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config, softcap):
     k, v, scales = _cache(kernel_device, bs=bs, fmt=fmt)
     tables = _index([[0, 9, 1], [-2, 3, 6], [4, 5, 7], [8, -1, 2]], kernel_device)   # 8 blocks
     lens = _index([3 * bs, 2 * bs + 1, 3 * bs - 1, 2 * bs], kernel_device)           # the last one: all absent
     q = torch.randn(4, 4, 16, dtype=torch.bfloat16, device=kernel_device)
     with paged_decode.tuning(config=config):
-        _check("paged_decode", (q, k, v, tables, lens), scales)
+        _check("paged_decode", (q, k, v, tables, lens), dict(scales, softcap=softcap))
     _assert_flagged("block_tables")
 
 
