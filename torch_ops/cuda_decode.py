@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ from typing import Callable
 import torch
 
 from . import errors, gpu, quant
-from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, nvcc_version, run_tool, sources_with_headers
+from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, run_tool, source_key
 from .replay import c_call
 
 log = logging.getLogger(__name__)
@@ -84,12 +83,7 @@ def compile_command(nvcc: str, output: Path, defines: tuple[str, ...] = ()) -> l
 
 
 def build_key(nvcc: str) -> str:
-    h = hashlib.sha256()
-    for name in sources_with_headers(SOURCES, CSRC):
-        h.update((CSRC / name).read_bytes())
-    for part in (nvcc_version(nvcc), " ".join(compile_command("nvcc", Path("o")))):
-        h.update(part.encode())
-    return h.hexdigest()[:16]
+    return source_key(SOURCES, CSRC, nvcc, " ".join(compile_command("nvcc", Path("o"))))
 
 
 def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = ()) -> Path:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import tempfile
@@ -30,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, sources_with_headers
-from .nvcc import nvcc_version as _nvcc_version
+from .nvcc import ARCH, CSRC, CsrcLibrary, find_nvcc, source_key
 from .nvcc import run_tool as _run_tool
 
 log = logging.getLogger(__name__)
@@ -163,14 +161,9 @@ def build_units(variants: tuple[str, ...]) -> list[tuple[str, int, str]]:
 
 def build_key(nvcc: str, defines: tuple[str, ...] = (), variants: tuple[str, ...] = ("plain",)) -> str:
     """Hash of what the library depends on: sources, CUTLASS version, nvcc version, flags, grids."""
-    h = hashlib.sha256()
-    for name in sources_with_headers(SOURCES, CSRC):
-        h.update((CSRC / name).read_bytes())
     flags = compile_command("nvcc", "x", 0, Path("o"), [], defines)
-    for part in (_cutlass_version(), _nvcc_version(nvcc), " ".join(flags),
-                 *(f"{e}_d{d}_{v}" for e, d, v in build_units(variants))):
-        h.update(part.encode())
-    return h.hexdigest()[:16]
+    return source_key(SOURCES, CSRC, nvcc, _cutlass_version(), " ".join(flags),
+                      *(f"{e}_d{d}_{v}" for e, d, v in build_units(variants)))
 
 
 def build(output: Path, *, nvcc: str | None = None, defines: tuple[str, ...] = (), jobs: int | None = None,

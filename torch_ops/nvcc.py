@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -54,6 +55,17 @@ def sources_with_headers(names: tuple[str, ...], root: Path) -> list[str]:
             if header not in found and (root / header).is_file():
                 found.append(header)
     return found
+
+
+def source_key(sources: tuple[str, ...], root: Path, nvcc: str, *parts: str) -> str:
+    """Hash of what a build depends on: the `sources` in `root` and every header they include
+    (`sources_with_headers`), the version of `nvcc`, and `parts` (flags, library versions)."""
+    h = hashlib.sha256()
+    for name in sources_with_headers(sources, root):
+        h.update((root / name).read_bytes())
+    for part in (nvcc_version(nvcc), *parts):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
 
 
 @functools.cache
