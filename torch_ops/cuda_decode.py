@@ -328,7 +328,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         quant.abi_code(k_cache.dtype),
         **_scale_fields(k_cache, k_scale, v_scale, d),
         pdl=int(PDL), ctas_per_sm=per_sm,
-        num_blocks=k_cache.shape[0], max_blocks=tables.shape[1],
+        num_blocks=k_cache.shape[0], max_blocks=block_tables.shape[1],
         err_block_tables=errors.BLOCK_TABLES, err_seq_lens=errors.SEQ_LENS,
         err=errors.device_flag(query.device).data_ptr(),
     )

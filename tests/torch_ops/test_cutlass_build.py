@@ -152,9 +152,7 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
 
 
 def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(cutlass_build, "PREBUILT", tmp_path / "missing.so")
     monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so"))
-    monkeypatch.setattr(cutlass_build, "find_nvcc", lambda: None)
     monkeypatch.setattr(nvcc, "find_nvcc", lambda: None)
     cutlass_build._build_unavailable.cache_clear()
     try:

@@ -1,7 +1,22 @@
-"""Block-table helpers shared by the paged Triton kernels."""
+"""Block-table helpers shared by the paged Triton kernels: lengths clamped into the table, bad block
+ids flagged before a key loop, and the score bias that masks their keys inside it."""
 
 import triton
 import triton.language as tl
+
+from .. import errors
+
+_ERR_LEN = tl.constexpr(errors.SEQ_LENS)
+
+
+@triton.jit
+def clamped_seq_len(SeqLens, b, kv_cap, Err, FLAG: tl.constexpr):
+    """Sequence `b`'s key count, clamped into the block table's capacity `kv_cap`: a bad length
+    reads no memory outside it (and, with FLAG, sets the `seq_lens` bit in `Err`)."""
+    raw = tl.load(SeqLens + b)
+    if FLAG:
+        tl.atomic_or(Err, _ERR_LEN, mask=(raw < 0) | (raw > kv_cap), sem="relaxed")
+    return tl.minimum(tl.maximum(raw, 0), kv_cap).to(tl.int32)
 
 
 @triton.jit
@@ -27,3 +42,16 @@ def flag_absent_blocks(bt_row, stride_btp, page_lo, page_hi, num_blocks, Err, BI
     else:
         for p in range(page_lo, page_hi, CHUNK):
             _flag_chunk(bt_row, stride_btp, p, page_hi, num_blocks, Err, BIT, CHUNK)
+
+
+@triton.jit
+def absent_bias(Err, page_ok, ONE_PAGE: tl.constexpr):
+    """The score bias of a tile's keys, `[1, BLOCK_N]` (a scalar for a one-page tile): 0, or -inf
+    in an absent block, loaded from the constants after the error flag (`errors.device_flag`)
+    through an address that depends on the page id. Triton's pipeliner then keeps the block-table
+    load an address-only load; a mask computed from it directly changes the loop's schedule
+    (sm_90, FP8 and INT8 decode at B = 64, 4k keys: 1.4-1.7x the time)."""
+    bias = tl.load(Err + tl.where(page_ok, 1, 2)).to(tl.float32, bitcast=True)
+    if not ONE_PAGE:
+        bias = bias[None, :]
+    return bias

@@ -14,8 +14,10 @@ Semantics: docs/ops.md (`cache_attention`); `reference.cache_attention` is the o
    (`page_size` itself up to 256), so a block never crosses a page.
 2. **Metadata on the device** (`_metadata_kernel`, one launch, grid from shapes only: CUDA-graph
    safe, no host sync): the cache row of every current token (the write's slot mapping), the
-   key count of every sequence (`kvstarts[b+1] - kvstarts[b]`) and the block table
-   `[B, cdiv(max_kvlen, bs)]` (the row of key `j * bs`), int64 rows. A token finds its sequence
+   key count of every sequence (`kvstarts[b+1] - kvstarts[b]`, clamped into `[0, max_kvlen]`,
+   `max_kvlen` as the front buckets it: the next power of two) and the block table
+   `[B, cdiv(max_kvlen, bs)]` (the row of key `j * bs`, -1 for a block outside the cache: an
+   absent block), int64 rows. A token finds its sequence
    by a binary search over `seqstarts`.
 3. `kv_cache_write` writes current k/v at those rows (INT8/INT4 quantized with the scale cache),
    then one attention launch reads past + current keys: `paged_decode` when every sequence has
@@ -51,9 +53,9 @@ _ERR_KV = tl.constexpr(errors.KVSTARTS)
 
 @triton.jit
 def _row(Cachestarts, b, pos, ok, stride_cb, stride_cp, max_pages, max_rows, PAGE_SIZE: tl.constexpr):
-    """Cache row of position `pos` of sequence `b` (offset mode when PAGE_SIZE == 0), and whether
-    it is one: `ok`, and the row inside the cache (page-table mode: the page within `cachestarts`
-    and all its rows inside the cache). -1 where it is not."""
+    """Cache row of position `pos` of sequence `b` (offset mode when PAGE_SIZE == 0): the row
+    where `ok` and inside the cache (page-table mode: the page within `cachestarts` and all its
+    rows inside the cache), else -1; and where `ok` but outside the cache (to flag)."""
     if PAGE_SIZE == 0:
         start = tl.load(Cachestarts + b * stride_cb + pos * 0, mask=ok, other=0).to(tl.int64)   # b may be scalar
         row = start + pos

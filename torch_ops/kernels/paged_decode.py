@@ -67,7 +67,7 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
 - Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table; a block id
   outside the cache is an absent block, read as block 0 with its keys' scores -inf (a bias
-  loaded through the page id: `_absent_bias`); the loop carries no error state
+  loaded through the page id: `block_table.absent_bias`); the loop carries no error state
   (`block_table.flag_absent_blocks` checks a program's ids before it). Each sets its bit in the
   device error flag (`torch_ops.errors`).
 
@@ -275,10 +275,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     static_loop = interpreting()
     max_iters = 1
     if static_loop:
-        cap = max_blocks * page
-        per = max(min_split, _cdiv(_cdiv(cap, num_splits), chunk) * chunk)
-        max_iters = max(1, _cdiv(min(per, cap), chunk) + 1
-                        + (_cdiv(min(sink_tokens, cap), chunk) if has_window else 0))
+        per = max(min_split, _cdiv(_cdiv(kv_cap, num_splits), chunk) * chunk)
+        max_iters = max(1, _cdiv(min(per, kv_cap), chunk) + 1
+                        + (_cdiv(min(sink_tokens, kv_cap), chunk) if has_window else 0))
     main = TritonLaunch(_paged_decode_kernel, (batch * hkv * m_tiles, num_splits), (
         float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
         query.stride(0), query.stride(1), query.stride(2),

@@ -96,12 +96,12 @@ def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) 
         # serve 32 keys (merged in the epilogue). H200, 32/8 heads, splits of >= 1k keys: FP8 B = 64 ctx 4k 160 -> 141 us, B = 16 ctx
         # 16k 162 -> 142, B = 256 535 -> 518; INT4 148 -> 137, 554 -> 503; INT8 1-4%; 32/32 heads
         # B = 128 within the 6-8% those points move between runs. Splits of 64-128 keys run 4-10%
-        # slower (`run` keeps one tile below `Tuning.replica_min_keys` per split); four copies take 255
+        # slower (`prepare` keeps one tile below `Tuning.replica_min_keys` per split); four copies take 255
         # registers and spill.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
         # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
         # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
-        # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `run` leaves it out there); INT8/INT4
+        # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `prepare` leaves it out there); INT8/INT4
         # gain no instructions and lose up to 8%.
         return dict(one_warp, replicas=2, rows32=fmt is KVFormat.FP8)
     if block_d <= 128:

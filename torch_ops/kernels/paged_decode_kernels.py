@@ -7,36 +7,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import errors
 from .formats import FMT_FP8, FMT_PLAIN
-from .block_table import flag_absent_blocks
+from .block_table import absent_bias, clamped_seq_len, flag_absent_blocks
 from .interpreter import exact_cast
 from .paged_decode_dequant import _load_lanes
 
-_ERR_LEN = tl.constexpr(errors.SEQ_LENS)
-
-
-@triton.jit
-def _seq_len(SeqLens, b, kv_cap, Err, FLAG: tl.constexpr):
-    """Sequence `b`'s key count, clamped into the block table's capacity: a bad length reads no
-    memory outside it (and, with FLAG, sets its bit in `Err`)."""
-    raw = tl.load(SeqLens + b)
-    if FLAG:
-        tl.atomic_or(Err, _ERR_LEN, mask=(raw < 0) | (raw > kv_cap), sem="relaxed")
-    return tl.minimum(tl.maximum(raw, 0), kv_cap).to(tl.int32)
-
-
-@triton.jit
-def _absent_bias(Err, page_ok, ONE_PAGE: tl.constexpr):
-    """The score bias of a tile's keys, `[1, BLOCK_N]` (or a scalar for a one-page tile): 0, or
-    -inf in an absent block. Loaded from the flag's constants (`errors.device_flag`) through an
-    address that depends on the page id, so that Triton's pipeliner keeps the block-table load an
-    address-only load: a mask computed from it directly changes the loop's schedule (sm_90, FP8
-    and INT8 decode at B = 64, 4k keys: 1.4-1.7x the time)."""
-    bias = tl.load(Err + tl.where(page_ok, 1, 2)).to(tl.float32, bitcast=True)
-    if not ONE_PAGE:
-        bias = bias[None, :]
-    return bias
 
 
 @triton.jit
@@ -151,7 +126,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             qk = tl.dot(q2, tl.trans(k2), qk)
             qk = tl.dot(q3, tl.trans(k3), qk)
         v_tiles = v_tiles + ((Vt, v_rows, VSt, vs_rows, n_ok),)
-        bias = _absent_bias(Err, page_ok, ONE_PAGE)
+        bias = absent_bias(Err, page_ok, ONE_PAGE)
         if HAS_SOFTCAP:   # the bias joins after the cap (which maps -inf to -softcap)
             s_bias = tl.where((rep == j)[:, None], s_bias + bias, s_bias)
         else:
@@ -253,7 +228,7 @@ def _paged_decode_kernel(
 
     CHUNK: tl.constexpr = R * BLOCK_N       # keys per loop step
     RP: tl.constexpr = BLOCK_M // R         # query rows per replica
-    L = _seq_len(SeqLens, b, kv_cap, Err, True)
+    L = clamped_seq_len(SeqLens, b, kv_cap, Err, True)
     kv_lo, start, end, n_active = _split_geometry(L, window_left, split, num_splits, min_split,
                                                   QPS, HAS_WINDOW, CHUNK)
     if SPLIT:
@@ -422,7 +397,7 @@ def _merge_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
-    L = _seq_len(SeqLens, t // QPS, kv_cap, SeqLens, False)
+    L = clamped_seq_len(SeqLens, t // QPS, kv_cap, SeqLens, False)
     _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, CHUNK)
     s = tl.arange(0, NS_P)
     s_ok = s < n_active

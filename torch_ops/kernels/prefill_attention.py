@@ -81,7 +81,7 @@ import triton.language as tl
 from .. import errors
 from ..quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import flag_absent_blocks
+from .block_table import clamped_seq_len, flag_absent_blocks
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -103,7 +103,6 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ERR_CU = tl.constexpr(errors.CU_SEQLENS)
-_ERR_LEN = tl.constexpr(errors.SEQ_LENS)
 
 
 # =================================================================================================
@@ -339,9 +338,7 @@ def _prefill_kernel(
         return
     if PAGED:   # KvLens: seq_lens [B]
         kv_start = q_len * 0
-        k_hi = tl.load(KvLens + b)
-        tl.atomic_or(Err, _ERR_LEN, mask=(k_hi < 0) | (k_hi > kv_cap), sem="relaxed")
-        kv_len = tl.minimum(tl.maximum(k_hi, 0), kv_cap).to(tl.int32)
+        kv_len = clamped_seq_len(KvLens, b, kv_cap, Err, True)
     else:       # KvLens: cu_seqlens_k [B + 1]
         k_lo = tl.load(KvLens + b)
         k_hi = tl.load(KvLens + b + 1)
