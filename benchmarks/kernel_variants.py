@@ -42,10 +42,12 @@ def census(sms: int):
     CPU tensors as if they ran on its interpreter."""
     modules = [importlib.import_module(f"torch_ops.kernels.{m}") for m in DECIDING]
     saved = [(m, "interpreting", m.interpreting) for m in modules if hasattr(m, "interpreting")]
-    saved += [(torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting), (gpu, "sm_count", gpu.sm_count)]
+    saved += [(gpu, "sm_count", gpu.sm_count), (torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting)]
     try:
-        for m, name, _ in saved:
-            setattr(m, name, (lambda *a, **k: False) if name == "interpreting" else (lambda *a, **k: sms))
+        for m in modules:
+            if hasattr(m, "interpreting"):
+                m.interpreting = lambda *a, **k: False
+        gpu.sm_count = lambda *a, **k: sms
         torch_ops.kernels.interpreting = lambda: True
         with precompile.recorded() as launches:
             yield launches

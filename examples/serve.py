@@ -103,8 +103,9 @@ def arg_parser(cuda: bool, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly, without CUDA graphs")
     parser.add_argument("--tiny", action="store_true", help="the CPU model size on any device")
     parser.add_argument("--check", action="store_true",
-                        help="rerun beside the vanilla backend, step by step with its tokens (teacher forcing), "
-                             "and fail on a logit difference (with another --backend)")
+                        help="rerun beside the vanilla backend, step by step with its tokens (teacher forcing): "
+                             "report the largest logit difference, and fail where a clear greedy choice differs "
+                             "(with another --backend)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     return parser
 

@@ -154,7 +154,7 @@ def padding_positions(x: Any) -> tuple[Term] | None:
     if c is None or c.name != "mul" or value(x).dim() != 2 or c.kwargs:
         return None
     for left, m in ((c.input, c.arg(1, "other")), (c.arg(1, "other"), c.input)):
-        sub, one = call(left), None
+        sub, one, cumsum = call(left), None, None
         if sub is not None and sub.name == "sub" and not sub.kwargs:
             one, cumsum = sub.arg(1, "other"), call(sub.input)
         if one == 1 and not isinstance(one, bool) and cumsum is not None and cumsum.name == "cumsum" \
@@ -659,6 +659,15 @@ def _check_positions(p: Positions, scores_shape, head_dim: int, num_heads: int) 
         return
     if p.batch != 0 or not known_equal(p.inner, per_row) or not known_equal(rows * per_row, scores_shape[0]):
         raise Decline(f"the rows of the positions {p.node.name} are not the batch of the scores")
+
+
+def example_slopes(q: torch.Tensor, present) -> torch.Tensor | None:
+    """Fake float32 slopes `[Hq]` for a replacement's example output, None without ALiBi; `q`:
+    the fake query `[B, Hq, S, D]`."""
+    if not present:
+        return None
+    with q.fake_mode:
+        return torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
 
 
 def slopes_node(graph: fx.Graph, before: fx.Node, terms: list[Term], num_heads: int, device) -> fx.Node:

@@ -64,9 +64,7 @@ def apply(graph: fx.Graph) -> int:
                 args, kwargs, dead = _match(node, c)
                 terms = kwargs.pop("alibi_terms", None)
                 q = value(args[0])
-                with q.fake_mode:
-                    slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if terms else None
-                example = _example_output(args, {**kwargs, "alibi_slopes": slopes})
+                example = _example_output(args, {**kwargs, "alibi_slopes": alibi.example_slopes(q, terms)})
                 if terms:
                     kwargs["alibi_slopes"] = alibi.slopes_node(graph, node, terms, q.shape[1], q.device)
             elif c is not None and c.name in ("matmul", "bmm") and _is_decode(c) \
@@ -110,9 +108,7 @@ def _match_eager(a: sdpa_to_attn.Attention) -> tuple[tuple, dict, list[fx.Node],
     args = (a.query, a.key, a.value, a.key_mask)
     kwargs = {"scale": a.scale, "key_mask": a.key_mask is not None, "softcap": a.softcap, "sinks": a.sinks,
               "alibi_positions": a.positions}
-    q = value(a.query)
-    with q.fake_mode:
-        slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if a.alibi else None
+    slopes = alibi.example_slopes(value(a.query), a.alibi)
     example = _example_output(args, {**kwargs, "q_factor": sdpa_to_attn.q_factor_value(a), "alibi_slopes": slopes})
     return args, kwargs, a.nodes, example
 

@@ -113,7 +113,7 @@ class Attention:
     sinks: fx.Node | None = None   # learned sink logits [Hq]: one more softmax column without a value
     alibi: list[alibi.Term] | None = None   # ALiBi slopes (`alibi.frame_slopes`), summed by `alibi.slopes_node`
     merged: bool = False    # `node` returns [B*Hq, Sq, D] (bmm over [B*H, S, D] views)
-    key_mask: fx.Node | None = None   # a bool mask shared by the heads, of any pattern (not causal)
+    key_mask: fx.Node | None = None   # a mask shared by the heads, of any pattern (not causal): bool, or float (0 or finfo.min)
     positions: fx.Node | None = None  # the ALiBi's run-time positions [B, Sk] (`alibi.padding_positions`)
 
 
@@ -262,7 +262,7 @@ def match_matmul(node: fx.Node, c: Call, decode: bool = False) -> Attention | No
     if cx is None:
         raise Decline("the scores are not q @ k^T")
     if key_mask is not None and causal:
-        raise Decline("a causal mask and an attention mask from a graph input on the same scores")
+        raise Decline("a causal mask and a key mask on the same scores")
     chain.append(x)
     for n in chain:
         if len(n.users) != 1:
@@ -389,9 +389,9 @@ def _example_output(attention: Attention) -> torch.Tensor:
     a = attention
     args = (value(a.query), value(a.key), value(a.value))
     factor = q_factor_value(a)
+    slopes = alibi.example_slopes(args[0], a.alibi)
     try:
         with args[0].fake_mode:
-            slopes = torch.zeros(args[0].shape[1], dtype=torch.float32, device=args[0].device) if a.alibi else None
             out = context_attention_bhsd(*args, causal=a.causal, scale=a.scale, q_factor=factor,
                                          window_left=a.window_left, softcap=a.softcap, sinks=value(a.sinks),
                                          alibi_slopes=slopes)

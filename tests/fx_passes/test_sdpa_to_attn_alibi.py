@@ -175,7 +175,6 @@ def input_mask(b, sq, sk, dtype):
     return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
-
 @pytest.mark.parametrize("fn, reason", [
     pytest.param(sdpa_alibi_quadratic, "not recognized as where(causal mask", id="alibi_quadratic"),
     pytest.param(sdpa_alibi_per_query, "per-head factor along dim 2", id="alibi_per_query"),

@@ -149,10 +149,8 @@ def compile_launches(launches, *, workers: int | None = None) -> int:
     processes (default `ATTN_COMPILE_WORKERS`, else one per core; fewer than 2: none), each once,
     into Triton's on-disk cache; returns how many were compiled. Failures are logged: the real
     launch compiles its variant again, and raises."""
-    if workers is None:
-        workers = int(os.environ.get("ATTN_COMPILE_WORKERS") or os.cpu_count() or 1)
     distinct = list({launch.key(): launch for launch in launches}.values())
-    workers = min(len(distinct), workers)
+    workers = min(len(distinct), _worker_count(workers))
     if workers < 2 or not torch.cuda.is_available() or not isinstance(distinct[0].fn, JITFunction):
         return 0
     device = torch.cuda.current_device()
@@ -163,8 +161,15 @@ def compile_launches(launches, *, workers: int | None = None) -> int:
     return len(distinct)
 
 
+def _worker_count(workers: int | None) -> int:
+    return workers if workers is not None else int(os.environ.get("ATTN_COMPILE_WORKERS") or os.cpu_count() or 1)
+
+
 def compile_ahead(run, *, workers: int | None = None) -> int:
-    """Record the launches of `run()` and compile their variants in parallel (`compile_launches`)."""
+    """Record the launches of `run()` and compile their variants in parallel (`compile_launches`);
+    with one worker or no CUDA device nothing is recorded (the caller's own run compiles)."""
+    if _worker_count(workers) < 2 or not torch.cuda.is_available():
+        return 0
     with recorded() as launches:
         run()
     return compile_launches(launches, workers=workers)
