@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch_ops  # noqa: E402
-from torch_ops import cutlass, quant, reference  # noqa: E402
+from torch_ops import cutlass, cutlass_build, quant, reference  # noqa: E402
 from torch_ops.testing import poison_  # noqa: E402
 
 RAGGED = [5003, 77, 3000, 1, 129, 8174]   # 16384 tokens, sequence starts off the 16-token grid
@@ -206,7 +206,7 @@ def main():
         return
 
     start = time.perf_counter()
-    print(f"library: {cutlass.library_path()} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"library: {cutlass_build.library_path()} ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"{'case':24} {'plain':>7} {'persist':>7} {'speed':>7} {'rmse pl':>9} {'rmse pe':>9} "
           f"{'vs plain':>10}  (TFLOP/s; rmse heads 0-1 vs fp32)", flush=True)
     rows = []

@@ -14,9 +14,9 @@ grids of more than one wave run a build for two CTAs per SM (`ctas_per_sm`). The
 takes it where it measured faster than the Triton kernel (`auto_declines`).
 
 The library comes from `torch_ops/_decode_sm90.so` (installed with `ATTN_BUILD_CUDA=1`), else a
-just-in-time build on first use (one translation unit without CUTLASS headers, 17-28 s), cached
-under `ATTN_CACHE_DIR` in a folder named by a hash of the sources (with the headers they include),
-nvcc's version and the flags; `ATTN_DECODE_LIBRARY` points at a library built elsewhere.
+just-in-time build on first use (one translation unit without CUTLASS headers, about 35 s on 16
+cores), cached under `ATTN_CACHE_DIR` in a folder named by `nvcc.source_key` (the sources with the
+headers they include, nvcc's version, the flags); `ATTN_DECODE_LIBRARY` points at a library built elsewhere.
 `ATTN_DECODE_PDL=1` launches it with programmatic dependent launch (`PDL`).
 """
 
@@ -119,7 +119,7 @@ def library_built() -> bool:
 
 
 NOT_BUILT = ("the CUDA decode library is not built yet, and the automatic choice builds nothing: "
-             "torch_ops.warmup() builds it (20-30 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
+             "torch_ops.warmup() builds it (about 35 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
 
 
 class DecodeArgs(ctypes.Structure):

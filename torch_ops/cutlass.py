@@ -22,8 +22,7 @@ from . import gpu
 from .cutlass_build import (CLUSTER_VARIANTS, KERNELS, NOT_BUILT, OUT_DTYPES, PAGED16_HEAD_DIM, PAGED_KERNELS,
                             PAGED_PERSISTENT_FAMILY, PAGED_PERSISTENT_KERNELS, PAGED_PERSISTENT_MIN_QUERIES,
                             PERSISTENT_SHORT, V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED, FmhaArgs,
-                            _build_unavailable, _entry, library_built, persistent_mode)
-from .cutlass_build import PREBUILT, build, library_path  # noqa: F401  (the build's entry points: setup.py, warmup)
+                            build_unavailable, entry, library_built, persistent_mode)
 from .replay import c_call
 
 BLOCK_M = 128            # query rows per work tile (TileShape's M in csrc/fmha_sm90_config.cuh)
@@ -133,7 +132,7 @@ def _device_reasons(query) -> list[str]:
     cap = gpu.capability(query.device)
     if cap != (9, 0):
         why.append(f"CUTLASS kernels are built for Hopper (sm_90a), this GPU is sm_{cap[0]}{cap[1]}")
-    reason = _build_unavailable()
+    reason = build_unavailable()
     if reason:
         why.append(reason)
     return why
@@ -379,7 +378,7 @@ def _kernel(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_se
         lse_row_stride=l.stride(0), total_q=tq, num_seqs=num_seqs, hq=hq, head_dim=d, causal=int(causal),
         out_dtype=OUT_DTYPES[o.dtype], softmax_scale=(scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling,
         **fields)
-    entry = _entry(KERNELS[(q.dtype, d)], d, variant)
+    c_entry = entry(KERNELS[(q.dtype, d)], d, variant)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
 
     def kernel(out, lse, **addresses):
@@ -388,7 +387,7 @@ def _kernel(op: str, variant: str, q, out, lse, causal, scale, q_scaling, num_se
         for name, address in addresses.items():
             setattr(args, name, address)
         args.out, args.lse = o.data_ptr(), l.data_ptr()
-        c_call(entry, args, index, f"CUTLASS {op}")
+        c_call(c_entry, args, index, f"CUTLASS {op}")
         if not direct:
             out.copy_(o)
             lse.copy_(l)

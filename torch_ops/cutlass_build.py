@@ -201,7 +201,7 @@ def library_path() -> Path:
 
 def library_built() -> bool:
     """Whether the library loads without compiling: given, prebuilt, or built before (cached)."""
-    return _entry.cache_info().currsize > 0 or LIBRARY.built()
+    return entry.cache_info().currsize > 0 or LIBRARY.built()
 
 
 def _cutlass_headers_missing() -> str | None:
@@ -222,13 +222,13 @@ LIBRARY = CsrcLibrary(
 
 
 @functools.cache
-def _build_unavailable() -> str | None:
+def build_unavailable() -> str | None:
     """Why the library can be neither loaded nor built here (None: it can)."""
     return LIBRARY.unavailable()
 
 
 NOT_BUILT = ("the CUTLASS library is not built yet, and the automatic choice builds nothing: torch_ops.warmup() "
-             "builds it (about 105 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
+             "builds it (about 130 s on 16 cores), or install with ATTN_BUILD_CUDA=1")
 
 
 class FmhaArgs(ctypes.Structure):
@@ -251,7 +251,7 @@ class FmhaArgs(ctypes.Structure):
 
 
 @functools.cache
-def _entry(element: str, head_dim: int, variant: str):
+def entry(element: str, head_dim: int, variant: str):
     path, name = library_path(), f"attn_fmha_sm90_{element}_d{head_dim}{VARIANTS[variant]}"
     try:
         fn = getattr(ctypes.CDLL(str(path)), name)

@@ -38,7 +38,7 @@ def capability(device: torch.device | int | None = None) -> tuple[int, int]:
 
 
 def kept_tensor(make, device: torch.device) -> torch.Tensor:
-    """`make()`, a tensor on `device` that the package keeps for the life of the process, made on a
+    """`make()`, a tensor on `device` for the caller to keep for the life of the process, made on a
     side stream and waited for: its memory comes from the allocator's ordinary pool, never from
     the private pool of a CUDA graph that `torch.compile(mode="reduce-overhead")` routes the
     current stream's allocations to while it warms up (make it outside a stream capture)."""

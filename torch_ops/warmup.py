@@ -9,13 +9,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import backends, cuda_decode, cutlass, gpu, replay
+from . import backends, cuda_decode, cutlass_build, gpu, replay
 
 
 def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True, progress: bool = True) -> float:
     """Build the libraries the automatic choice would use but never builds (cached on disk): the
     C++ op front (`torch_ops.replay`, 12 s) on any CUDA GPU, and on a Hopper GPU with nvcc the
-    CUTLASS library (about 125 s) and the CUDA decode library (about 34 s), side by side (H200
+    CUTLASS library (about 130 s) and the CUDA decode library (about 35 s), side by side (H200
     machine, 16 cores). Then run each of `calls` once and synchronize: a call compiles its Triton
     kernels (or loads them from Triton's disk cache) and caches its plan. On CUDA the calls first
     run with their Triton launches recorded, not run, and those kernels compile in parallel
@@ -31,7 +31,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
         steps = [("C++ op front", replay.installed, lambda: replay.install(build=True))]
         if gpu.capability() == (9, 0):
             steps += [(name, module.library_built, module.library_path)
-                      for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass))]
+                      for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass_build))]
 
         def build(name, built, make):
             if built():

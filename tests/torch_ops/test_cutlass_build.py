@@ -154,10 +154,10 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
 def test_without_nvcc_or_prebuilt_the_reason_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so"))
     monkeypatch.setattr(nvcc, "find_nvcc", lambda: None)
-    cutlass_build._build_unavailable.cache_clear()
+    cutlass_build.build_unavailable.cache_clear()
     try:
-        assert "no nvcc" in cutlass_build._build_unavailable()
+        assert "no nvcc" in cutlass_build.build_unavailable()
         with pytest.raises(RuntimeError, match="no nvcc"):
             cutlass_build.library_path()
     finally:
-        cutlass_build._build_unavailable.cache_clear()
+        cutlass_build.build_unavailable.cache_clear()
