@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import torch_ops
 from torch_ops import reference
+from torch_ops.quant import kv_format
 from torch_ops.testing import assert_error_ratio, poison_
 
 from . import test_cache_attention as cache_attention, test_kv_cache_write as kv_write
@@ -106,10 +107,9 @@ def test_merge_states(kernel_device, t, h, d, dtype, empty):
 
 poisoned = cache_attention.poisoned   # the fixture: every torch.empty allocation poisoned
 
-KV_FORMATS = {   # name -> (cache dtype, draws group scales)
-    "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32": (torch.float32, False),
-    "e4m3": (torch.float8_e4m3fn, False), "e5m2": (torch.float8_e5m2, False),
-    "int8": (torch.int8, True), "int4": (torch.uint8, True),
+KV_FORMATS = {   # name -> cache dtype
+    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2, "int8": torch.int8, "int4": torch.uint8,
 }
 
 
@@ -120,9 +120,9 @@ KV_FORMATS = {   # name -> (cache dtype, draws group scales)
        rope=st.sampled_from([None, "neox", "gptj"]), index_dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_kv_cache_write(kernel_device, data, fmt, t, heads, d, bs, layout, rope, index_dtype):
     hkv, group = heads
-    cache_dtype, grouped = KV_FORMATS[fmt]
+    cache_dtype = KV_FORMATS[fmt]
     opts = {}
-    if grouped:
+    if kv_format(cache_dtype).group_scaled:
         opts.update(group=data.draw(st.sampled_from([g for g in (8, 16, d) if d % g == 0])),
                     scale_dtype=data.draw(st.sampled_from([torch.float16, torch.float32])))
     elif fmt in ("e4m3", "e5m2"):
