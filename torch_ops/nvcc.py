@@ -153,9 +153,10 @@ class CsrcLibrary:
             return Path(os.environ[self.env])
         if self.prebuilt.exists():
             return self.prebuilt
+        reason = self.unavailable()
+        if reason:
+            raise RuntimeError(reason)
         nvcc = find_nvcc()
-        if nvcc is None:
-            raise RuntimeError(f"no prebuilt {self.what} (ATTN_BUILD_CUDA=1 at install) and no nvcc to build one")
         return cached_build(self.folder(nvcc), self.file_name, f"{self.describe()} with {nvcc}",
                             lambda target: self.build(target, nvcc), logger)
 
