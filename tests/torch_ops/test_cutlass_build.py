@@ -137,7 +137,8 @@ def test_jit_builds_once_into_the_cache_and_logs(monkeypatch, tmp_path, caplog):
         target.write_bytes(b"\0" * 1000)
         return target
 
-    monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so"))
+    monkeypatch.setattr(cutlass_build, "LIBRARY", dataclasses.replace(cutlass_build.LIBRARY, prebuilt=tmp_path / "missing.so",
+                                                                      requirement=lambda: None))   # the fake build needs no headers
     monkeypatch.setenv("ATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(nvcc, "find_nvcc", lambda: "/opt/nvcc")
     monkeypatch.setattr(cutlass_build, "build_key", lambda nvcc, variants: "abc123")
