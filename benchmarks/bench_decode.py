@@ -170,9 +170,7 @@ class Case:
         q, k, v, ks, vs = self.sets[0]
         args = (q, k, v, self.block_tables, self.seq_lens)
         kw = dict(out=self.out[0], lse=self.lse[0], k_scale=ks, v_scale=vs)
-        launch = paged_decode.prepare(*args, **kw)
-        launch(*args, **kw)
-        return launch
+        return common.run_prepared(paged_decode, *args, **kw)
 
     def backend(self) -> str:
         import torch_ops

@@ -131,9 +131,7 @@ class ContextCase:
         from torch_ops.kernels import context_attention
 
         args, kw = (self.q, self.k, self.v, self.cu, self.cu), dict(causal=self.causal, out=self.out, lse=self.lse)
-        launch = context_attention.prepare(*args, **kw)
-        launch(*args, **kw)
-        return launch
+        return common.run_prepared(context_attention, *args, **kw)
 
     def backend(self) -> str:
         import torch_ops
@@ -204,9 +202,7 @@ class PagedCase:
 
         args = (self.q, self.k, self.v, self.block_tables, self.cu, self.sl)
         kw = dict(causal=self.causal, out=self.out, lse=self.lse)
-        launch = paged_prefill.prepare(*args, **kw)
-        launch(*args, **kw)
-        return launch
+        return common.run_prepared(paged_prefill, *args, **kw)
 
     def ours_decode(self):
         """paged_decode on this (decode-only) batch: the sibling kernel."""

@@ -67,6 +67,14 @@ def time_us(fns: list[Callable[[], None]], **kw) -> tuple[float, str]:
         return do_bench_us(fns[0]), f"do_bench ({type(e).__name__}: {str(e)[:80]})"
 
 
+def run_prepared(kernel_module, *args, **kwargs):
+    """`kernel_module.prepare(*args, **kwargs)`, run once on those arguments (its kernels compiled):
+    the launch whose `kernels` a benchmark reports."""
+    launch = kernel_module.prepare(*args, **kwargs)
+    launch(*args, **kwargs)
+    return launch
+
+
 def rotation_count(bytes_per_set: int, l2_bytes: int, budget_bytes: int = 8 << 30) -> int:
     """Input sets to rotate so that consecutive calls never hit in L2 (at least 3x L2 in total)."""
     if bytes_per_set >= 3 * l2_bytes:

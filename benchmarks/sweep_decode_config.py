@@ -149,9 +149,7 @@ def input_calls(b, hq, hkv, ctx, d, layout, dev):
 
     def launch():
         out, lse = torch.empty_like(sets[0][0]), torch.empty(b, hq, device=dev)
-        prepared = pd.prepare(*sets[0], out=out, lse=lse)
-        prepared(*sets[0], out=out, lse=lse)
-        return prepared
+        return common.run_prepared(pd, *sets[0], out=out, lse=lse)
 
     return [lambda s=s: torch.ops.attn.paged_decode(*s) for s in sets], launch
 
