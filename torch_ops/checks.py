@@ -213,7 +213,7 @@ def check_paged_decode(query, k_cache, v_cache, block_tables, seq_lens, *, k_sca
     check_key_mask(key_mask, query)
     check_dtype(query, "query", (torch.float16, torch.bfloat16))
     _check_block_tables(block_tables, seq_lens, dev)
-    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, max_block_size=None)
+    fmt = check_paged_cache(query, k_cache, v_cache, k_scale, v_scale, max_block_size=None, separate_value_dim=True)
     _check_heads(query, k_cache.shape[2], "k_cache")
     b, t = seq_lens.shape[0], query.shape[0]
     if b == 0:

@@ -41,12 +41,14 @@ def block_tables_for(seq_lens, block_size, num_blocks, max_blocks=None):
 
 
 def paged_decode(variant="gqa"):
-    hq, hkv, d, bs, nb = {"gqa": (4, 2, 16, 4, 16), "mqa": (4, 1, 32, 8, 8), "mha": (2, 2, 16, 2, 32)}.get(
-        variant, (4, 2, 16, 4, 16))
-    fmt = {"fp8": "e4m3", "int8": "int8", "int4": "int4"}.get(variant, "bf16")
+    hq, hkv, d, bs, nb = {"gqa": (4, 2, 16, 4, 16), "mqa": (4, 1, 32, 8, 8), "mha": (2, 2, 16, 2, 32),
+                          "mla": (4, 1, 48, 4, 16)}.get(variant, (4, 2, 16, 4, 16))
+    fmt = {"fp8": "e4m3", "int8": "int8", "int4": "int4", "mla": "e4m3"}.get(variant, "bf16")
     seq_lens = [5, 0, 9] if variant != "mqa" else [17, 3]
-    q_per_seq = 2 if variant == "int8" else 1
+    q_per_seq = 2 if variant in ("int8", "mla") else 1
     k, v, scales = paged_cache(nb, bs, hkv, d, fmt, per_head=variant == "fp8")
+    if variant == "mla":   # a latent cache: values are the keys' first 32 dims, one scale for both
+        v, scales = k[..., :32], {"k_scale": scales["k_scale"], "v_scale": scales["k_scale"]}
     query = torch.randn(len(seq_lens) * q_per_seq, hq, d, dtype=torch.bfloat16)
     args = (query, k, v, block_tables_for(seq_lens, bs, nb), torch.tensor(seq_lens, dtype=torch.int32))
     kwargs = dict(scales)
@@ -154,7 +156,7 @@ def cache_attention(variant="offset"):
 
 
 VARIANTS = {
-    "paged_decode": ["gqa", "mqa", "mha", "features", "fp8", "int8", "int4"],
+    "paged_decode": ["gqa", "mqa", "mha", "features", "fp8", "int8", "int4", "mla"],   # mla: D 48 = 32 + 16
     "paged_prefill": ["mixed", "noncausal", "int4", "fp8", "mla"],   # mla: value head dim D / 2
     "context_attention": ["causal", "mqa", "cross", "fp8", "mla"],
     "kv_cache_write": ["bf16", "fp32", "fp8", "int8", "int4", "rope"],

@@ -54,7 +54,7 @@ BAD = [
     ("paged_prefill", "mla", _set(2, lambda v: v[:-1]), ValueError, "v_cache shape (31, 4, 2, 8) must equal k_cache"),
     ("paged_prefill", "int4", _set(2, lambda v: v[..., :2].contiguous()), ValueError,
      "v_cache head dim (2) must equal k_cache head dim (8) in INT4 caches"),
-    ("paged_decode", "gqa", _set(2, lambda v: v[..., :8].contiguous()), ValueError, "v_cache shape"),
+    ("paged_decode", "gqa", _set(2, lambda v: v[:-1]), ValueError, "v_cache shape (15, 4, 2, 16) must equal k_cache"),
     # block tables and metadata
     ("paged_decode", "gqa", _set(3, lambda t: t[0]), ValueError, "block_tables must be 2-D"),
     ("paged_decode", "gqa", _set(3, lambda t: t[:2]), ValueError, "block_tables must have one row per sequence"),

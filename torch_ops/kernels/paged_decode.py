@@ -75,6 +75,8 @@ Not served (`unsupported` says why): head dims > 256; quantized caches whose hea
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any
 GQA ratio, q_per_seq 1..8, fp16/bf16 queries are all served.
 
+A value head dim of its own (`D_v < D`, MLA's latent cache) runs the kernel of `mla_decode.py`.
+
 Files: this module prepares and launches the kernels (`prepare`); `paged_decode_kernels.py` holds
 them, `paged_decode_dequant.py` their word dequantization, `paged_decode_config.py` the choices from
 shapes (`config`, `split_count`, `large_tile_splits`) and the knobs.
@@ -94,7 +96,7 @@ import torch
 
 from .. import errors, gpu
 from ..quant import KVFormat, kv_format
-from . import interpreting
+from . import interpreting, mla_decode
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import (LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, _cdiv, _pow2, config,
                                   large_tile_splits, split_count, tuning)
@@ -146,6 +148,8 @@ def split_workspace(num_splits: int, tokens: int, heads: int, head_dim: int, dev
 
 def unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options) -> list[str]:
     """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        return mla_decode.unsupported(query, k_cache, v_cache, block_tables, seq_lens, **options)
     why = []
     d = query.shape[-1]
     if d > MAX_HEAD_DIM:
@@ -173,7 +177,11 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     """The launch of a call of this signature (`run`'s arguments; only their metadata is read):
     `launch(*args, **kwargs)` fills `out`/`lse` of a call with the same signature. Block ids
     outside `[0, num_blocks)` (default `k_cache.shape[0]`) are absent blocks, flagged with the
-    error bit `block_error` (0: none)."""
+    error bit `block_error` (0: none). Values of their own head dim go to `mla_decode`."""
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        return mla_decode.prepare(query, k_cache, v_cache, block_tables, seq_lens, out=out, lse=lse, scale=scale,
+                                  q_scaling=q_scaling, sinks=sinks, out_scale=out_scale, k_scale=k_scale,
+                                  v_scale=v_scale, num_blocks=num_blocks, block_error=block_error)
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
@@ -301,21 +309,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))
-    merge = None
-    if split:
-        # tiles of <= merge_tile partials: heads while they fit, then head-dim blocks
-        ns_p = _pow2(num_splits)
-        block_h = min(_pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
-        merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
-        merge = TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
-            int(window_left), num_splits, min_split, *p_strides,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), kv_cap,
-        ), dict(
-            NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=d, BLOCK_D=merge_d,
-            NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=has_window,
-            HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=static_loop,
-            num_warps=4,
-        ))
+    merge = merge_launch(t, hq, qps, d, block_d, num_splits, min_split, chunk, window_left, kv_cap, p_strides, out, lse,
+                         sinks, out_scale, static_loop) if split else None
     word = (torch.int16 if k_cache.dtype == torch.uint8 else torch.int32) if fmt is not KVFormat.PLAIN else None
     flag = errors.device_flag(query.device)
 
@@ -339,6 +334,28 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     launch.kernels = (main,) if merge is None else (main, merge)
     launch.num_splits = num_splits
     return launch
+
+
+def merge_launch(t: int, hq: int, qps: int, head_dim: int, block_d: int, num_splits: int, min_split: int,
+                 chunk: int, window_left: int, kv_cap: int, p_strides: tuple, out, lse, sinks, out_scale,
+                 interpreted: bool) -> TritonLaunch:
+    """The merge of `num_splits` split-K partials of `head_dim` values (padded to `block_d`; strides
+    `p_strides` of `split_workspace`) into `out`/`lse`, for splits cut by `_split_geometry` in
+    steps of `chunk` keys: tiles of <= `Tuning.merge_tile` partials, heads while they fit, then
+    head-dim blocks."""
+    knobs = tuning.current
+    ns_p = _pow2(num_splits)
+    block_h = min(_pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
+    merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
+    return TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
+        int(window_left), num_splits, min_split, *p_strides,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), kv_cap,
+    ), dict(
+        NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=head_dim, BLOCK_D=merge_d,
+        NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=window_left >= 0,
+        HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=interpreted,
+        num_warps=4,
+    ))
 
 
 def _alignment(x: torch.Tensor) -> int:
