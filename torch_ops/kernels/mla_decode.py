@@ -52,13 +52,25 @@ INTERPRETER_SMS = 8
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def config(block_m: int, fp8: bool) -> dict:
-    """BLOCK_N, num_warps, num_stages for `block_m` query rows (`tuning.current.config` overrides)."""
+def config(rows: int, fp8: bool) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for `rows` query rows per KV head (`tuning.current.config`
+    overrides them; BLOCK_M defaults to `rows` rounded up to a power of two, 16..`MAX_BLOCK_M`).
+
+    Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512), not yet timed on a GPU:
+    the largest tiles that compile without spills. bf16: 64 rows x 16 keys in 8 warps take 255
+    registers and 110 KB of shared memory (the query tile stays there: 72 KB); 64 x 32 spills.
+    FP8 (converted to the query dtype in registers before the dots): 32 x 32 takes 250
+    registers, 72 KB; 64-row tiles spill 0.5 KB."""
+    block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
     if tuning.current.config:
-        return dict(tuning.current.config)
+        return {"BLOCK_M": block_m, **tuning.current.config}
     if interpreting():
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_N": 32, "num_warps": 8 if block_m >= 64 else 4, "num_stages": 2}
+        return {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if fp8:
+        return {"BLOCK_M": min(block_m, 32), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if block_m == 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -92,10 +104,21 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
         page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0)
     page_ok = (page >= 0) & (page < num_blocks)
     page = tl.where(page_ok, page, 0).to(tl.int64)   # absent blocks read block 0, weighted 0
-    within = (offs_n % PAGE).to(tl.int64)
-    k_rows = page * stride_kb + within * stride_kt + k_head
-    k_v = _load_rows(K, k_rows, n_ok, 0, D_V, FP8, E5M2, DOT_DTYPE)
-    k_r = _load_rows(K, k_rows, n_ok, D_V, D_R, FP8, E5M2, DOT_DTYPE)
+    if ONE_PAGE:
+        # one base pointer per tile and 32-bit row offsets: few registers for the tile's addresses
+        first = (t0 % PAGE).to(tl.int64)
+        Kt = K + (page * stride_kb + first * stride_kt + k_head)
+        Vt = V + (page * stride_vb + first * stride_vt + v_head)
+        k_rows = tl.arange(0, BLOCK_N) * stride_kt
+        v_rows = tl.arange(0, BLOCK_N) * stride_vt
+    else:
+        within = (offs_n % PAGE).to(tl.int64)
+        Kt = K
+        Vt = V
+        k_rows = page * stride_kb + within * stride_kt + k_head
+        v_rows = page * stride_vb + within * stride_vt + v_head
+    k_v = _load_rows(Kt, k_rows, n_ok, 0, D_V, FP8, E5M2, DOT_DTYPE)
+    k_r = _load_rows(Kt, k_rows, n_ok, D_V, D_R, FP8, E5M2, DOT_DTYPE)
     s = tl.dot(q_v, tl.trans(k_v))
     s = tl.dot(q_r, tl.trans(k_r), s)
     s = s * qk_scale + absent_bias(Err, page_ok, ONE_PAGE)
@@ -110,8 +133,7 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
     if V_FROM_K:
         v = k_v
     else:
-        v_rows = page * stride_vb + within * stride_vt + v_head
-        v = _load_rows(V, v_rows, n_ok, 0, D_V, FP8, E5M2, DOT_DTYPE)
+        v = _load_rows(Vt, v_rows, n_ok, 0, D_V, FP8, E5M2, DOT_DTYPE)
     p_op = exact_cast(p, P_DTYPE, INTERPRET).to(DOT_DTYPE)
     acc = tl.dot(p_op, v, acc * alpha[:, None])
     return acc, m_new, l_i
@@ -267,10 +289,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     fp8 = fmt is KVFormat.FP8
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
+    cfg = config(rows, fp8)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     m_tiles = -(-rows // block_m)
-    cfg = config(block_m, fp8)
-    block_n = cfg["BLOCK_N"]
     knobs = tuning.current
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     max_blocks = block_tables.shape[1]
@@ -279,6 +300,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
     kv_cap = max_blocks * page if num_blocks else 0   # absent blocks read block 0
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
+    # a tile in one page is addressed by 32-bit row offsets from its first row
+    one_page = page_span % block_n == 0 and (block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + d < 2**31
     split = num_splits > 1
     p_strides = (t * hq * dv, hq * dv, dv, t * hq, hq) if split else (0, 0, 0, 0, 0)
     scales = "none"
@@ -310,7 +333,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             *p_strides, kv_cap, num_blocks,
         ), dict(
             D_V=dv, D_R=d - dv, BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PAGE=page_span,
-            ONE_PAGE=page_span % block_n == 0, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv, FP8=fp8,
+            ONE_PAGE=one_page, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv, FP8=fp8,
             E5M2=k_cache.dtype == torch.float8_e5m2, V_FROM_K=v_from_k, HAS_SINKS=sinks is not None,
             OUT_FP8=out_scale is not None, SPLIT=split, DYNAMIC_LOOP=not interpret, MAX_ITERS=max_iters,
             DOT_DTYPE=tl.float32 if interpret and query.dtype == torch.bfloat16 else dot_dtype, P_DTYPE=dot_dtype,

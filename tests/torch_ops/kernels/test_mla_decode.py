@@ -207,6 +207,13 @@ def test_other_value_dims_and_kv_heads(kernel_device, knobs):
     check(args, kwargs, *call_triton(args, kwargs))
 
 
+def test_one_page_per_sequence(kernel_device, knobs):
+    # a single-column table (a static cache per sequence): 300-token pages, every tile in one page
+    knobs(num_splits=2, min_split_tokens=16)
+    args, kwargs = make_problem(kernel_device, lens=[300, 0, 41], qps=2, bs=300, max_blocks=1)
+    check(args, kwargs, *call_triton(args, kwargs))
+
+
 def test_empty_block_table(kernel_device):
     # no table columns: every length clamps to 0
     args, kwargs = make_problem(kernel_device, lens=[0, 0])
