@@ -317,11 +317,15 @@ def check_kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, k_scale,
     if not isinstance(key, torch.Tensor):
         raise TypeError("key must be a tensor [T, Hkv, D]")
     dev = key.device
-    check_key_value(key, value, ("key", "value"), 3, "[T, Hkv, D]", dev, QUERY_DTYPES)
+    check_key_value(key, value, ("key", "value"), 3, "[T, Hkv, D]", dev, QUERY_DTYPES, same_last_dim=False)
     t, hkv, d = key.shape
-    fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale)
+    fmt = check_paged_cache(key, k_cache, v_cache, k_scale, v_scale, separate_value_dim=True)
     if not k_cache.shape[2] == hkv:
         raise ValueError(f"k_cache has {k_cache.shape[2]} KV heads, key has {hkv}")
+    dv = value.shape[-1]
+    if not v_cache.shape[-1] == (k_cache.shape[-1] if dv == d else dv):
+        raise ValueError(f"v_cache last dim must be {k_cache.shape[-1] if dv == d else dv} for value head dim {dv} "
+                         f"(key head dim {d}), got {v_cache.shape[-1]}")
     check_vector(slot_mapping, "slot_mapping", t, dev, INDEX_DTYPES, "[T]")
     check_rope(positions, cos_sin_cache, t, d, dev)
     if query is not None:

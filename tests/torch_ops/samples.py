@@ -90,6 +90,14 @@ def context_attention(variant="causal"):
 
 def kv_cache_write(variant="bf16"):
     hq, hkv, d, bs, nb, t = 4, 2, 16, 4, 8, 5
+    if variant == "latent":   # an MLA latent cache: RoPE part (8 dims, rotated) then compressed part (16) per row
+        latent, scales = paged_cache(nb, bs, 1, 24, "e4m3")[0], torch.tensor(0.05)
+        key, value = torch.randn(t, 1, 8, dtype=torch.bfloat16), torch.randn(t, 1, 16, dtype=torch.bfloat16)
+        angles = torch.arange(32).unsqueeze(1) * torch.rand(4)
+        kwargs = dict(k_scale=scales, v_scale=scales, positions=torch.randint(0, 32, (t,), dtype=torch.int32),
+                      cos_sin_cache=torch.cat([angles.cos(), angles.sin()], dim=-1),
+                      query=torch.randn(t, hq, 8, dtype=torch.bfloat16), rope_neox=False)
+        return (key, value, latent[..., 16:], latent[..., :16], torch.randperm(nb * bs)[:t].to(torch.int32)), kwargs
     k_cache, v_cache, scales = paged_cache(nb, bs, hkv, d, {"fp8": "e4m3", "rope": "bf16"}.get(variant, variant))
     key, value = torch.randn(t, hkv, d, dtype=torch.bfloat16), torch.randn(t, hkv, d, dtype=torch.bfloat16)
     if variant == "fp32":
@@ -159,7 +167,7 @@ VARIANTS = {
     "paged_decode": ["gqa", "mqa", "mha", "features", "fp8", "int8", "int4", "mla"],   # mla: D 48 = 32 + 16
     "paged_prefill": ["mixed", "noncausal", "int4", "fp8", "mla"],   # mla: value head dim D / 2
     "context_attention": ["causal", "mqa", "cross", "fp8", "mla"],
-    "kv_cache_write": ["bf16", "fp32", "fp8", "int8", "int4", "rope"],
+    "kv_cache_write": ["bf16", "fp32", "fp8", "int8", "int4", "rope", "latent"],
     "merge_states": ["plain"],
     "cache_attention": ["offset", "paged", "int8", "int4"],
 }

@@ -65,6 +65,8 @@ Bandwidth (target: >= 85 % of a device-to-device copy of the same bytes, RoPE fu
 - Small T is latency-bound: tiles shrink (fewer tokens per program) while the grid has fewer
   than `Tuning.min_programs_per_sm` programs per SM.
 
+A value head dim of its own (`D_v != D`, the MLA latent cache) runs the kernel of `latent_cache_write.py`.
+
 Not served (`unsupported` says why): head dims above `MAX_HEAD_DIM`; GPT-J RoPE on an INT8 cache
 with an odd quant group (a rotated pair would straddle two groups).
 Knobs (tests, tuning): `Tuning`, changed inside `with tuning(tile_elems=..., num_warps=...):`.
@@ -438,6 +440,10 @@ def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale, split: bool = Fa
 
 def unsupported(key, value, k_cache, v_cache, slot_mapping, **options) -> list[str]:
     """Reasons this kernel cannot run the call (the front has validated shapes and dtypes)."""
+    if value.shape[-1] != key.shape[-1]:
+        from . import latent_cache_write
+
+        return latent_cache_write.unsupported(key, value, k_cache, v_cache, slot_mapping, **options)
     why = []
     d = key.shape[-1]
     if d > MAX_HEAD_DIM:
@@ -458,10 +464,17 @@ def run(*args, **kwargs) -> torch.Tensor:
 
 def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, query=None,
             positions=None, cos_sin_cache=None, rope_neox=True):
-    """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read)."""
+    """`launch(*args, **kwargs)` for calls of this signature (only the metadata is read). Values of
+    a head dim of their own (the MLA latent cache) go to `latent_cache_write`."""
     t, hkv, d = key.shape
     if t == 0:
         return _no_tokens
+    if value.shape[-1] != d:
+        from . import latent_cache_write
+
+        return latent_cache_write.prepare(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                                          query=query, positions=positions, cos_sin_cache=cos_sin_cache,
+                                          rope_neox=rope_neox)
     fmt = kv_format(k_cache.dtype)
     split = split_halves(d, k_cache, positions, cos_sin_cache, rope_neox)
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
