@@ -120,7 +120,7 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     dp_k, dp_v = _pow2(d), _pow2(dv)
     sms = gpu.sm_count(key.device, cpu=1)
     tile_elems = tuning.current.tile_elems[fmt]
-    bt_kv, bh_kv = tile(t, hkv, dp_k + dp_v, sms, tile_elems)
+    bt_kv, bh_kv = tile(t, hkv, _pow2(dp_k + dp_v), sms, tile_elems)   # powers of two
     n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:

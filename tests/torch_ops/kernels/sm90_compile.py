@@ -89,6 +89,17 @@ def cache_write(fmt):
     kv_cache_write.prepare(key, key, cache.k, cache.v, slots, **kw)(key, key, cache.k, cache.v, slots, **kw)
 
 
+def latent_write(fmt):
+    """An MLA latent cache: the RoPE part (rotated, with the queries') and the compressed part of each row."""
+    latent = torch.zeros(256, 64, 1, 576, dtype=fmt)
+    kw = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if fmt != torch.bfloat16 else {}
+    kw.update(positions=torch.zeros(64, dtype=torch.int32), cos_sin_cache=torch.zeros(4096, 64), rope_neox=False,
+              query=torch.zeros(64, 128, 576, dtype=torch.bfloat16)[..., 512:])
+    args = (torch.zeros(64, 1, 64, dtype=torch.bfloat16), torch.zeros(64, 1, 512, dtype=torch.bfloat16),
+            latent[..., 512:], latent[..., :512], torch.arange(64, dtype=torch.int32))
+    kv_cache_write.prepare(*args, **kw)(*args, **kw)
+
+
 CALLS = {
     "paged_decode bf16, key_mask, split-K": lambda: decode(torch.bfloat16, key_mask=True, splits=2),
     "paged_decode FP8, key_mask": lambda: decode(torch.float8_e4m3fn, key_mask=True),
@@ -100,6 +111,7 @@ CALLS = {
     "kv_cache_write INT8": lambda: cache_write(torch.int8),
     "paged_decode MLA bf16, split-K": lambda: mla_decode(torch.bfloat16, splits=4),
     "paged_decode MLA FP8, 4 tokens": lambda: mla_decode(torch.float8_e4m3fn, qps=4),
+    "kv_cache_write MLA latent FP8, RoPE": lambda: latent_write(torch.float8_e4m3fn),
 }
 
 
