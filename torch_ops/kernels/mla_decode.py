@@ -347,7 +347,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, sinks=None, out_scale=None,
                k_scale=None, v_scale=None, **_):
-        kernel = mains[shareable and v_cache.data_ptr() == k_cache.data_ptr()]
+        kernel = mains[values_in_keys(k_cache, v_cache)]
         kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
         ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
         pout, plse = paged_decode.split_workspace(num_splits, t, hq, dv, query.device) if split else (lse, lse)
