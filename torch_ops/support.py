@@ -39,8 +39,10 @@ def _cache(cache, d: int, page: int, query_dtype=torch.bfloat16):
     return cache.k, cache.v, {k: v for k, v in cache.scale_kwargs().items() if v is not None}
 
 
-def _decode(dtype=torch.bfloat16, cache=None, d=D, page=PAGE, qps=1, **options):
+def _decode(dtype=torch.bfloat16, cache=None, d=D, page=PAGE, qps=1, dv=None, **options):
     k, v, scales = _cache(cache, d, page, dtype)
+    if dv is not None:   # an MLA latent cache: values are the keys' first dv dims
+        v = k[..., :dv]
     q = torch.zeros(2 * qps, HQ, d, dtype=dtype)
     return (q, k, v, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), page, dtype=torch.int32)), {**scales, **options}
 
@@ -61,13 +63,16 @@ def _context(dtype=torch.bfloat16, d=D, **options):
     return (q, k, v, cu, cu), {"causal": True, **options}
 
 
-def _kv_write(dtype=torch.bfloat16, cache=None, d=D, page=PAGE, rope=False):
-    k, v, scales = _cache(cache, d, page, dtype)
+def _kv_write(dtype=torch.bfloat16, cache=None, d=D, page=PAGE, rope=False, dv=None):
+    k, v, scales = _cache(cache, d + (dv or 0), page, dtype)
     key = torch.zeros(4, HKV, d, dtype=dtype)
+    value = torch.zeros(4, HKV, dv or d, dtype=dtype)
+    if dv is not None:   # an MLA latent cache: the compressed part (values), then the RoPE part (keys)
+        k, v = k[..., dv:], k[..., :dv]
     kwargs = dict(scales)
     if rope:
         kwargs.update(positions=torch.zeros(4, dtype=torch.int32), cos_sin_cache=torch.zeros(16, d))
-    return (key, key.clone(), k, v, torch.arange(4, dtype=torch.int32)), kwargs
+    return (key, value, k, v, torch.arange(4, dtype=torch.int32)), kwargs
 
 
 def _triton(op: str) -> Callable:
@@ -87,6 +92,8 @@ _AXES = {
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "block size": {p: {"page": p} for p in _PAGES},
         "queries per sequence": {n: {"qps": n} for n in (1, 2, 4, 8)},
+        "D / D_v (values of their own head dim)": {"576 / 512 (MLA)": {"d": 576, "dv": 512},
+                                                   "192 / 128": {"d": 192, "dv": 128}},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(2, 64, dtype=torch.bool))},
     }),
     "paged_prefill": (_prefill, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.paged_problem_reasons(*a[:4], **k)}, {
@@ -107,6 +114,7 @@ _AXES = {
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "block size": {p: {"page": p} for p in _PAGES},
         "fused RoPE": {"yes": {"rope": True}},
+        "D / D_v (values of their own head dim)": {"64 / 512 (MLA latent)": {"d": 64, "dv": 512, "rope": True}},
     }),
 }
 

@@ -18,5 +18,7 @@ def test_the_matrix_comes_from_the_backends_checks():
     assert 256 in decode["head dim"]["triton"] and 256 not in decode["head dim"]["cuda"]
     assert "fp32" not in decode["query dtype"]["vanilla"]   # the op's validation rejects it: no backend lists it
     assert "ALiBi" in decode["options"]["triton"] and decode["options"]["cuda"] == []
+    mla = decode["D / D_v (values of their own head dim)"]
+    assert "576 / 512 (MLA)" in mla["triton"] and mla["cuda"] == []
     context = support.served("context_attention")
     assert "FP8 e4m3" in context["query dtype"]["cutlass"] and 80 not in context["head dim"]["cutlass"]
