@@ -121,7 +121,7 @@ def summarize(rounds: list[tuple[list[dict], list[dict]]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", required=True, help="a directory holding the baseline's torch_ops package")
+    p.add_argument("--baseline", help="a directory holding the baseline's torch_ops package")
     p.add_argument("--label", default="", help="what the baseline is (a commit), for the JSON")
     p.add_argument("--rounds", type=int, default=2, help="A B B A pairs")
     p.add_argument("--quick", action="store_true", help="one case per kernel family and format")
@@ -130,6 +130,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args.quick)
+    if not args.baseline:
+        p.error("--baseline is required")
 
     def run(tree: Path, tmp: str, i: int) -> list[dict]:
         out = f"{tmp}/{'ours' if tree == ROOT else 'baseline'}_{i}.json"

@@ -1,5 +1,6 @@
-"""Block-table helpers shared by the paged Triton kernels: lengths clamped into the table, bad block
-ids flagged before a key loop, and the score bias that masks their keys inside it."""
+"""Block-table helpers shared by the paged Triton kernels: lengths clamped into the table, and bad
+block ids found before a key loop (a program whose ids are all good runs its loop unchecked; one
+that has a bad id runs the loop that masks absent blocks' keys)."""
 
 import triton
 import triton.language as tl
@@ -20,6 +21,31 @@ def clamped_seq_len(SeqLens, b, kv_cap, Err, FLAG: tl.constexpr):
 
 
 @triton.jit
+def _absent_in_chunk(bt_row, stride_btp, p, page_hi, num_blocks, CHUNK: tl.constexpr):
+    idx = p + tl.arange(0, CHUNK)
+    ids = tl.load(bt_row + idx * stride_btp, mask=idx < page_hi, other=0)
+    return tl.max(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
+
+
+@triton.jit
+def any_absent_block(bt_row, stride_btp, page_lo, page_hi, num_blocks,
+                     CHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+    """1 if a block id among table entries `[page_lo, page_hi)` lies outside `[0, num_blocks)`,
+    else 0. Programs call it on the entries their key loop reads: a loop over ids known good
+    needs no per-tile check, which would cost the loop its pipelining."""
+    absent = page_lo * 0
+    if INTERPRET:   # the interpreter takes no loaded value as a `range` bound (numpy >= 2.4)
+        p = page_lo
+        while p < page_hi:
+            absent = tl.maximum(absent, _absent_in_chunk(bt_row, stride_btp, p, page_hi, num_blocks, CHUNK))
+            p += CHUNK
+    else:
+        for p in range(page_lo, page_hi, CHUNK):
+            absent = tl.maximum(absent, _absent_in_chunk(bt_row, stride_btp, p, page_hi, num_blocks, CHUNK))
+    return absent
+
+
+@triton.jit
 def _flag_chunk(bt_row, stride_btp, p, page_hi, num_blocks, Err, BIT: tl.constexpr, CHUNK: tl.constexpr):
     idx = p + tl.arange(0, CHUNK)
     inside = idx < page_hi
@@ -32,9 +58,8 @@ def _flag_chunk(bt_row, stride_btp, p, page_hi, num_blocks, Err, BIT: tl.constex
 def flag_absent_blocks(bt_row, stride_btp, page_lo, page_hi, num_blocks, Err, BIT: tl.constexpr,
                        CHUNK: tl.constexpr, INTERPRET: tl.constexpr):
     """Set `BIT` in the error flag `Err` if a block id among table entries `[page_lo, page_hi)`
-    lies outside `[0, num_blocks)`. Programs call it before their key loop, which then only
-    clamps such ids (in bounds) and masks their keys: the loop carries no error state."""
-    if INTERPRET:   # the interpreter takes no loaded value as a `range` bound (numpy >= 2.4)
+    lies outside `[0, num_blocks)`."""
+    if INTERPRET:
         p = page_lo
         while p < page_hi:
             _flag_chunk(bt_row, stride_btp, p, page_hi, num_blocks, Err, BIT, CHUNK)
