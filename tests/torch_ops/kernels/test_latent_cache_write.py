@@ -142,6 +142,36 @@ def test_written_latents_read_back_by_decode(kernel_device):
         assert_error_ratio(lse[b:b + 1], truth_lse, base_lse, name="lse")
 
 
+def test_mla_step_under_torch_compile():
+    """The latent write and the decode over views of one latent tensor compile without a graph
+    break, once for three batch sizes (dynamic shapes), and equal eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(latent, k_pe, kv_c, q, slots, positions, cos_sin, table, seq_lens):
+        q_pe = torch.ops.attn.kv_cache_write(k_pe, kv_c, latent[..., DV:], latent[..., :DV], slots, query=q[..., DV:],
+                                             positions=positions, cos_sin_cache=cos_sin, rope_neox=False)
+        q = torch.cat([q[..., :DV], q_pe], dim=-1)
+        return torch.ops.attn.paged_decode(q, latent, latent[..., :DV], table, seq_lens, scale=0.07)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    cs = reference.rope_cos_sin_cache(64, DR)
+    for n in (2, 3, 5):
+        latent = torch.randn(4 * n, 16, 1, DV + DR, dtype=BF16)
+        table = torch.randperm(4 * n).view(n, 4).int()
+        seq_lens = torch.randint(1, 64, (n,), dtype=torch.int32)
+        slots = (table[torch.arange(n), (seq_lens - 1) // 16] * 16 + (seq_lens - 1) % 16).int()
+        inputs = (torch.randn(n, 1, DR, dtype=BF16), torch.randn(n, 1, DV, dtype=BF16),
+                  torch.randn(n, 16, DV + DR, dtype=BF16), slots, seq_lens - 1, cs, table, seq_lens)
+        eager_latent = latent.clone()
+        out, lse = compiled(latent, *inputs)
+        ref_out, ref_lse = step(eager_latent, *inputs)
+        assert torch.equal(latent, eager_latent)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
 BAD = [
     ("value vs v_cache", lambda a, k: ((*a[:3], a[3][..., :256], a[4]), k), ValueError,
      "v_cache last dim must be 512 for value head dim 512 (key head dim 64), got 256"),
