@@ -268,10 +268,10 @@ def problem_reasons(query, k_cache, v_cache, block_tables, seq_lens, *, k_scale=
     d = query.shape[-1]
     if d not in HEAD_DIMS:
         why.append(f"head dim {d} is not built (built: {HEAD_DIMS})")
-    if v_cache.shape[-1] != k_cache.shape[-1]:
-        why.append(f"a value head dim of its own (D_v = {v_cache.shape[-1]}, D = {d}) is not implemented")
     elif _quantized(k_cache.dtype):
         why += _scale_reasons(k_cache, k_scale, v_scale, d)
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        why.append(f"a value head dim of its own (D_v = {v_cache.shape[-1]}, D = {d}) is not implemented")
     batch, hkv = seq_lens.shape[0], k_cache.shape[2]
     rows = query_rows(query, k_cache, seq_lens)
     if rows > MAX_ROWS:
