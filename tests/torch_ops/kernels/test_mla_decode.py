@@ -245,6 +245,9 @@ def test_unsupported_reasons(kernel_device):
     }
     for fragment, why in reasons.items():
         assert any(fragment in w for w in why), (fragment, why)
+    k128 = torch.zeros(4, 16, 1, 128, dtype=BF16, device=kernel_device)   # a head dim the CUDA kernel is built for
+    why = cuda_decode.problem_reasons(torch.zeros(1, 16, 128, dtype=BF16, device=kernel_device), k128, k128[..., :64], bt, sl)
+    assert why == ["a value head dim of its own (D_v = 64, D = 128) is not implemented"], why
     with torch_ops.use_backend("triton"), pytest.raises(ValueError, match="soft-capping"):
         torch.ops.attn.paged_decode(*args, softcap=5.0, **kwargs)
 
