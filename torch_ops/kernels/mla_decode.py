@@ -19,8 +19,9 @@ in the absorbed form, `v_cache = k_cache[..., :512]`, out `[T, Hq, 512]`).
   in `paged_decode.split_workspace` and merged by its merge kernel, which adds learned sinks and
   quantizes FP8 output.
 - **Bad metadata** as in `paged_decode`: lengths clamped into the block table
-  (`block_table.clamped_seq_len`), block ids outside the cache checked before the key loop
-  (`flag_absent_blocks`) and read as block 0 with their keys' scores -inf (`absent_bias`).
+  (`block_table.clamped_seq_len`); each program checks the block ids it reads before its key loop
+  (`block_table.any_absent_block`) and, only if one lies outside the cache, runs the loop that
+  reads such a block as block 0 with its keys masked. Each sets its bit in the error flag.
 
 Served options: `scale`, `q_scaling`, `sinks`, `out_scale`; ALiBi, sliding windows, soft-capping
 and `key_mask` are not (`unsupported`). Under TRITON_INTERPRET=1: a fixed trip count, bf16 dots in
@@ -38,7 +39,7 @@ import triton.language as tl
 from .. import errors, gpu
 from ..quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import absent_bias, clamped_seq_len, flag_absent_blocks
+from .block_table import any_absent_block, clamped_seq_len
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import _cdiv, _pow2, split_count, tuning
@@ -57,10 +58,10 @@ def config(rows: int, fp8: bool) -> dict:
     overrides them; BLOCK_M defaults to `rows` rounded up to a power of two, 16..`MAX_BLOCK_M`).
 
     Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512), not yet timed on a GPU:
-    the largest tiles that compile without spills. bf16: 64 rows x 16 keys in 8 warps take 255
-    registers and 110 KB of shared memory (the query tile stays there: 72 KB); 64 x 32 spills.
-    FP8 (converted to the query dtype in registers before the dots): 32 x 32 takes 250
-    registers, 72 KB; 64-row tiles spill 0.5 KB."""
+    the largest tiles that compile without spills on pages of 16 and 64 keys. bf16: 64 rows x 16
+    keys in 8 warps take 255 registers and 126-128 KB of shared memory (the query tile stays there:
+    72 KB); 64 x 32 spills. FP8 (converted to the query dtype in registers before the dots): 32 x
+    32 takes 249-252 registers, 72 KB; 64-row tiles spill 0.5 KB."""
     block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
     if tuning.current.config:
         return {"BLOCK_M": block_m, **tuning.current.config}
@@ -90,20 +91,24 @@ def _load_rows(Base, rows, n_ok, first: tl.constexpr, DIMS: tl.constexpr, FP8: t
 
 
 @triton.jit
-def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks, Err,
+def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
           K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
           D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
           FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-          P_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One online-softmax step (log2 units) over keys `t0 ..< min(t0 + BLOCK_N, end)`."""
+          P_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, ABSENT: tl.constexpr):
+    """One online-softmax step (log2 units) over keys `t0 ..< min(t0 + BLOCK_N, end)`. ABSENT: a block
+    id outside [0, num_blocks) is an absent block, read as block 0 with its keys masked (without
+    ABSENT, every id is known to be good)."""
     offs_n = t0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < end
     if ONE_PAGE:
         page = tl.load(bt_row + (t0 // PAGE) * stride_btp)
     else:
         page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0)
-    page_ok = (page >= 0) & (page < num_blocks)
-    page = tl.where(page_ok, page, 0).to(tl.int64)   # absent blocks read block 0, weighted 0
+    if ABSENT:
+        page_ok = (page >= 0) & (page < num_blocks)
+        page = tl.where(page_ok, page, 0)
+    page = page.to(tl.int64)
     if ONE_PAGE:
         # one base pointer per tile and 32-bit row offsets: few registers for the tile's addresses
         first = (t0 % PAGE).to(tl.int64)
@@ -121,8 +126,13 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
     k_r = _load_rows(Kt, k_rows, n_ok, D_V, D_R, FP8, E5M2, DOT_DTYPE)
     s = tl.dot(q_v, tl.trans(k_v))
     s = tl.dot(q_r, tl.trans(k_r), s)
-    s = s * qk_scale + absent_bias(Err, page_ok, ONE_PAGE)
+    s = s * qk_scale
     vis = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+    if ABSENT:
+        if ONE_PAGE:
+            vis = vis & page_ok
+        else:
+            vis = vis & page_ok[None, :]
     s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,6 +147,31 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
     p_op = exact_cast(p, P_DTYPE, INTERPRET).to(DOT_DTYPE)
     acc = tl.dot(p_op, v, acc * alpha[:, None])
     return acc, m_new, l_i
+
+
+@triton.jit
+def _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
+              K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
+              D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+              FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              P_DTYPE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, ABSENT: tl.constexpr):
+    """The tiles of keys `start ..< end` (`_tile`)."""
+    n_iter = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+    if DYNAMIC_LOOP:
+        for it in range(0, n_iter):
+            acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
+                                  stride_btp, num_blocks, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+                                  stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
+                                  P_DTYPE, False, ABSENT)
+    else:
+        # the interpreter takes no loaded value as a loop bound (numpy >= 2.4): a fixed trip count
+        for it in range(0, MAX_ITERS):
+            if it < n_iter:
+                acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
+                                      stride_btp, num_blocks, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+                                      stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
+                                      P_DTYPE, True, ABSENT)
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])   # they follow the batch size
@@ -189,30 +224,24 @@ def _mla_decode_kernel(
     bt_row = BT + b.to(tl.int64) * stride_btb
     k_head = kh.to(tl.int64) * stride_kh
     v_head = kh.to(tl.int64) * stride_vh
-    if BLOCK_ERR != 0:
-        if kh == 0 and mt == 0:   # one program of each (sequence, split) checks the ids it reads
-            flag_absent_blocks(bt_row, stride_btp, start // PAGE, tl.cdiv(tl.maximum(end, start), PAGE),
-                               num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    n_iter = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
-    if DYNAMIC_LOOP:
-        for it in range(0, n_iter):
-            acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                  stride_btp, num_blocks, Err, K, V, k_head, v_head,
-                                  stride_kb, stride_kt, stride_vb, stride_vt,
-                                  D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE, INTERPRET)
+    # a program whose block ids all lie in [0, num_blocks) runs the loop without checking them
+    absent = any_absent_block(bt_row, stride_btp, start // PAGE, tl.cdiv(tl.maximum(end, start), PAGE), num_blocks,
+                              256, INTERPRET)
+    if BLOCK_ERR != 0:
+        tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
+    if absent == 0:
+        acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
+                                  K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                  D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
+                                  DYNAMIC_LOOP, MAX_ITERS, False)
     else:
-        # the interpreter takes no loaded value as a loop bound (numpy >= 2.4): a fixed trip count
-        for it in range(0, MAX_ITERS):
-            if it < n_iter:
-                acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                      stride_btp, num_blocks, Err, K, V, k_head, v_head,
-                                      stride_kb, stride_kt, stride_vb, stride_vt,
-                                      D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
-                                      INTERPRET)
+        acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
+                                  K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                  D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
+                                  DYNAMIC_LOOP, MAX_ITERS, True)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
