@@ -40,10 +40,9 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   value from the scale cache: simple, not fast) and rounded to the dot dtype, as the reference
   does. Addresses are int64.
 - **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors; a block id
-  outside the cache is an absent block, read as block 0 with its keys' scores set to `-inf`.
-  Each program checks the ids its tiles read before its loops (`block_table.any_absent_block`):
-  with all of them good, the unmasked tiles run without per-tile checks. Each bad value sets its
-  bit in the device error flag (`torch_ops.errors`).
+  outside the cache is an absent block, read as block 0 with its keys' scores set to `-inf`
+  (loads keep their masks; `block_table.flag_absent_blocks` checks a program's ids before its
+  loop). Each sets its bit in the device error flag (`torch_ops.errors`).
 - **Softmax** online in fp32 with exp2 (log2(e) folded into the scale), scale/q_scaling,
   softcap (exp2-based tanh), ALiBi `-slope * |p - j|`; `tl.dot` on fp16/bf16 tiles with fp32
   accumulation (fp32 inputs: "ieee" dots; FP8 `context_attention` inputs: fp16 dots on the
@@ -82,7 +81,7 @@ import triton.language as tl
 from .. import errors
 from ..quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import any_absent_block, clamped_seq_len
+from .block_table import clamped_seq_len, flag_absent_blocks
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -168,17 +167,16 @@ def _attend_tile(
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
-    PAGED: tl.constexpr, ABSENT: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr,
-    E5M2: tl.constexpr, QGROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
 ):
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units): K tiles of
     HEAD_DIM (padded to BLOCK_D) dims, V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
-    K/V, its sequence's first key). ABSENT: a block id outside [0, num_blocks) is an absent block,
-    read as block 0 with its keys masked (also in unmasked tiles; without ABSENT, every id is
-    known to be good)."""
+    K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: read
+    as block 0, its keys masked (also in unmasked tiles)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     ks_rows = offs_n * 0
@@ -190,9 +188,8 @@ def _attend_tile(
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
         else:
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp).to(tl.int64)
-        if ABSENT:
-            page_ok = (page >= 0) & (page < num_blocks)
-            page = tl.where(page_ok, page, 0)
+        page_ok = (page >= 0) & (page < num_blocks)
+        page = tl.where(page_ok, page, 0)
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
         v_rows = page * stride_vb + within * stride_vt
@@ -211,7 +208,7 @@ def _attend_tile(
         s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap2
     else:
         s = qk * row_scale[:, None]
-    if ABSENT:   # absent blocks' keys (their values are weighted 0)
+    if PAGED:   # absent blocks' keys (their values are weighted 0)
         s = tl.where(tl.broadcast_to(page_ok, [BLOCK_N])[None, :], s, float("-inf"))
     dist = pos[:, None] - offs_n[None, :]
     if HAS_ALIBI:
@@ -228,7 +225,7 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED or ABSENT:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
+    if MASKED or PAGED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -249,8 +246,8 @@ def _attend_range(
     K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
-    PAGED: tl.constexpr, ABSENT: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr,
-    E5M2: tl.constexpr, QGROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -267,8 +264,8 @@ def _attend_range(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, ABSENT, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP,
-                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
             it += 1
     else:
         for it in range(it_lo, it_hi):
@@ -279,8 +276,8 @@ def _attend_range(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, ABSENT, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP,
-                CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
     return acc, m_i, l_i
 
 
@@ -408,47 +405,35 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    absent = 0
-    if PAGED:   # a program whose block ids all lie in [0, num_blocks) runs its unmasked tiles unchecked
-        absent = tl.maximum(
-            any_absent_block(bt_row, stride_btp, 0, tl.cdiv(tl.minimum(n_sink * BLOCK_N, kv_len), PAGE), num_blocks,
-                             256, INTERPRET),
-            any_absent_block(bt_row, stride_btp, t_lo * BLOCK_N // PAGE, tl.cdiv(tl.minimum(t_hi * BLOCK_N, kv_len), PAGE),
-                             num_blocks, 256, INTERPRET))
-        if BLOCK_ERR != 0:
-            tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
+    if PAGED and BLOCK_ERR != 0:
+        if kh == 0 and chunk == 0:   # one program of each query tile checks the ids its tiles read
+            flag_absent_blocks(bt_row, stride_btp, 0, tl.cdiv(tl.minimum(n_sink * BLOCK_N, kv_len), PAGE),
+                               num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
+            flag_absent_blocks(bt_row, stride_btp, t_lo * BLOCK_N // PAGE,
+                               tl.cdiv(tl.minimum(t_hi * BLOCK_N, kv_len), PAGE), num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
     if HAS_WINDOW:   # masked: sink tiles, then the window's leading edge
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-            BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    # unmasked: every row sees every key
-    if absent == 0:
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
-            q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-            Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-            stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-            BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, False, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
-    else:
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
-            q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-            Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-            stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-            BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+            BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
+            INTERPRET)
+    acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
+        acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
+        q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
+        Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+        stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
+        BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
-        BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
 
     # ---- epilogue ----------------------------------------------------------------------------
     if HAS_SINKS:   # one more logit, with no value
