@@ -7,8 +7,6 @@ clamp or skip the value, and OR one bit per argument class (below) into `device_
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from . import gpu, replay
@@ -41,21 +39,16 @@ def _key(device) -> torch.device:
     return device
 
 
-# After the flag word, the float32 bit patterns of 0 and -inf: kernels load a key's score bias
-# (0 present, -inf in an absent block) from `flag + 1 + absent`
-_BIASES = (0, struct.unpack("<i", struct.pack("<f", float("-inf")))[0])
-
-
 def device_flag(device) -> torch.Tensor:
-    """The error flag of `device`: an int32 `[3]` tensor, the flag word then `_BIASES`, allocated
-    at its first use and kept for the life of the process (a constant address: CUDA graphs and
-    recorded launches may hold it; `gpu.kept_tensor`). Allocate it outside a stream capture (an
+    """The error flag of `device`: an int32 `[1]` tensor, allocated at its first use and kept for
+    the life of the process (a constant address: CUDA graphs and recorded launches may hold it;
+    `gpu.kept_tensor`). Allocate it outside a stream capture (an
     eager call of any op on the device does)."""
     key = _key(device)
     flag = _FLAGS.get(key)
     if flag is None:
         flag = _FLAGS[key] = replay.keep(gpu.kept_tensor(
-            lambda: torch.tensor([0, *_BIASES], dtype=torch.int32, device=key), key))
+            lambda: torch.zeros(1, dtype=torch.int32, device=key), key))
     return flag
 
 

@@ -20,8 +20,8 @@ in the absorbed form, `v_cache = k_cache[..., :512]`, out `[T, Hq, 512]`).
   quantizes FP8 output.
 - **Bad metadata** as in `paged_decode`: lengths clamped into the block table
   (`block_table.clamped_seq_len`); each program checks the block ids it reads before its key loop
-  (`block_table.any_absent_block`) and, only if one lies outside the cache, runs the loop that
-  reads such a block as block 0 with its keys masked. Each sets its bit in the error flag.
+  (`block_table.any_absent_block`); with one outside the cache it reads no keys (its split or its
+  rows stay empty). Each bad value sets its bit in the error flag.
 
 Served options: `scale`, `q_scaling`, `sinks`, `out_scale`; ALiBi, sliding windows, soft-capping
 and `key_mask` are not (`unsupported`). Under TRITON_INTERPRET=1: a fixed trip count, bf16 dots in
@@ -91,23 +91,19 @@ def _load_rows(Base, rows, n_ok, first: tl.constexpr, DIMS: tl.constexpr, FP8: t
 
 
 @triton.jit
-def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
+def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
           K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
           D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
           FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-          P_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, ABSENT: tl.constexpr):
-    """One online-softmax step (log2 units) over keys `t0 ..< min(t0 + BLOCK_N, end)`. ABSENT: a block
-    id outside [0, num_blocks) is an absent block, read as block 0 with its keys masked (without
-    ABSENT, every id is known to be good)."""
+          P_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One online-softmax step (log2 units) over keys `t0 ..< min(t0 + BLOCK_N, end)`, whose block
+    ids are known to lie in the cache (`any_absent_block`)."""
     offs_n = t0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < end
     if ONE_PAGE:
         page = tl.load(bt_row + (t0 // PAGE) * stride_btp)
     else:
         page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0)
-    if ABSENT:
-        page_ok = (page >= 0) & (page < num_blocks)
-        page = tl.where(page_ok, page, 0)
     page = page.to(tl.int64)
     if ONE_PAGE:
         # one base pointer per tile and 32-bit row offsets: few registers for the tile's addresses
@@ -128,11 +124,6 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
     s = tl.dot(q_r, tl.trans(k_r), s)
     s = s * qk_scale
     vis = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-    if ABSENT:
-        if ONE_PAGE:
-            vis = vis & page_ok
-        else:
-            vis = vis & page_ok[None, :]
     s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -150,27 +141,27 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp, n
 
 
 @triton.jit
-def _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
+def _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
               K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
               D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
               FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-              P_DTYPE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, ABSENT: tl.constexpr):
+              P_DTYPE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr):
     """The tiles of keys `start ..< end` (`_tile`)."""
     n_iter = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
     if DYNAMIC_LOOP:
         for it in range(0, n_iter):
             acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                  stride_btp, num_blocks, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+                                  stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
                                   stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
-                                  P_DTYPE, False, ABSENT)
+                                  P_DTYPE, False)
     else:
         # the interpreter takes no loaded value as a loop bound (numpy >= 2.4): a fixed trip count
         for it in range(0, MAX_ITERS):
             if it < n_iter:
                 acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                      stride_btp, num_blocks, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+                                      stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
                                       stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
-                                      P_DTYPE, True, ABSENT)
+                                      P_DTYPE, True)
     return acc, m_i, l_i
 
 
@@ -227,21 +218,16 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    # a program whose block ids all lie in [0, num_blocks) runs the loop without checking them
+    # a bad block id among the ones this program reads: it reads none (its rows stay empty)
     absent = any_absent_block(bt_row, stride_btp, start // PAGE, tl.cdiv(tl.maximum(end, start), PAGE), num_blocks,
                               256, INTERPRET)
     if BLOCK_ERR != 0:
         tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
-    if absent == 0:
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
-                                  K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                  D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
-                                  DYNAMIC_LOOP, MAX_ITERS, False)
-    else:
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp, num_blocks,
-                                  K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                  D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
-                                  DYNAMIC_LOOP, MAX_ITERS, True)
+    end = tl.where(absent != 0, start, end)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
+                              K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                              D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
+                              DYNAMIC_LOOP, MAX_ITERS)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

@@ -65,11 +65,11 @@ Design (semantics: docs/ops.md; numbers and reasoning: the notes in benchmarks/b
   partial lse `[num_splits, T, Hq]`, allocated per call with `torch.empty` from shapes alone
   (inside CUDA-graph capture it comes from the graph's private pool: fixed addresses on replay).
 - Length-0 sequences write zeros and lse -inf (or `sinks[h]`). No host sync in `run`.
-- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table; a block id
-  outside the cache is an absent block, read as block 0 with its keys' scores -inf (a bias
-  loaded through the page id: `block_table.absent_bias`); the loop carries no error state
-  (`block_table.flag_absent_blocks` checks a program's ids before it). Each sets its bit in the
-  device error flag (`torch_ops.errors`).
+- Bad metadata (docs/ops.md, "Errors"): lengths are clamped into the block table. Each program
+  checks the block ids it reads before its loop (`block_table.any_absent_block`); with one outside
+  the cache it reads no keys (its split or its rows stay empty). The loop itself carries no check:
+  a per-tile check costs it its schedule (sm_90). Each bad value sets its bit in the device error
+  flag (`torch_ops.errors`).
 
 Not served (`unsupported` says why): head dims > 256; quantized caches whose head dim is not a
 multiple of 4 or whose strides/alignment do not allow 4-value words. Any block size, any

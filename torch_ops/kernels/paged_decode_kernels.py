@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .formats import FMT_FP8, FMT_PLAIN
-from .block_table import absent_bias, clamped_seq_len, flag_absent_blocks
+from .block_table import any_absent_block, clamped_seq_len
 from .interpreter import exact_cast
 from .paged_decode_dequant import _load_lanes
 
@@ -42,7 +42,7 @@ def _load_plain(Base, rows, n_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr)
 
 @triton.jit
 def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left, sink_tokens,
-          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len, Err,
+          n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
@@ -52,8 +52,8 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     """Chunk `it` of this program's key ranges (sink chunks first): R tiles of BLOCK_N keys, tile
-    j scored by the rows of replica j (`rep`), then one online-softmax step per row. A block id
-    outside [0, num_blocks) is an absent block: read as block 0, its keys' scores -inf."""
+    j scored by the rows of replica j (`rep`), then one online-softmax step per row. The block ids
+    it reads are known to lie in the cache (`any_absent_block`)."""
     CHUNK: tl.constexpr = R * BLOCK_N
     if HAS_WINDOW:
         in_sink = it < n_sink
@@ -64,8 +64,6 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         hi = end
 
     s = tl.zeros([rep.shape[0], BLOCK_N], tl.float32)
-    if HAS_SOFTCAP:
-        s_bias = tl.zeros([rep.shape[0], BLOCK_N], tl.float32)
     v_tiles = ()
     for j in tl.static_range(R):
         offs_n = t0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,8 +75,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             page = tl.load(bt_row + (first // PAGE) * stride_btp)
         else:
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0)
-        page_ok = (page >= 0) & (page < num_blocks)
-        page = tl.where(page_ok, page, 0).to(tl.int64)   # loads keep n_ok: absent keys weigh 0
+        page = page.to(tl.int64)
         if ROWS32:
             # (single-page tiles) one base pointer per tile, 32-bit row offsets within it
             within = ((t0 + j * BLOCK_N) % PAGE).to(tl.int64)
@@ -126,11 +123,6 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
             qk = tl.dot(q2, tl.trans(k2), qk)
             qk = tl.dot(q3, tl.trans(k3), qk)
         v_tiles = v_tiles + ((Vt, v_rows, VSt, vs_rows, n_ok),)
-        bias = absent_bias(Err, page_ok, ONE_PAGE)
-        if HAS_SOFTCAP:   # the bias joins after the cap (which maps -inf to -softcap)
-            s_bias = tl.where((rep == j)[:, None], s_bias + bias, s_bias)
-        else:
-            qk = qk + bias
         if R == 1:
             s = qk
         else:
@@ -140,7 +132,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to log2 units
         x = s * (qk_scale / softcap)
         th = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
-        s = th * (softcap * 1.4426950408889634) + s_bias
+        s = th * (softcap * 1.4426950408889634)
     else:
         s = s * qk_scale
     key = t0 + rep[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]   # [rows, BLOCK_N] key index
@@ -307,18 +299,19 @@ def _paged_decode_kernel(
     acc1 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_DW], tl.float32)
+    # a bad block id among the ones this program reads: it reads none (its rows stay empty)
+    absent = tl.maximum(
+        any_absent_block(bt_row, stride_btp, 0, tl.cdiv(sink_hi, PAGE), num_blocks, 256, not DYNAMIC_LOOP),
+        any_absent_block(bt_row, stride_btp, start // PAGE, tl.cdiv(tl.maximum(end, start), PAGE), num_blocks,
+                         256, not DYNAMIC_LOOP))
     if BLOCK_ERR != 0:
-        if kh == 0 and mt == 0:   # one program of each (sequence, split) checks the ids it reads
-            flag_absent_blocks(bt_row, stride_btp, 0, tl.cdiv(sink_hi, PAGE), num_blocks, Err, BLOCK_ERR, 256, not DYNAMIC_LOOP)
-            flag_absent_blocks(bt_row, stride_btp, start // PAGE, tl.cdiv(tl.maximum(end, start), PAGE),
-                               num_blocks, Err, BLOCK_ERR, 256, not DYNAMIC_LOOP)
-
-    n_iter = n_sink + n_main
+        tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
+    n_iter = tl.where(absent != 0, 0, n_sink + n_main)
     if DYNAMIC_LOOP:
         for it in range(0, n_iter):
             acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                 it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len, Err,
+                sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                 HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
@@ -330,7 +323,7 @@ def _paged_decode_kernel(
             if it < n_iter:
                 acc0, acc1, acc2, acc3, m_i, l_i = _tile(
                     it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softcap, window_left,
-                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, num_blocks, km_rows, km_len, Err,
+                    sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                     HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,

@@ -39,10 +39,11 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
   INT8 / packed INT4 caches are dequantized in registers with their group scales (gathered per
   value from the scale cache: simple, not fast) and rounded to the dot dtype, as the reference
   does. Addresses are int64.
-- **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors; a block id
-  outside the cache is an absent block, read as block 0 with its keys' scores set to `-inf`
-  (loads keep their masks; `block_table.flag_absent_blocks` checks a program's ids before its
-  loop). Each sets its bit in the device error flag (`torch_ops.errors`).
+- **Bad metadata** (docs/ops.md, "Errors"): lengths are clamped into the tensors. Each program
+  checks the block ids its tiles read before its loops (`block_table.any_absent_block`); with one
+  outside the cache it reads no keys, so its rows are empty. The loops themselves carry no check:
+  a per-tile check costs the paged loop its schedule (sm_90). Each bad value sets its bit in the
+  device error flag (`torch_ops.errors`).
 - **Softmax** online in fp32 with exp2 (log2(e) folded into the scale), scale/q_scaling,
   softcap (exp2-based tanh), ALiBi `-slope * |p - j|`; `tl.dot` on fp16/bf16 tiles with fp32
   accumulation (fp32 inputs: "ieee" dots; FP8 `context_attention` inputs: fp16 dots on the
@@ -81,7 +82,7 @@ import triton.language as tl
 from .. import errors
 from ..quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import clamped_seq_len, flag_absent_blocks
+from .block_table import any_absent_block, clamped_seq_len
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -164,7 +165,7 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
-    K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+    K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
@@ -175,8 +176,7 @@ def _attend_tile(
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units): K tiles of
     HEAD_DIM (padded to BLOCK_D) dims, V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
-    K/V, its sequence's first key). A block id outside [0, num_blocks) is an absent block: read
-    as block 0, its keys masked (also in unmasked tiles)."""
+    K/V, its sequence's first key)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     ks_rows = offs_n * 0
@@ -188,8 +188,6 @@ def _attend_tile(
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp, mask=n_ok, other=0).to(tl.int64)
         else:
             page = tl.load(bt_row + (offs_n // PAGE) * stride_btp).to(tl.int64)
-        page_ok = (page >= 0) & (page < num_blocks)
-        page = tl.where(page_ok, page, 0)
         within = (offs_n % PAGE).to(tl.int64)
         k_rows = page * stride_kb + within * stride_kt
         v_rows = page * stride_vb + within * stride_vt
@@ -208,8 +206,6 @@ def _attend_tile(
         s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * softcap2
     else:
         s = qk * row_scale[:, None]
-    if PAGED:   # absent blocks' keys (their values are weighted 0)
-        s = tl.where(tl.broadcast_to(page_ok, [BLOCK_N])[None, :], s, float("-inf"))
     dist = pos[:, None] - offs_n[None, :]
     if HAS_ALIBI:
         s += alibi[:, None] * tl.abs(dist).to(tl.float32)
@@ -225,7 +221,7 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED or PAGED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
+    if MASKED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -243,7 +239,7 @@ def _attend_tile(
 def _attend_range(
     acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
     q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-    K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+    K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
@@ -262,7 +258,7 @@ def _attend_range(
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
-                softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
@@ -274,7 +270,7 @@ def _attend_range(
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
-                softcap2, K, V, KS, VS, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+                softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
@@ -405,17 +401,23 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if PAGED and BLOCK_ERR != 0:
-        if kh == 0 and chunk == 0:   # one program of each query tile checks the ids its tiles read
-            flag_absent_blocks(bt_row, stride_btp, 0, tl.cdiv(tl.minimum(n_sink * BLOCK_N, kv_len), PAGE),
-                               num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
-            flag_absent_blocks(bt_row, stride_btp, t_lo * BLOCK_N // PAGE,
-                               tl.cdiv(tl.minimum(t_hi * BLOCK_N, kv_len), PAGE), num_blocks, Err, BLOCK_ERR, 256, INTERPRET)
+    if PAGED:   # a bad block id among the ones this program reads: it reads none (its rows stay empty)
+        absent = tl.maximum(
+            any_absent_block(bt_row, stride_btp, 0, tl.cdiv(tl.minimum(n_sink * BLOCK_N, kv_len), PAGE), num_blocks,
+                             256, INTERPRET),
+            any_absent_block(bt_row, stride_btp, t_lo * BLOCK_N // PAGE, tl.cdiv(tl.minimum(t_hi * BLOCK_N, kv_len), PAGE),
+                             num_blocks, 256, INTERPRET))
+        if BLOCK_ERR != 0:
+            tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
+        n_sink = tl.where(absent != 0, 0, n_sink)
+        f_lo = tl.where(absent != 0, t_lo, f_lo)
+        f_hi = tl.where(absent != 0, t_lo, f_hi)
+        t_hi = tl.where(absent != 0, t_lo, t_hi)
     if HAS_WINDOW:   # masked: sink tiles, then the window's leading edge
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
             q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-            Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+            Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
@@ -423,14 +425,14 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-        Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+        Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
         HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
     acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
         q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
-        Kh, Vh, KSh, VSh, bt_row, stride_btp, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+        Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
         HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)

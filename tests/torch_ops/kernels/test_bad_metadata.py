@@ -1,8 +1,9 @@
 """Metadata the shape checks cannot see (it lives on the device) never makes a Triton kernel read
 or write outside its tensors, and the kernels and the reference agree on what it means
-(docs/ops.md, "Errors"): lengths are clamped, block ids outside the cache are absent blocks,
-slots outside the cache skip their token, RoPE positions are clamped into the table, and
-`cache_attention` rows outside the cache are neither read nor written. The kernels set a bit per
+(docs/ops.md, "Errors"): lengths are clamped, slots outside the cache skip their token, RoPE
+positions are clamped into the table, and `cache_attention` rows outside the cache are neither
+read nor written. A sequence with an absent block (an id outside the cache) gets finite rows of
+no specified value; every other sequence is exact. The kernels set a bit per
 argument class in the device error flag; `torch_ops.check_errors()` raises naming them."""
 
 import contextlib
@@ -12,6 +13,7 @@ import torch
 
 import torch_ops
 from torch_ops import errors, reference
+from torch_ops.testing import assert_error_ratio
 from torch_ops.kernels import paged_decode, prefill_attention
 
 from .. import samples
@@ -53,6 +55,19 @@ def _check(op, args, kwargs, backend="triton"):
     with torch_ops.use_backend(backend):
         out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
     check(op, args, out, lse, **kwargs)
+
+
+def _check_other_sequences(op, args, kwargs, rows, exact):
+    """`op` on the Triton kernels: finite everywhere, and as the reference on the rows of the
+    sequences that have no absent block (`exact`: per sequence; `rows`: query rows per sequence)."""
+    with torch_ops.use_backend("triton"):
+        out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
+    assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
+    keep = torch.repeat_interleave(torch.tensor(exact), torch.tensor(rows)).to(out.device)
+    truth_o, truth_l = getattr(reference, op)(*args, compute_dtype=torch.float64, **kwargs)
+    base_o, base_l = getattr(reference, op)(*args, compute_dtype=args[0].dtype, **kwargs)
+    assert_error_ratio(out[keep], truth_o[keep], base_o[keep])
+    assert_error_ratio(lse[keep], truth_l[keep], base_l[keep], name="lse")
 
 
 def _index(rows, device):
@@ -113,11 +128,13 @@ DECODE_TILES = [(4, None), (16, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2,
 @pytest.mark.parametrize("bs,config", DECODE_TILES)
 def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config, softcap):
     k, v, scales = _cache(kernel_device, bs=bs, fmt=fmt)
-    tables = _index([[0, 9, 1], [-2, 3, 6], [4, 5, 7], [8, -1, 2]], kernel_device)   # 8 blocks
-    lens = _index([3 * bs, 2 * bs + 1, 3 * bs - 1, 2 * bs], kernel_device)           # the last one: all absent
-    q = torch.randn(4, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    # 8 blocks; the last sequence's bad id lies past the blocks its keys use
+    tables = _index([[0, 9, 1], [-2, 3, 6], [4, 5, 7], [8, -1, 2], [3, 2, 6], [1, 0, -3]], kernel_device)
+    lens = _index([3 * bs, 2 * bs + 1, 3 * bs - 1, 2 * bs, 3 * bs, 2 * bs], kernel_device)
+    q = torch.randn(6, 4, 16, dtype=torch.bfloat16, device=kernel_device)
     with paged_decode.tuning(config=config):
-        _check("paged_decode", (q, k, v, tables, lens), dict(scales, softcap=softcap))
+        _check_other_sequences("paged_decode", (q, k, v, tables, lens), dict(scales, softcap=softcap),
+                               rows=[1] * 6, exact=[False, False, True, False, True, True])
     _assert_flagged("block_tables")
 
 
@@ -125,12 +142,15 @@ def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config, soft
 @pytest.mark.parametrize("bs", [16, 5])
 def test_prefill_block_ids_outside_the_cache(kernel_device, causal, bs):
     k, v, _ = _cache(kernel_device, bs=bs, blocks=12)
-    tables = _index([[3, 12, 0, -5, 1, 2, 4, 5], [6, 7, 8, 9, -1, 10, 11, 0]], kernel_device)
-    lens = _index([40, 33], kernel_device)
-    q = torch.randn(23, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    tables = _index([[3, 12, 0, -5, 1, 2, 4, 5], [6, 7, 8, 9, -1, 10, 11, 0], [11, 10, 9, 8, 7, 6, 5, 4]],
+                    kernel_device)
+    lens = _index([40, 33, 38], kernel_device)
+    q = torch.randn(41, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    cu = _index([0, 20, 23, 41], kernel_device)
     # 16 x 16 tiles: the absent blocks lie in tiles every row sees (the unmasked loop) and in masked ones
     with prefill_attention.tuning(config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}):
-        _check("paged_prefill", (q, k, v, tables, _index([0, 20, 23], kernel_device), lens), {"causal": causal})
+        _check_other_sequences("paged_prefill", (q, k, v, tables, cu, lens), {"causal": causal},
+                               rows=[20, 3, 18], exact=[False, bs == 16, True])
     _assert_flagged("block_tables")
 
 
@@ -197,13 +217,14 @@ def test_cache_attention_offsets_outside_the_cache(kernel_device):
 
 
 def test_cache_attention_pages_outside_the_cache(kernel_device):
-    # sequence 0's first page starts before row 0, sequence 1's only page ends past the last row
-    args, kwargs = cache_attention_problem(kernel_device, seqlens=[2, 3], start_pos=[5, 0], cache_mode=1)
+    # sequence 0's first page starts before row 0, sequence 1's only page ends past the last row;
+    # sequence 2 is whole
+    args, kwargs = cache_attention_problem(kernel_device, seqlens=[2, 3, 2], start_pos=[5, 0, 3], cache_mode=1)
     args = list(args)
     args[5] = args[5].clone()
     args[5][0, 0] = -4
     args[5][1, 0] = args[10].shape[0] - 2
-    check_cache_attention((args, kwargs))
+    check_cache_attention((args, kwargs), exact_rows=torch.tensor([False] * 5 + [True] * 2, device=kernel_device))
     _assert_flagged("cachestarts")
 
 

@@ -111,8 +111,9 @@ def poisoned(monkeypatch):
         monkeypatch.setattr(torch, name, allocate)
 
 
-def check(problem, expect_kernel=None, monkeypatch=None):
-    """Run the Triton path and the references on copies of the cache; compare caches and output."""
+def check(problem, expect_kernel=None, monkeypatch=None, exact_rows=None):
+    """Run the Triton path and the references on copies of the cache; compare caches and output
+    (only `exact_rows`, a bool `[T]`, if given: the others must be finite)."""
     args, kwargs = problem
     used = []
     for module in (ca.paged_decode, ca.paged_prefill) if expect_kernel is not None else ():
@@ -131,6 +132,9 @@ def check(problem, expect_kernel=None, monkeypatch=None):
     if ours[11] is not None:
         assert torch.equal(ours[11], truth_args[11]), "scale cache differs from the reference's"
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    if exact_rows is not None:
+        assert torch.isfinite(out).all(), "rows of a sequence with an absent page must stay finite"
+        out, truth, base = out[exact_rows], truth[exact_rows], base[exact_rows]
     assert_error_ratio(out, truth, base)
     if expect_kernel is not None:
         assert used == [expect_kernel]
