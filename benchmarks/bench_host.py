@@ -320,7 +320,7 @@ def measure(base: dict, make, cfg: Config, pin: str | None = None) -> dict:
                 fn()
             before = replay.counters()["replayed"]
             row["host_us"], row["wall_us"] = host_time_us(fn, cfg.iters, cfg.repeats, cfg.sync)
-            row["replayed"] = (replay.counters()["replayed"] - before) / (cfg.iters * cfg.repeats)
+            row["replayed"] = (replay.counters()["replayed"] - before) / (2 * cfg.iters * cfg.repeats)   # host_time_us makes 2 x iters calls per repeat
             row["device_us"], row["device_timing"] = cfg.device_time([fn], replays=cfg.replays)
             row["bound"] = "host" if row["host_us"] > row["device_us"] else "device"
     except ValueError as e:
