@@ -56,8 +56,8 @@ def check_alibi(rows: torch.Tensor, batch: int, positions=None, query_positions=
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
                            softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None, alibi_positions=None):
-    """SDPA on `query [B, Hq, Sq, D]`, `key`/`value [B, Hkv, Sk, D]` through
-    `attn::context_attention`; returns `[B, Hq, Sq, D]` (a transposed view of `[B*Sq, Hq, D]`).
+    """SDPA on `query [B, Hq, Sq, D]`, `key [B, Hkv, Sk, D]`, `value [B, Hkv, Sk, D_v]` through
+    `attn::context_attention`; returns `[B, Hq, Sq, D_v]` (a transposed view of `[B*Sq, Hq, D_v]`).
 
     `q_factor` (a symbolic number): the query is multiplied by it first (a scale known only at
     run time; the op's `scale` is a float). `window_left`: the op's sliding window (causal
@@ -71,11 +71,11 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     `key_mask` row by row; with ALiBi, `check_alibi` fails the call if a query sees a key after
     its position in the op (`Sk - Sq + i`), or, given the model's `alibi_positions [B, Sk]`, if
     they are not the key index up to a constant on each row's keys."""
-    b, hq, sq, d = query.shape
+    b, hq, sq, _ = query.shape
     sk = key.shape[2]
 
     def pack(x):
-        return x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], d)
+        return x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], x.shape[3])
 
     def cu_seqlens(s):
         return torch.arange(b + 1, dtype=torch.int32, device=query.device) * s
@@ -93,15 +93,16 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,
         out_scale=out_scale, window_left=window_left, softcap=softcap,
         sinks=sinks.float() if sinks is not None else None, alibi_slopes=alibi_slopes, key_mask=rows, **rope)
-    return out.view(b, sq, hq, d).transpose(1, 2)
+    return out.view(b, sq, hq, value.shape[3]).transpose(1, 2)
 
 
 def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_factor=None, out_scale=None,
                       block_tables=None, seq_lens=None, key_mask: bool = False, softcap: float = 0.0, sinks=None,
                       alibi_slopes=None, alibi_positions=None):
-    """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key`/`value [B, Hkv, S, D]`
-    (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in place: each
-    sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1], ...]`).
+    """SDPA of one query per sequence, `query [B, Hq, 1, D]`, over `key [B, Hkv, S, D]` and `value
+    [B, Hkv, S, D_v]` (e.g. a static KV cache) through `attn::paged_decode`, reading the keys in
+    place: each sequence is one page of S tokens (`k.transpose(1, 2)`, block table `[[0], [1],
+    ...]`).
     `mask` (bool `[..., 1, S]`, proven by `index_mask.is_key_prefix` to keep the same prefix of
     the keys in every row; None: all S keys) gives the sequence length: its number of true keys.
     With `key_mask`, `mask` (bool or a 0/-inf float mask, one for all heads; see `key_mask_of`) is
@@ -109,7 +110,7 @@ def paged_decode_bhsd(query, key, value, mask=None, *, scale: float | None, q_fa
     visible key + 1, the query's position (ALiBi's `-slope * |p - j|` is measured from it; the
     model's run-time `alibi_positions [B, S]` are checked as in `context_attention_bhsd`).
     `block_tables` (int32 `[B, 1]`) and `seq_lens` (int32 `[B]`), when given, are those tables
-    already made (graph constants when B and S are static). Returns `[B, Hq, 1, D]`;
+    already made (graph constants when B and S are static). Returns `[B, Hq, 1, D_v]`;
     `q_factor`, `out_scale`, `softcap`, `sinks` and `alibi_slopes` as in `context_attention_bhsd`."""
     b, s = query.shape[0], key.shape[2]
     device = query.device

@@ -44,8 +44,10 @@ index plus one number on the keys a query sees (a mask with holes); they need a 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
 un-repeated: GQA. The rewrite packs `[B, H, S, D]` to `[B*S, H, D]` with
-`cu_seqlens = arange(B + 1) * S` and returns a `[B, H, S, D]` view of the packed output (the
-layout flash SDPA returns on CUDA).
+`cu_seqlens = arange(B + 1) * S` and returns a `[B, H, S, D_v]` view of the packed output (the
+layout flash SDPA returns on CUDA). Values may have a head dim of their own, `D_v != D` (MLA
+prefill over decompressed keys and values: DeepSeek-V3's `D = qk_nope + qk_rope`, `D_v =
+v_head_dim`); the op's `scale` then defaults to `1/sqrt(D)`, as SDPA's does.
 
 Scales that are not constants (`/ math.sqrt(q.size(-1))` under `dynamic=True` is symbolic, and
 `dynamic=True` lifts float module attributes such as Hugging Face's `scaling` to graph inputs,
@@ -59,9 +61,9 @@ mask without a `key_mask`), dropout in training, dtypes other than
 fp16/bf16/fp32, devices other than CPU/CUDA, attention that autograd records (the op has no
 autograd formula: compile under no_grad), one query over many keys (a decode step over a `[B,
 H, S, D]` cache: the op would repack the cache every call; on an H200 that made a 1B Llama
-decode step 2.3x slower than stock compile), q/k/v head dims that differ, attention weights
-used elsewhere, and causal attention unless Sq == Sk is guaranteed: SDPA's `is_causal` (and a
-`triu` mask) is aligned top-left, the op's causal mask bottom-right.
+decode step 2.3x slower than stock compile), query and key head dims that differ, attention
+weights used elsewhere, and causal attention unless Sq == Sk is guaranteed: SDPA's `is_causal`
+(and a `triu` mask) is aligned top-left, the op's causal mask bottom-right.
 
 A direct walk of the pre-grad graph rather than `register_replacement`: the pattern matcher
 matches ATen graphs, in which SDPA has already been lowered to a device-, dtype- and
@@ -344,11 +346,11 @@ def _attention(node, q, k, v, *, causal, scale, nodes, q_factors, window_left=-1
         raise Decline(f"devices {qv.device}/{kv.device}/{vv.device} (served: one CPU or CUDA device)")
     if value(node).requires_grad:
         raise Decline("autograd records it; attn ops are inference-only (run under torch.no_grad())")
-    if not known_equal(qv.shape[3], kv.shape[3]) or not known_equal(kv.shape[3], vv.shape[3]):
-        raise Decline(f"head dims differ: query {qv.shape[3]}, key {kv.shape[3]}, value {vv.shape[3]}")
-    if not known_equal(kv.shape, vv.shape) or not known_equal(qv.shape[0], kv.shape[0]):
+    if not known_equal(qv.shape[3], kv.shape[3]):
+        raise Decline(f"query and key head dims differ: query {qv.shape[3]}, key {kv.shape[3]}")
+    if not known_equal(kv.shape[:3], vv.shape[:3]) or not known_equal(qv.shape[0], kv.shape[0]):
         raise Decline(f"shapes query {tuple(qv.shape)}, key {tuple(kv.shape)}, value {tuple(vv.shape)}: "
-                      "need one batch size and key/value of one shape")
+                      "need one batch size and key/value of one [B, Hkv, S]")
     is_decode = known_equal(qv.shape[2], 1) and not known_equal(kv.shape[2], 1)
     if decode:
         if not is_decode:

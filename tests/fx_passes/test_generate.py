@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 import fx_passes
 from torch_ops.testing import assert_error_ratio
 
-from .test_hf_models import VOCAB, gemma2, gemma3, llama, mistral, passes_then_eager, tiny
+from .test_hf_models import VOCAB, deepseek_v3, gemma2, gemma3, llama, mistral, passes_then_eager, tiny
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
@@ -44,9 +44,10 @@ def bloom(impl):
 
 
 # (model, attention): Hugging Face's SDPA attention gets bool masks, its eager attention float
-# ones; BLOOM builds its mask and ALiBi positions in the graph from the 2-D mask
+# ones; BLOOM builds its mask and ALiBi positions in the graph from the 2-D mask; DeepSeek-V3's
+# values have a head dim of their own (MLA over decompressed keys and values)
 LENGTHS = {"llama": (llama, "sdpa"), "gemma2": (gemma2, "eager"), "gpt_oss": (gpt_oss, "eager"),
-           "bloom": (bloom, "eager")}
+           "bloom": (bloom, "eager"), "deepseek_v3": (deepseek_v3, "sdpa"), "deepseek_v3_eager": (deepseek_v3, "eager")}
 PROMPT_LENS, CAPACITY = (5, 7, 9), 16
 
 
@@ -139,17 +140,17 @@ def test_generate_three_prompt_lengths_in_one_graph(family):
     """The left-padded prefill of three prompt lengths (one graph, `dynamic=True`) and the decode
     steps run on the ops with `generate()`'s masks as `key_mask`: SDPA takes them as bool graph
     inputs, eager attention adds them as float ones (0, or `finfo.min` for padding and outside
-    sliding windows), Gemma 2's soft-cap and gpt-oss's sinks included; BLOOM's mask, built in the
-    graph, goes to the op as a bool, and its ALiBi, by positions from the padding mask, as
-    `alibi_slopes` (in `paged_decode` too). One static cache capacity for every prompt, so one
+    sliding windows), Gemma 2's soft-cap, gpt-oss's sinks and DeepSeek-V3's values of 16 dims under
+    keys of 32 included; BLOOM's mask, built in the graph, goes to the op as a bool, and its ALiBi,
+    by positions from the padding mask, as `alibi_slopes` (in `paged_decode` too). One static cache capacity for every prompt, so one
     decode graph too. Without Inductor (the passes on Dynamo's graph, run eagerly): ~8 s."""
     torch.manual_seed(0)
     build, impl = LENGTHS[family]
     model = build(impl).eval().to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     model64 = copy.deepcopy(model)
-    if family == "gpt_oss":
-        model64.set_experts_implementation("eager")   # its grouped_mm experts take no float64
+    if family.startswith(("gpt_oss", "deepseek_v3")):
+        model64.set_experts_implementation("eager")   # their grouped_mm experts take no float64
     model64 = model64.double()
     eager, ops = model.forward, []
     compiled = torch.compile(eager, fullgraph=True, dynamic=True, backend=passes_then_eager(ops))

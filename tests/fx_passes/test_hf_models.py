@@ -106,6 +106,23 @@ def gpt_j(impl):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
+def deepseek_v3(impl):
+    """MLA: 4 heads whose queries and keys have 24 + 8 = 32 dims (a part without RoPE, then the
+    RoPE part) and values 16, decompressed from a 32-dim latent; a dense layer, then a MoE layer
+    whose two routed experts every token takes (a routing choice would flip on rounding noise)."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=24,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+def _values(k, v) -> str:
+    """` v[..]` when the values have a head dim of their own."""
+    return "" if v.shape[-1] == k.shape[-1] else f" v[*, {v.shape[1]}, *, {v.shape[-1]}]"
+
+
 def _style(neox: bool) -> str:
     return "neox" if neox else "gptj"
 
@@ -121,11 +138,12 @@ class AttnOpRecorder(CustomGraphPass):
         for node in graph.nodes:
             name = str(node.target)
             if name.startswith("attn."):
-                q, k = (a.meta["val"] for a in node.args[:2])
+                q, k, v = (a.meta["val"] for a in node.args[:3])
                 table = node.kwargs.get("cos_sin_cache")
                 rope = f" rope={_style(node.kwargs.get('rope_neox', True))}/{table.meta['val'].shape[1]}" if table else ""
                 alibi = " alibi" if node.kwargs.get("alibi_slopes") is not None else ""
-                self.ops.append(f"{name} q[*, {q.shape[1]}, {q.shape[2]}] k[*, {k.shape[1]}, {k.shape[2]}] "
+                values = "" if v.shape[-1] == k.shape[-1] else f" v[*, {v.shape[-2]}, {v.shape[-1]}]"
+                self.ops.append(f"{name} q[*, {q.shape[1]}, {q.shape[2]}] k[*, {k.shape[1]}, {k.shape[2]}]{values} "
                                 f"causal={node.kwargs.get('causal')} scale={node.kwargs.get('scale')}{alibi}{rope}")
             elif "scaled_dot_product" in name or name.startswith("aten.bmm"):
                 self.ops.append(name)
@@ -145,7 +163,7 @@ def passes_then_eager(ops):
         for node in gm.graph.nodes:
             name = getattr(node.target, "__name__", str(node.target))
             if node.target is context_attention_bhsd:
-                q, k = (a.meta["example_value"] for a in node.args[:2])
+                q, k, v = (a.meta["example_value"] for a in node.args[:3])
                 cos = node.kwargs.get("cos")
                 rope = f" rope={_style(node.kwargs['rope_neox'])}/{cos.meta['example_value'].shape[-1]}" if cos else ""
                 factor = " q_factor" if node.kwargs["q_factor"] is not None else ""
@@ -154,14 +172,14 @@ def passes_then_eager(ops):
                 window += " sinks" if node.kwargs.get("sinks") is not None else ""
                 window += f" softcap={node.kwargs['softcap']}" if node.kwargs.get("softcap") else ""
                 window += " alibi" if node.kwargs.get("alibi_slopes") is not None else ""
-                ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}] "
-                           f"causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
+                ops.append(f"{name} q[*, {q.shape[1]}, *, {q.shape[3]}] k[*, {k.shape[1]}, *, {k.shape[3]}]"
+                           f"{_values(k, v)} causal={node.kwargs['causal']} scale={node.kwargs['scale']}{factor}{window}{rope}")
             elif node.target is paged_decode_bhsd:
-                q, k = (a.meta["example_value"] for a in node.args[:2])
+                q, k, v = (a.meta["example_value"] for a in node.args[:3])
                 mask = "none" if node.args[3] is None else "key_mask" if node.kwargs.get("key_mask") else "prefix"
                 alibi = " alibi" if node.kwargs.get("alibi_slopes") is not None else ""
                 ops.append(f"{name} q[*, {q.shape[1]}, 1, {q.shape[3]}] cache[*, {k.shape[1]}, {k.shape[2]}, "
-                           f"{k.shape[3]}] scale={node.kwargs['scale']} mask={mask}{alibi}")
+                           f"{k.shape[3]}]{_values(k, v)} scale={node.kwargs['scale']} mask={mask}{alibi}")
             elif name in ("scaled_dot_product_attention", "matmul", "bmm", "baddbmm", "softmax"):
                 ops.append(name)
         return gm.forward
@@ -184,8 +202,8 @@ class TestHFModels(expecttest.TestCase):
         folded into the query (`q_factor` in the lines, op scale 1.0)."""
         model = model.eval()
         model64 = copy.deepcopy(model)
-        if model.config.model_type == "gpt_oss":
-            model64.set_experts_implementation("eager")   # its grouped_mm experts take no float64
+        if model.config.model_type in ("gpt_oss", "deepseek_v3"):
+            model64.set_experts_implementation("eager")   # their grouped_mm experts take no float64
         model64 = model64.double()
         ops = []
         recorder = AttnOpRecorder()
@@ -392,3 +410,54 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_fac
         self.assertExpectedInline("\n".join(ops), """\
 paged_decode_bhsd q[*, 4, 1, 16] cache[*, 2, 24, 16] scale=0.25 mask=prefix
 paged_decode_bhsd q[*, 4, 1, 16] cache[*, 2, 24, 16] scale=0.25 mask=prefix""")
+
+    def test_deepseek_v3_sdpa_mla_prefill(self):
+        """MLA prefill over the decompressed keys and values: queries and keys of 32 dims, values of
+        16 (`v[..]`); SDPA's scale `1/sqrt(32)` is a lifted attribute (`q_factor`). RoPE stays
+        outside the op: DeepSeek rotates the last 8 dims of the head (interleaved pairs, written
+        back de-interleaved), which the op's partial rotary (the first dims) does not express."""
+        self.assertExpectedInline(self.compile_and_check(deepseek_v3("sdpa"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 32] k[*, 4, *, 32] v[*, 4, *, 16] causal=True scale=1.0 q_factor
+context_attention_bhsd q[*, 4, *, 32] k[*, 4, *, 32] v[*, 4, *, 16] causal=True scale=1.0 q_factor""")
+
+    def test_deepseek_v3_eager_mla_prefill(self):
+        self.assertExpectedInline(self.compile_and_check(deepseek_v3("eager"), rope=False), """\
+context_attention_bhsd q[*, 4, *, 32] k[*, 4, *, 32] v[*, 4, *, 16] causal=True scale=1.0 q_factor
+context_attention_bhsd q[*, 4, *, 32] k[*, 4, *, 32] v[*, 4, *, 16] causal=True scale=1.0 q_factor""")
+
+    def test_deepseek_v3_sdpa_mla_prefill_inductor(self):
+        self.assertExpectedInline(self.compile_and_check(deepseek_v3("sdpa"), inductor=True, rope=False), """\
+attn.context_attention.default q[*, 4, 32] k[*, 4, 32] v[*, 4, 16] causal=True scale=0.1767766952966369
+attn.context_attention.default q[*, 4, 32] k[*, 4, 32] v[*, 4, 16] causal=True scale=0.1767766952966369""")
+
+    def test_deepseek_v3_static_cache_decode(self):
+        """DeepSeek-V3's decode step: transformers' `StaticCache` holds the latent (`[B, 1, S, 32]`
+        compressed, `[B, 1, S, 8]` RoPE part), which each step decompresses into keys `[B, 4, S, 32]`
+        and values `[B, 4, S, 16]` for plain attention; that attention runs as `paged_decode` with
+        values of their own head dim, one page per sequence; three steps of one graph match eager
+        bf16 against a float64 twin."""
+        model = deepseek_v3("sdpa").to(torch.bfloat16).eval()
+        model64 = copy.deepcopy(model)
+        model64.set_experts_implementation("eager")
+        model64 = model64.double()
+        b, prompt, capacity = 2, 11, 24
+        caches = [transformers.StaticCache(config=model.config, max_cache_len=capacity) for _ in range(3)]
+        ids = torch.randint(0, VOCAB, (b, prompt))
+        with torch.no_grad():
+            for m, cache in zip((model, model, model64), caches):
+                m(ids, past_key_values=cache, use_cache=True)
+        ops = []
+        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
+        with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            for pos in range(prompt, prompt + 3):
+                step = dict(input_ids=torch.randint(0, VOCAB, (b, 1)), use_cache=True,
+                            cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos))
+                out = compiled(past_key_values=caches[0], **step).logits
+                want = model(past_key_values=caches[1], **step).logits
+                truth = model64(past_key_values=caches[2], **step).logits
+                assert_error_ratio(out, truth, want, name=f"logits (position {pos})")
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        self.assertEqual(sum(counters["graph_break"].values()), 0)
+        self.assertExpectedInline("\n".join(ops), """\
+paged_decode_bhsd q[*, 4, 1, 32] cache[*, 4, 24, 32] v[*, 4, *, 16] scale=0.1767766952966369 mask=prefix
+paged_decode_bhsd q[*, 4, 1, 32] cache[*, 4, 24, 32] v[*, 4, *, 16] scale=0.1767766952966369 mask=prefix""")

@@ -280,11 +280,24 @@ def test_rewrites_onto_context_attention(fn, shapes):
     check_close(fn, inputs, out)
 
 
+@pytest.mark.parametrize("fn, shapes", [(sdpa, dict(sq=5, sk=7)), (sdpa_causal_scale, {}),
+                                        (sdpa_repeat_kv, dict(hkv=2, dtype=torch.bfloat16)),
+                                        (matmul_hf_eager, dict(hkv=2, dtype=torch.bfloat16))],
+                         ids=["sdpa", "sdpa_causal_scale", "sdpa_repeat_kv", "matmul_hf_eager"])
+def test_values_of_their_own_head_dim(fn, shapes):
+    """Values of 8 dims under queries and keys of 16 (MLA prefill over decompressed keys and
+    values): the op's `D_v`, its output `[B, Hq, S, 8]`."""
+    inputs = qkv(**shapes, dv=8)
+    out, code = compile_and_run(fn, inputs)
+    assert counters["attn"]["sdpa_to_attn_matched"] == 1
+    assert OP in code and out.shape[-1] == 8
+    check_close(fn, inputs, out)
+
+
 @pytest.mark.parametrize("fn, shapes, reason", [
     pytest.param(sdpa_mask_per_head, {}, "nor a bool mask shared by the heads", id="mask_per_head"),
     pytest.param(sdpa_dropout, {}, "dropout_p", id="dropout"),
     pytest.param(sdpa, dict(dtype=torch.float64), "dtypes", id="float64"),
-    pytest.param(sdpa, dict(dv=8), "head dims differ", id="value_head_dim"),
     pytest.param(sdpa_gqa, dict(hkv=2, sq=4, sk=6), "causal with Sq", id="causal_sq_ne_sk"),
     pytest.param(sdpa, dict(requires_grad=True), "autograd records it", id="requires_grad"),
     pytest.param(matmul_returns_weights, {}, "used outside the attention", id="returns_weights"),
