@@ -30,7 +30,8 @@ PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", 
             "fp8": "fp8", "kvwrite": "kvwrite", "bench_kv_cache_write": "kvwrite", "bench_host": "host",
             "e2e_compile": "e2e", "generate": "generate", "bench_generate": "generate", "serving": "serving", "serving_grid": "serving",
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
-            "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass"}
+            "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass",
+            "mla": "mla", "bench_mla": "mla"}
 # nominal limits per GPU (matched in env.gpu): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
 LIMITS = {"H200": (4.8, 989, 1979), "H100": (3.35, 989, 1979)}
 
@@ -504,11 +505,89 @@ def serving_metadata(data: dict, name: str):
     return text, metadata_table(rows), plot, "python benchmarks/bench_serving.py --metadata-only"
 
 
+MLA_DECODE_PEERS = (("flashinfer_fa2", "FlashInfer fa2"), ("flashinfer_fa3", "FlashInfer fa3"),
+                    ("sdpa_mha", "SDPA decompressed"))
+MLA_PREFILL_PEERS = (("flashinfer_fa3", "FlashInfer fa3"), ("cudnn_sdpa", "cuDNN SDPA"))
+MLA_DEFAULTS = {"sections": ["decode", "prefill"], "formats": ["bf16", "fp8"], "page": 64,
+                "peers": ["flashinfer_fa2", "flashinfer_fa3", "sdpa_mha", "cudnn_sdpa"]}
+
+
+def mla_focus(rows: list[dict]) -> int | None:
+    """The decode context length the table and plot show: 4096 if measured, else the longest."""
+    ctxs = {r["ctx"] for r in rows}
+    return 4096 if 4096 in ctxs else max(ctxs, default=None)
+
+
+def mla(data: dict, name: str):
+    rows = [r for r in data["rows"] if r.get("ours_us")]
+    decode = [r for r in rows if r["section"] == "decode"]
+    prefill = [r for r in rows if r["section"] == "prefill"]
+    hbm, peak = limits(data["env"].get("gpu", ""))[:2]
+    read = data.get("bandwidth", {}).get("read_GBps")
+    ctx = mla_focus(decode)
+    shown = [r for r in decode if r["ctx"] == ctx]
+    text = ("MLA in DeepSeek-V3's shapes. Decode, the absorbed form: `paged_decode` over one latent cache "
+            f"`[blocks, {data['args'].get('page', 64)}, 1, 576]` (values: its first 512 dims, a view), scale "
+            "1/sqrt(192), one new token per sequence, against FlashInfer's `BatchMLAPagedAttentionWrapper` (fa2, fa3) "
+            "on the same latent and SDPA on the decompressed keys (192 dims) and values (128) per head. GB/s = "
+            "latent bytes (read once) / time for every implementation; FLOPs 2 · Hq · ctx · (576 + 512) per "
+            "sequence.")
+    if decode:
+        best = max(decode, key=lambda r: r["ours_GBps"])
+        text += (f" Our best row read {best['ours_GBps']:.0f} GB/s, {100 * best['ours_GBps'] / (hbm * 1e3):.0f}% of "
+                 f"the {hbm} TB/s nominal" + (f" and {100 * best['ours_GBps'] / read:.0f}% of the {read:.0f} GB/s "
+                                              "read bandwidth measured in this run" if read else "")
+                 + f"; the most compute: {max(r['ours_tflops'] for r in decode):.0f} TFLOP/s ({peak} dense bf16 "
+                 f"peak). Cells at ctx = {ctx} (every context in the JSON): our GB/s (× the best FlashInfer "
+                 "time / ours, > 1: ours faster).")
+    for r in prefill:
+        peers = ", ".join(f"{label} {num(r.get(key + '_tflops'), 0)}" for key, label in MLA_PREFILL_PEERS)
+        text += (f" Prefill, {r['num_seqs']} x {r['seqlen']} tokens, {r['hq']} heads of {r['d_qk']}/{r['d_v']} dims, "
+                 f"causal: ours {r['ours_tflops']:.0f} TFLOP/s ({100 * r['ours_tflops'] / peak:.0f}% of peak, "
+                 f"{r.get('backend', '-')}), {peers}.")
+    text += checked(rows)
+    batches = sorted({r["batch"] for r in shown})
+    cell = {(r["fmt"], r["hq"], r["batch"]): r for r in shown}
+    groups = list(dict.fromkeys((r["fmt"], r["hq"]) for r in shown))
+
+    def fi_ratio(r):
+        times = [r[k + "_us"] for k, _ in MLA_DECODE_PEERS[:2] if isinstance(r.get(k + "_us"), (int, float))]
+        return f" ({min(times) / r['ours_us']:.2f})" if times else ""
+
+    body = [[fmt, str(hq)] + [f"{cell[fmt, hq, b]['ours_GBps']:.0f}{fi_ratio(cell[fmt, hq, b])}"
+                              if (fmt, hq, b) in cell else "-" for b in batches] for fmt, hq in groups]
+    header = ["KV", "Hq"] + [f"B={b}" for b in batches]
+
+    def plot(plt):
+        cols = min(2, max(1, len(groups)))
+        rows_ = -(-max(1, len(groups)) // cols)
+        fig, axes = plt.subplots(rows_, cols, figsize=(7.5, 2.6 * rows_), sharey=True, squeeze=False)
+        for ax, (fmt, hq) in zip(axes.flat, groups):
+            for (key, label), marker in zip((("ours", "ours"),) + MLA_DECODE_PEERS, "o^vs"):
+                pts = [(b, cell[fmt, hq, b]["latent_bytes"] / cell[fmt, hq, b][key + "_us"] / 1e3) for b in batches
+                       if isinstance(cell.get((fmt, hq, b), {}).get(key + "_us"), (int, float))]
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, label=label)
+            ax.axhline(hbm * 1e3, color="k", ls="--", lw=1, label=f"HBM nominal {hbm} TB/s")
+            if read:
+                ax.axhline(read, color="k", ls=":", lw=1, label=f"measured read {read:.0f} GB/s")
+            ax.set(xscale="log", xlabel="batch", title=f"{fmt}, Hq = {hq}")
+            ax.set_xticks(batches, labels=[str(b) for b in batches], fontsize=6)
+        for ax in axes[:, 0]:
+            ax.set_ylabel(f"GB/s of latent (ctx {ctx})", fontsize=7)
+        axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+        return fig
+
+    args = {k: v for k, v in data["args"].items() if MLA_DEFAULTS.get(k, object()) != v}
+    return text, table(header, body) if body else [], plot, command("bench_mla.py", args)
+
+
 # benchmark -> (heading, renderer), in the document's order; the other benchmarks' results are kept
 SECTIONS = {
     "decode": ("Decode: `paged_decode`", decode),
     "prefill": ("Prefill: `context_attention` and `paged_prefill`", prefill),
     "fp8": ("FP8 context attention (CUTLASS)", fp8),
+    "mla": ("MLA: latent-cache decode and 192/128 prefill (DeepSeek-V3 shapes)", mla),
     "kvwrite": ("KV-cache write: `kv_cache_write`", kvwrite),
     "host": ("Host time per eager call", host),
     "e2e": ("End to end: `torch.compile` with the passes", e2e),

@@ -188,3 +188,47 @@ def test_committed_document_is_generated_and_short():
     doc = report.render(report.RESULTS, None)
     assert len(doc.splitlines()) <= 300
     assert report.DOC.read_text() == doc
+
+
+def mla_row(batch, fmt="bf16", hq=128, ctx=4096, us=100.0, **peers):
+    latent = batch * ctx * 576 * (2 if fmt == "bf16" else 1)
+    return {"section": "decode", "batch": batch, "ctx": ctx, "hq": hq, "fmt": fmt, "backend": "triton",
+            "latent_bytes": latent, "ours_us": us, "ours_GBps": latent / us / 1e3,
+            "ours_tflops": 2 * batch * hq * ctx * 1088 / us / 1e6, "check": {"ok": True}, **peers}
+
+
+def mla_run():
+    rows = [mla_row(1, us=10.0), mla_row(64, us=200.0, flashinfer_fa2_us=300.0, flashinfer_fa3_us=250.0),
+            mla_row(64, "fp8", us=120.0, flashinfer_fa3="unavailable: RuntimeError: no FP8"),
+            mla_row(64, ctx=1024, us=60.0),   # another context: in the JSON, not in the table
+            {"section": "decode", "params": [128, 16384, 128, "fp8"], "error": "RuntimeError: boom"},
+            {"section": "prefill", "seqlen": 4096, "num_seqs": 4, "hq": 128, "d_qk": 192, "d_v": 128, "causal": True,
+             "backend": "triton", "ours_us": 5000.0, "ours_tflops": 420.0, "flashinfer_fa3_tflops": 525.0}]
+    args = {"quick": False, "check": True, "out": "/x", "sections": ["decode", "prefill"], "batch": [1, 64],
+            "ctx": None, "heads": None, "formats": ["bf16", "fp8"], "seqlens": None, "page": 64,
+            "peers": ["flashinfer_fa2", "flashinfer_fa3", "sdpa_mha", "cudnn_sdpa"], "budget_s": 1e9}
+    return {"env": ENV, "bandwidth": {"read_GBps": 4000.0}, "args": args, "rows": rows}
+
+
+def test_mla_section():
+    text, lines, _, cmd = report.mla(mla_run(), "bench_mla_x")
+    assert "Our best row read 1510 GB/s, 31% of the 4.8 TB/s nominal and 38% of the 4000 GB/s read bandwidth" in text
+    assert "Cells at ctx = 4096" in text
+    assert ("Prefill, 4 x 4096 tokens, 128 heads of 192/128 dims, causal: ours 420 TFLOP/s (42% of peak, triton), "
+            "FlashInfer fa3 525, cuDNN SDPA -.") in text
+    assert "4 rows were checked against the reference: all passed." in text
+    assert lines == ["| KV | Hq | B=1 | B=64 |", "|---|---|---|---|",
+                     "| bf16 | 128 | 472 | 1510 (1.25) |", "| fp8 | 128 | - | 1258 |"]
+    assert cmd == "python benchmarks/bench_mla.py --check --batch 1 64"   # defaults left out
+
+
+def test_mla_results_are_rendered(tmp_path):
+    pytest.importorskip("matplotlib")
+    write(tmp_path / "results", "bench_mla_NVIDIA_H200_x", mla_run())
+    img = tmp_path / "img"
+    img.mkdir()
+    doc = report.render(tmp_path / "results", img)
+    assert "## MLA: latent-cache decode and 192/128 prefill (DeepSeek-V3 shapes)" in doc
+    assert "| bf16 | 128 | 472 | 1510 (1.25) |" in doc
+    assert [p.name for p in img.iterdir()] == ["bench_mla_NVIDIA_H200_x.png"]
+    assert report.benchmark(Path("mla_H200_x.json")) == "mla"
