@@ -4,8 +4,8 @@ With `ATTN_BUILD_CUDA=1`, the CUTLASS kernels are compiled at install into
 `torch_ops/_fmha_sm90.so` and the CUDA decode kernel into `torch_ops/_decode_sm90.so` (needs
 nvcc, torch and nvidia-cutlass in the build environment:
 `ATTN_BUILD_CUDA=1 python -m pip install --no-build-isolation -e ".[cutlass]"`). Without it nothing is
-compiled, and the kernels are built on first use instead (torch_ops/cutlass_build.py,
-torch_ops/cuda_decode.py).
+compiled, and the kernels are built on first use instead (torch_ops/kernels/cuda/fmha_sm90_build.py,
+torch_ops/kernels/cuda/decode_sm90.py).
 """
 
 import importlib
@@ -31,7 +31,7 @@ class BuildPyWithCuda(build_py):
         package.__path__ = [str(ROOT / "torch_ops")]
         sys.modules["attn_build"] = package
         package_dir = ROOT / "torch_ops" if getattr(self, "editable_mode", False) else Path(self.build_lib) / "torch_ops"
-        for name in ("cutlass_build", "cuda_decode"):
+        for name in ("kernels.cuda.fmha_sm90_build", "kernels.cuda.decode_sm90"):
             module = importlib.import_module(f"attn_build.{name}")
             module.build(package_dir / module.PREBUILT.name)
 

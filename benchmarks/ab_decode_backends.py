@@ -1,6 +1,6 @@
 """The Triton and the CUDA `paged_decode` kernels side by side, in one process, on the same inputs.
 
-The evidence behind `torch_ops/cuda_decode.py`'s `auto_declines`:
+The evidence behind `torch_ops/kernels/cuda/decode_sm90.py`'s `auto_declines`:
 for each (batch, context, heads, cache format) it times both backends on bench_decode's cases
 (16-token pages in a random permutation, input sets rotated past L2, CUDA-graph replays), checks the
 CUDA kernel against float64, and prints which backend the automatic choice takes.

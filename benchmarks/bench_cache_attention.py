@@ -48,7 +48,7 @@ import common  # noqa: E402
 
 import torch_ops  # noqa: E402
 from torch_ops import kv_cache, reference  # noqa: E402
-from torch_ops.kernels import cache_attention as ca  # noqa: E402
+from torch_ops.kernels.triton import cache_attention as ca  # noqa: E402
 from torch_ops.testing import assert_error_ratio, max_error  # noqa: E402
 
 HQ, HKV, D, GROUP, PAGE, NUM_LAYER = 32, 8, 128, 8, 128, 2

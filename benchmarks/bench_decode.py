@@ -165,7 +165,7 @@ class Case:
 
     def triton_launch(self):
         """The Triton kernel's prepared launch of set 0, run once (its `kernels` compiled)."""
-        from torch_ops.kernels import paged_decode
+        from torch_ops.kernels.triton import paged_decode
 
         q, k, v, ks, vs = self.sets[0]
         args = (q, k, v, self.block_tables, self.seq_lens)
@@ -425,7 +425,7 @@ def tune_jobs(formats) -> list[tuple]:
 def _compile_job(job) -> str:
     """Worker: run one variant once so that its kernels land in Triton's on-disk cache."""
     shape, fmt, name, knobs = job
-    from torch_ops.kernels import paged_decode as pd
+    from torch_ops.kernels.triton import paged_decode as pd
 
     try:
         with pd.tuning(**knobs):
@@ -453,7 +453,7 @@ def precompile(jobs, workers: int = 12) -> None:
 
 def tune(runner: Runner, bw) -> list[dict]:
     """Sweep our kernel's tile configs and split knobs on a few shapes (results in the JSON)."""
-    from torch_ops.kernels import paged_decode as pd
+    from torch_ops.kernels.triton import paged_decode as pd
 
     jobs = tune_jobs(runner.args.formats)
     try:

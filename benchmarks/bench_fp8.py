@@ -18,7 +18,7 @@ A shape's optional B is the number of sequences (default: 16k tokens' worth); B 
 prompt's prefill, a grid of few waves.
 
 The cutlass rows run the grid the automatic choice takes (the persistent one for short sequences,
-`cutlass.PERSISTENT_SHORT`); `ATTN_CUTLASS_PERSISTENT=1` / `0` forces the persistent / plain grid
+`fmha_sm90.PERSISTENT_SHORT`); `ATTN_CUTLASS_PERSISTENT=1` / `0` forces the persistent / plain grid
 (recorded in the JSON as `cutlass_persistent`: true, false, or null for automatic;
 benchmarks/probe_cutlass.py puts both grids side by side).
 """
@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch_ops  # noqa: E402
-from torch_ops import cutlass, quant, reference  # noqa: E402
+from torch_ops import quant, reference  # noqa: E402
+from torch_ops.kernels.cuda import fmha_sm90  # noqa: E402
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 TOKENS = 16384
@@ -218,7 +219,7 @@ def main():
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
     peers = args.peers.split(",") if args.peers else []
-    persistent = cutlass.persistent_mode()
+    persistent = fmha_sm90.persistent_mode()
     print(f"cutlass kernels: {({True: 'persistent', False: 'plain'}).get(persistent, 'automatic')} grid", flush=True)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES

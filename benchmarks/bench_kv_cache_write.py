@@ -293,7 +293,7 @@ class Runner:
 
 def tune(runner: Runner) -> list[dict]:
     """Time our kernel over tile sizes x warps (`kv_cache_write.tuning`) on a few large shapes (results in the JSON)."""
-    from torch_ops.kernels import kv_cache_write as kcw
+    from torch_ops.kernels.triton import kv_cache_write as kcw
 
     out = []
     for t, fmt, mode in TUNE_SHAPES:

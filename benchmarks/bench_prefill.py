@@ -128,7 +128,7 @@ class ContextCase:
 
     def triton_launch(self):
         """The Triton kernel's prepared launch of this case, run once (its `kernels` compiled)."""
-        from torch_ops.kernels import context_attention
+        from torch_ops.kernels.triton import context_attention
 
         args, kw = (self.q, self.k, self.v, self.cu, self.cu), dict(causal=self.causal, out=self.out, lse=self.lse)
         return common.run_prepared(context_attention, *args, **kw)
@@ -198,7 +198,7 @@ class PagedCase:
 
     def triton_launch(self):
         """The Triton kernel's prepared launch of this case, run once (its `kernels` compiled)."""
-        from torch_ops.kernels import paged_prefill
+        from torch_ops.kernels.triton import paged_prefill
 
         args = (self.q, self.k, self.v, self.block_tables, self.cu, self.sl)
         kw = dict(causal=self.causal, out=self.out, lse=self.lse)
@@ -525,7 +525,7 @@ class Runner:
 
     def tune(self) -> list[dict]:
         """Our kernel under each candidate config (S = 8k uniform context, both masks; one paged case)."""
-        from torch_ops.kernels import prefill_attention as pa
+        from torch_ops.kernels.triton import prefill_attention as pa
 
         out = []
         jobs = [("context", d, causal) for d in self.args.head_dims for causal in (False, True)]

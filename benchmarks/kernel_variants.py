@@ -5,7 +5,7 @@ It builds `examples/serve.py`'s engine (its GPU defaults, a one-layer model of t
 geometry) and runs its workload with every Triton launch recorded by the key Triton compiles
 under, and skipped: the kernel, its constexprs and launch options, each tensor's dtype and
 16-byte alignment, each integer's width and, unless the kernel marks it `do_not_specialize`,
-whether it is 1 or a multiple of 16 (`torch_ops.kernels.precompile.variant_key`). Launch
+whether it is 1 or a multiple of 16 (`torch_ops.kernels.triton.precompile.variant_key`). Launch
 decisions see a GPU of `--sms` SMs. It prints the variants that the engine's construction (its
 CUDA-graph decode buckets), `Engine.warmup()` and serving each add: a run on a fresh Triton cache
 compiles the sum, and serving adds none when warm-up covers it.
@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import torch_ops.kernels  # noqa: E402
+import torch_ops.kernels.triton  # noqa: E402
 from torch_ops import gpu  # noqa: E402
-from torch_ops.kernels import precompile  # noqa: E402
+from torch_ops.kernels.triton import precompile  # noqa: E402
 from torch_ops.serving import engine as engine_module  # noqa: E402
 
 # the kernel modules whose launch decisions ask whether they run on the interpreter
@@ -40,15 +40,16 @@ def census(sms: int):
     """Record the block's Triton launches (`precompile.recorded`, yielded) instead of running
     them; launch decisions see a GPU (no interpreter) of `sms` SMs, while the triton backend takes
     CPU tensors as if they ran on its interpreter."""
-    modules = [importlib.import_module(f"torch_ops.kernels.{m}") for m in DECIDING]
+    modules = [importlib.import_module(f"torch_ops.kernels.triton.{m}") for m in DECIDING]
     saved = [(m, "interpreting", m.interpreting) for m in modules if hasattr(m, "interpreting")]
-    saved += [(gpu, "sm_count", gpu.sm_count), (torch_ops.kernels, "interpreting", torch_ops.kernels.interpreting)]
+    triton_backend = torch_ops.kernels.triton
+    saved += [(gpu, "sm_count", gpu.sm_count), (triton_backend, "interpreting", triton_backend.interpreting)]
     try:
         for m in modules:
             if hasattr(m, "interpreting"):
                 m.interpreting = lambda *a, **k: False
         gpu.sm_count = lambda *a, **k: sms
-        torch_ops.kernels.interpreting = lambda: True
+        triton_backend.interpreting = lambda: True
         with precompile.recorded() as launches:
             yield launches
     finally:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch_ops  # noqa: E402
-from torch_ops import cutlass, cutlass_build, quant, reference  # noqa: E402
+from torch_ops import quant, reference  # noqa: E402
+from torch_ops.kernels.cuda import fmha_sm90, fmha_sm90_build  # noqa: E402
 from torch_ops.testing import poison_  # noqa: E402
 
 RAGGED = [5003, 77, 3000, 1, 129, 8174]   # 16384 tokens, sequence starts off the 16-token grid
@@ -100,8 +101,8 @@ class Runner:
         self.lse = torch.empty(args[0].shape[:2], device="cuda")
 
     def __call__(self):
-        if cutlass.PERSISTENT is not self.persistent:
-            cutlass.PERSISTENT = self.persistent
+        if fmha_sm90.PERSISTENT is not self.persistent:
+            fmha_sm90.PERSISTENT = self.persistent
             torch_ops.clear_plans()   # plans read the knob
         with torch_ops.use_backend("cutlass"):
             torch.ops.attn.context_attention.out(*self.args, causal=self.case.causal, out=self.out, lse=self.lse,
@@ -206,7 +207,7 @@ def main():
         return
 
     start = time.perf_counter()
-    print(f"library: {cutlass_build.library_path()} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"library: {fmha_sm90_build.library_path()} ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"{'case':24} {'plain':>7} {'persist':>7} {'speed':>7} {'rmse pl':>9} {'rmse pe':>9} "
           f"{'vs plain':>10}  (TFLOP/s; rmse heads 0-1 vs fp32)", flush=True)
     rows = []

@@ -1,5 +1,5 @@
 """A sample of every Triton op's configurations (and of the CUTLASS kernels: `cutlass`, and the
-CUDA decode kernel: `cuda_decode`), run once each, for compute-sanitizer:
+CUDA decode kernel: `cuda`), run once each, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize.py
 
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_ops  # noqa: E402
-from torch_ops.kernels import paged_decode as pd  # noqa: E402
+from torch_ops.kernels.triton import paged_decode as pd  # noqa: E402
 from torch_ops.kv_cache import PagedKVCache, random_  # noqa: E402
 
 FORMATS = {"bf16": (torch.bfloat16, None), "e4m3": (torch.float8_e4m3fn, None),
@@ -98,7 +98,8 @@ def run_cutlass():
     batches whose sequences start off the 16-key grid, more queries than keys, an empty one;
     then the paged kernels over the same lengths in four block sizes, alone and as the long part
     of the `mixed` backend (the Triton kernel takes the short sequences)."""
-    from torch_ops import cutlass, quant
+    from torch_ops import quant
+    from torch_ops.kernels.cuda import fmha_sm90
 
     q_lens, k_lens = [1, 200, 0, 77, 130], [9, 333, 4, 20, 130]
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
@@ -106,7 +107,7 @@ def run_cutlass():
     kernels = ((torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 256), (torch.bfloat16, 128))
     with torch_ops.use_backend("cutlass"):
         for grid, (dtype, d) in itertools.product((False, None), kernels):
-            cutlass.PERSISTENT = grid   # None: the automatic choice (persistent here at D = 128)
+            fmha_sm90.PERSISTENT = grid   # None: the automatic choice (persistent here at D = 128)
             torch_ops.clear_plans()
             q = torch.randn(sum(q_lens), 8, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(sum(k_lens), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -116,7 +117,7 @@ def run_cutlass():
                 scales = {"q_scale": qs, "k_scale": ks, "v_scale": vs}
             for causal in (False, True):
                 torch.ops.attn.context_attention(q, k, v, cu_q, cu_k, causal=causal, **scales)
-    cutlass.PERSISTENT = None
+    fmha_sm90.PERSISTENT = None
     torch_ops.clear_plans()
     print("context_attention (cutlass, plain and automatic grids): ok")
     # caches of their own (boxes of 8/16/16/128 tokens), K and V as halves of one tensor (32-token boxes
@@ -155,30 +156,30 @@ def run_cuda_decode():
     D = 64 and 128, fp16 and bf16, each cluster size from 1 to 16 (its merge in distributed
     shared memory); FP8, INT8 and INT4 caches (their scale tiles) at cluster sizes 1, 4, 16, INT8
     and INT4 also on the build for two CTAs per SM."""
-    from torch_ops import cuda_decode
+    from torch_ops.kernels.cuda import decode_sm90
 
-    real, real_per_sm = cuda_decode.cluster_size, cuda_decode.ctas_per_sm
+    real, real_per_sm = decode_sm90.cluster_size, decode_sm90.ctas_per_sm
     with torch_ops.use_backend("cuda"):
         for size, d, (hq, hkv, qps), dtype in itertools.product(
                 (1, 2, 3, 4, 8, 16), (64, 128), ((8, 2, 1), (32, 32, 1), (8, 1, 2), (16, 2, 2)),
                 (torch.bfloat16, torch.float16)):
-            cuda_decode.cluster_size = lambda *a, size=size: size
+            decode_sm90.cluster_size = lambda *a, size=size: size
             q, cache, tables, seq_lens = paged_case("bf16", 16, [1, 17, 0, 300, 1000], hq=hq, hkv=hkv, d=d,
                                                     q_per_seq=qps)
             torch.ops.attn.paged_decode(q.to(dtype), cache.k.to(dtype), cache.v.to(dtype), tables, seq_lens)
         for size, d, fmt, per_sm in itertools.product((1, 4, 16), (64, 128), ("e4m3", "int8", "int4"), (1, 2)):
             if per_sm == 2 and (d != 128 or fmt == "e4m3"):
                 continue
-            cuda_decode.cluster_size = lambda *a, size=size: size
-            cuda_decode.ctas_per_sm = lambda *a, per_sm=per_sm: per_sm
+            decode_sm90.cluster_size = lambda *a, size=size: size
+            decode_sm90.ctas_per_sm = lambda *a, per_sm=per_sm: per_sm
             q, cache, tables, seq_lens = paged_case(fmt, 32, [1, 17, 0, 300, 1000], d=d, q_per_seq=2)
             torch.ops.attn.paged_decode(q, cache.k, cache.v, tables, seq_lens, **cache.scale_kwargs())
-    cuda_decode.cluster_size, cuda_decode.ctas_per_sm = real, real_per_sm
+    decode_sm90.cluster_size, decode_sm90.ctas_per_sm = real, real_per_sm
     print("paged_decode (cuda): ok")
 
 
 OPS = {"paged_decode": run_decode, "paged_prefill": run_prefill, "kv_cache_write": run_kv_cache_write,
-       "merge_states": run_merge_states, "cutlass": run_cutlass, "cuda_decode": run_cuda_decode}
+       "merge_states": run_merge_states, "cutlass": run_cutlass, "cuda": run_cuda_decode}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

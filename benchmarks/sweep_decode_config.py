@@ -1,5 +1,5 @@
 """paged_decode tile configs and split counts across decode shapes (GPU), the evidence behind
-`torch_ops.kernels.paged_decode.config()` and `split_count()`.
+`torch_ops.kernels.triton.paged_decode.config()` and `split_count()`.
 
     python benchmarks/sweep_decode_config.py              # the default set ("first"): B 1-128, D 64 and 128
     python benchmarks/sweep_decode_config.py --set mid    # mid-size batches, both layouts, more configs
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from torch_ops.kernels import paged_decode as pd  # noqa: E402
+from torch_ops.kernels.triton import paged_decode as pd  # noqa: E402
 
 SETS = {
     "first": dict(

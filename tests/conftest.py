@@ -15,7 +15,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# kernels compile in the test process (tests of kernels.precompile ask for workers)
+# kernels compile in the test process (tests of kernels.triton.precompile ask for workers)
 os.environ.setdefault("ATTN_COMPILE_WORKERS", "1")
 
 

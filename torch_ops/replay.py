@@ -2,7 +2,7 @@
 
 The first call of a signature runs in the Python front (`torch_ops.backends`), which records
 what the call's prepared launch did: the buffers it allocated, each Triton kernel launch
-(`kernels.launcher.TritonLaunch`) and each call into a CUDA library (`c_call`), every address
+(`kernels.triton.launcher.TritonLaunch`) and each call into a CUDA library (`c_call`), every address
 as an op argument's or a buffer's plus an offset. csrc/replay.cpp keeps the recording; later
 calls of the signature allocate the buffers and repeat the launches with their own addresses,
 without Python (H200 host, `benchmarks/bench_host.py`: 9-40 µs a call against 25-178 µs through
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import nvcc
+from . import csrc_build
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _compiler() -> str:
 
 
 def _compile_command(target: Path) -> list[str]:
-    compiler = Path(nvcc.find_nvcc() or "/usr/local/cuda/bin/nvcc")   # the toolkit's headers: cuda.h
+    compiler = Path(csrc_build.find_nvcc() or "/usr/local/cuda/bin/nvcc")   # the toolkit's headers: cuda.h
     toolkits = dict.fromkeys((compiler.parent.parent, compiler.resolve().parent.parent,
                               Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")))
     torch_dir = Path(torch.__file__).parent
@@ -78,7 +78,7 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / LIBRARY_NAME
         cmd = _compile_command(staged)
-        result = nvcc.run_tool(cmd)
+        result = csrc_build.run_tool(cmd)
         if result.returncode != 0:
             raise RuntimeError(f"building the replay front failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
         os.replace(staged, target)
@@ -90,7 +90,7 @@ def available() -> bool:
 
 
 def library_built() -> bool:
-    return available() and nvcc.cached(_build_folder(), LIBRARY_NAME)
+    return available() and csrc_build.cached(_build_folder(), LIBRARY_NAME)
 
 
 def install(build: bool = False) -> bool:
@@ -101,7 +101,7 @@ def install(build: bool = False) -> bool:
         return True
     if not available() or not (build or library_built()):
         return False
-    path = nvcc.cached_build(_build_folder(), LIBRARY_NAME, f"the C++ op front ({SOURCE.name})", _build, log)
+    path = csrc_build.cached_build(_build_folder(), LIBRARY_NAME, f"the C++ op front ({SOURCE.name})", _build, log)
     from . import backends
 
     torch.ops.load_library(str(path))
@@ -241,7 +241,7 @@ class Recording(TorchDispatchMode):
             code += (_encode_triton if kind == _TRITON else _encode_c_call)(device, addresses, *what)
         return code
 
-    # called by `kernels.launcher.TritonLaunch` and `c_call`
+    # called by `kernels.triton.launcher.TritonLaunch` and `c_call`
     def triton(self, launch, tensors: tuple, jit: bool) -> None:
         self.launches.append((_TRITON, launch, tuple(t.data_ptr() for t in tensors)))
         self.jit_reported += jit
@@ -344,7 +344,7 @@ def c_call(entry, args: ctypes.Structure, device: int, what: str) -> None:
     """`entry(&args, stream, error, error_size)`, a CUDA library's C entry point, on `device`'s
     current stream; raises a RuntimeError with the library's message if it fails."""
     error = ctypes.create_string_buffer(512)
-    with nvcc.on_device(device):
+    with csrc_build.on_device(device):
         if entry(ctypes.byref(args), torch._C._cuda_getCurrentRawStream(device), error, len(error)) != 0:
             raise RuntimeError(f"{what} failed: {error.value.decode()}")
     if RECORDERS:

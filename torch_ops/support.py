@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from . import cuda_decode, cutlass, kv_cache, ops
+from . import kv_cache, ops
+from .kernels.cuda import decode_sm90, fmha_sm90
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 BEGIN, END = "<!-- support matrix: begin (python -m torch_ops.support --write docs/guide.md) -->", "<!-- support matrix: end -->"
@@ -76,7 +77,7 @@ def _kv_write(dtype=torch.bfloat16, cache=None, d=D, page=PAGE, rope=False, dv=N
 
 
 def _triton(op: str) -> Callable:
-    from .kernels import KERNEL_MODULES
+    from .kernels.triton import KERNEL_MODULES
 
     return importlib.import_module(KERNEL_MODULES[op]).unsupported
 
@@ -86,7 +87,7 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 _PAGES = (1, 8, 16, 32, 64, 128)
 _AXES = {
-    "paged_decode": (_decode, {"triton": "triton", "cuda": cuda_decode.problem_reasons}, {
+    "paged_decode": (_decode, {"triton": "triton", "cuda": decode_sm90.problem_reasons}, {
         "query dtype": {k: {"dtype": v} for k, v in _DTYPES.items()},
         "KV cache": {k: {"cache": v} for k, v in CACHES.items()},
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
@@ -96,14 +97,14 @@ _AXES = {
                                                    "192 / 128": {"d": 192, "dv": 128}},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(2, 64, dtype=torch.bool))},
     }),
-    "paged_prefill": (_prefill, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.paged_problem_reasons(*a[:4], **k)}, {
+    "paged_prefill": (_prefill, {"triton": "triton", "cutlass": lambda *a, **k: fmha_sm90.paged_problem_reasons(*a[:4], **k)}, {
         "query dtype": {k: {"dtype": v} for k, v in _DTYPES.items()},
         "KV cache": {k: {"cache": v} for k, v in CACHES.items()},
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "block size": {p: {"page": p} for p in _PAGES},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(64, 64, dtype=torch.bool))},
     }),
-    "context_attention": (_context, {"triton": "triton", "cutlass": lambda *a, **k: cutlass.problem_reasons(*a[:3], **k)}, {
+    "context_attention": (_context, {"triton": "triton", "cutlass": lambda *a, **k: fmha_sm90.problem_reasons(*a[:3], **k)}, {
         "query dtype": {**{k: {"dtype": v} for k, v in _DTYPES.items()}, "FP8 e4m3": {"dtype": torch.float8_e4m3fn}},
         "head dim": {d: {"d": d} for d in _HEAD_DIMS},
         "options": {**OPTIONS, "key mask": dict(key_mask=torch.ones(64, 64, dtype=torch.bool))},

@@ -9,7 +9,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import backends, cuda_decode, cutlass_build, gpu, replay
+from . import backends, gpu, replay
+from .kernels.cuda import decode_sm90, fmha_sm90_build
 
 
 def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True, progress: bool = True) -> float:
@@ -19,7 +20,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
     machine, 16 cores). Then run each of `calls` once and synchronize: a call compiles its Triton
     kernels (or loads them from Triton's disk cache) and caches its plan. On CUDA the calls first
     run with their Triton launches recorded, not run, and those kernels compile in parallel
-    processes (`kernels.precompile`, `ATTN_COMPILE_WORKERS`). Pass one call per shape
+    processes (`kernels.triton.precompile`, `ATTN_COMPILE_WORKERS`). Pass one call per shape
     class your loop will see. Returns the seconds taken; `progress` prints a line per step."""
     start = time.perf_counter()
 
@@ -31,7 +32,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
         steps = [("C++ op front", replay.installed, lambda: replay.install(build=True))]
         if gpu.capability() == (9, 0):
             steps += [(name, module.library_built, module.library_path)
-                      for name, module in (("CUDA decode", cuda_decode), ("CUTLASS", cutlass_build))]
+                      for name, module in (("CUDA decode", decode_sm90), ("CUTLASS", fmha_sm90_build))]
 
         def build(name, built, make):
             if built():
@@ -48,7 +49,7 @@ def warmup(calls: Iterable[Callable[[], object]] = (), *, libraries: bool = True
         backends.clear_plans()
     calls = list(calls)
     if calls and torch.cuda.is_available():
-        from .kernels import precompile
+        from .kernels.triton import precompile
 
         compiled = precompile.compile_ahead(lambda: [call() for call in calls])
         say(f"{compiled} kernel variants compiled in parallel")

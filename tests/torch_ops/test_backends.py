@@ -113,13 +113,13 @@ def test_explain_names_the_kernel():
 
 def test_cutlass_and_mixed_decline_a_separate_value_head_dim():
     # the checks the `cutlass` and `mixed` backends run on a GPU, device-independent part
-    from torch_ops import cutlass
+    from torch_ops.kernels.cuda import fmha_sm90
     from . import samples
 
     (q, k, v, *_), _ = samples.sample("context_attention", "mla")
-    assert any("value head dim 8 != query head dim 16" in why for why in cutlass.problem_reasons(q, k, v))
-    assert not any("value head dim" in why for why in cutlass.problem_reasons(q, k, k))
+    assert any("value head dim 8 != query head dim 16" in why for why in fmha_sm90.problem_reasons(q, k, v))
+    assert not any("value head dim" in why for why in fmha_sm90.problem_reasons(q, k, k))
     (q, k_cache, v_cache, tables, *_), _ = samples.sample("paged_prefill", "mla")
     assert any("v_cache head dim 8 != k_cache head dim 16" in why
-               for why in cutlass.paged_problem_reasons(q, k_cache, v_cache, tables))
-    assert not any("v_cache head dim" in why for why in cutlass.paged_problem_reasons(q, k_cache, k_cache, tables))
+               for why in fmha_sm90.paged_problem_reasons(q, k_cache, v_cache, tables))
+    assert not any("v_cache head dim" in why for why in fmha_sm90.paged_problem_reasons(q, k_cache, k_cache, tables))

@@ -11,7 +11,7 @@ import triton.language as tl
 import torch_ops
 from torch_ops import backends, quant, replay
 from torch_ops.ops import bucket
-from torch_ops.kernels.launcher import TritonLaunch
+from torch_ops.kernels.triton.launcher import TritonLaunch
 
 from . import samples
 

@@ -123,7 +123,7 @@ class Engine:
         decodes with one new prompt of 2, 4, 8, ... tokens; then a short random workload of
         `2 * max_num_seqs` requests mixes decodes with prefill chunks. They finish and free their
         blocks. On CUDA the workload runs twice: first with its Triton launches recorded, whose
-        kernels then compile in parallel processes (`kernels.precompile`), then for real.
+        kernels then compile in parallel processes (`kernels.triton.precompile`), then for real.
         Returns the seconds taken; `progress` prints a line per phase."""
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
@@ -134,7 +134,7 @@ class Engine:
                 print(f"[engine warmup {time.perf_counter() - start:6.1f} s] {message}", flush=True)
 
         if self.kv.caches[0].k.is_cuda:
-            from torch_ops.kernels import precompile
+            from torch_ops.kernels.triton import precompile
 
             compiled = precompile.compile_ahead(lambda: self._warmup_workload(None))
             say(f"{compiled} kernel variants compiled in parallel")
@@ -364,7 +364,7 @@ class Engine:
         ids land at the same ones every step)."""
         if self.running or self.kv.allocator.num_free != self.kv.allocator.num_blocks:
             raise RuntimeError("CUDA graphs are captured before any request runs")
-        from torch_ops.kernels import precompile
+        from torch_ops.kernels.triton import precompile
 
         def dummy(bucket: int):   # built right before use: every bucket's views share one buffer
             return self.attention.step_metadata(self.attention.builder.build(

@@ -1,0 +1,250 @@
+"""Metadata the shape checks cannot see (it lives on the device) never makes a Triton kernel read
+or write outside its tensors, and the kernels and the reference agree on what it means
+(docs/ops.md, "Errors"): lengths are clamped, slots outside the cache skip their token, RoPE
+positions are clamped into the table, and `cache_attention` rows outside the cache are neither
+read nor written. A sequence with an absent block (an id outside the cache) gets finite rows of
+no specified value; every other sequence is exact. The kernels set a bit per
+argument class in the device error flag; `torch_ops.check_errors()` raises naming them."""
+
+import contextlib
+
+import pytest
+import torch
+
+import torch_ops
+from torch_ops import errors, reference
+from torch_ops.testing import assert_error_ratio
+from torch_ops.kernels.triton import paged_decode, prefill_attention
+
+from ... import samples
+from .test_cache_attention import check as check_cache_attention, make_problem as cache_attention_problem
+from .test_prefill_attention import check
+
+
+@pytest.fixture(autouse=True)
+def _clear_flags():
+    with contextlib.suppress(ValueError):
+        torch_ops.check_errors()
+
+
+def _raised() -> str:
+    """`check_errors()`'s message, or "" if it does not raise."""
+    try:
+        torch_ops.check_errors()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _assert_flagged(*names: str) -> None:
+    """The calls since the last check flagged exactly the argument classes of `names`, and the
+    check cleared the flags."""
+    message = _raised()
+    for bit, text in errors.MESSAGES.items():
+        flagged = text in message
+        expected = any(text.startswith(name) for name in names)
+        assert flagged == expected, f"{text!r} flagged: {flagged}, expected {expected}; message: {message!r}"
+    assert _raised() == "", "check_errors did not clear the flags"
+
+
+def _cache(device, hkv=2, d=16, bs=4, blocks=8, fmt="bf16"):
+    return samples.paged_cache(blocks, bs, hkv, d, fmt, device=device)
+
+
+def _check(op, args, kwargs, backend="triton"):
+    with torch_ops.use_backend(backend):
+        out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
+    check(op, args, out, lse, **kwargs)
+
+
+def _check_other_sequences(op, args, kwargs, rows, exact):
+    """`op` on the Triton kernels: finite everywhere, and as the reference on the rows of the
+    sequences that have no absent block (`exact`: per sequence; `rows`: query rows per sequence)."""
+    with torch_ops.use_backend("triton"):
+        out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
+    assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
+    keep = torch.repeat_interleave(torch.tensor(exact), torch.tensor(rows)).to(out.device)
+    truth_o, truth_l = getattr(reference, op)(*args, compute_dtype=torch.float64, **kwargs)
+    base_o, base_l = getattr(reference, op)(*args, compute_dtype=args[0].dtype, **kwargs)
+    assert_error_ratio(out[keep], truth_o[keep], base_o[keep])
+    assert_error_ratio(lse[keep], truth_l[keep], base_l[keep], name="lse")
+
+
+def _index(rows, device):
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+# ---- lengths -------------------------------------------------------------------------------------
+
+
+def test_decode_lengths_past_the_table_or_negative(kernel_device):
+    k, v, _ = _cache(kernel_device)
+    tables = _index([[0, 1], [2, 3], [4, 5]], kernel_device)   # 8 keys each
+    lens = _index([8 + 50, -3, 5], kernel_device)
+    q = torch.randn(3, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    _check("paged_decode", (q, k, v, tables, lens), {})
+    _assert_flagged("seq_lens")
+
+
+def test_prefill_lengths_past_the_table_and_queries_past_the_tokens(kernel_device):
+    k, v, _ = _cache(kernel_device)
+    tables = _index([[0, 1], [2, 3]], kernel_device)
+    q = torch.randn(7, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    cu = _index([0, 3, 40], kernel_device)   # the last sequence ends past T = 7
+    lens = _index([30, 6], kernel_device)    # the first one past its 8 keys
+    _check("paged_prefill", (q, k, v, tables, cu, lens), {"causal": True})
+    _assert_flagged("seq_lens", "cu_seqlens")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_context_boundaries_past_the_tokens(kernel_device, causal):
+    q = torch.randn(9, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    k, v = (torch.randn(11, 2, 16, dtype=torch.bfloat16, device=kernel_device) for _ in range(2))
+    cu_q = _index([0, 4, 30], kernel_device)
+    cu_k = _index([0, 6, 90], kernel_device)
+    _check("context_attention", (q, k, v, cu_q, cu_k), {"causal": causal})
+    _assert_flagged("cu_seqlens")
+
+
+def test_good_metadata_flags_nothing(kernel_device):
+    k, v, _ = _cache(kernel_device)
+    tables = _index([[0, 1], [2, 3]], kernel_device)
+    q = torch.randn(2, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    flag = errors.device_flag(kernel_device)
+    address = flag.data_ptr()
+    _check("paged_decode", (q, k, v, tables, _index([8, 0], kernel_device)), {})
+    _assert_flagged()
+    assert errors.device_flag(kernel_device) is flag and flag.data_ptr() == address
+
+
+# ---- block ids -----------------------------------------------------------------------------------
+
+# (block size, config): per-row table lookups; one lookup per tile with two 16-key tiles per step
+DECODE_TILES = [(4, None), (16, {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": 2})]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("bs,config", DECODE_TILES)
+def test_decode_block_ids_outside_the_cache(kernel_device, fmt, bs, config, softcap):
+    k, v, scales = _cache(kernel_device, bs=bs, fmt=fmt)
+    # 8 blocks; the last sequence's bad id lies past the blocks its keys use
+    tables = _index([[0, 9, 1], [-2, 3, 6], [4, 5, 7], [8, -1, 2], [3, 2, 6], [1, 0, -3]], kernel_device)
+    lens = _index([3 * bs, 2 * bs + 1, 3 * bs - 1, 2 * bs, 3 * bs, 2 * bs], kernel_device)
+    q = torch.randn(6, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    with paged_decode.tuning(config=config):
+        _check_other_sequences("paged_decode", (q, k, v, tables, lens), dict(scales, softcap=softcap),
+                               rows=[1] * 6, exact=[False, False, True, False, True, True])
+    _assert_flagged("block_tables")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bs", [16, 5])
+def test_prefill_block_ids_outside_the_cache(kernel_device, causal, bs):
+    k, v, _ = _cache(kernel_device, bs=bs, blocks=12)
+    tables = _index([[3, 12, 0, -5, 1, 2, 4, 5], [6, 7, 8, 9, -1, 10, 11, 0], [11, 10, 9, 8, 7, 6, 5, 4]],
+                    kernel_device)
+    lens = _index([40, 33, 38], kernel_device)
+    q = torch.randn(41, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    cu = _index([0, 20, 23, 41], kernel_device)
+    # 16 x 16 tiles: the absent blocks lie in tiles every row sees (the unmasked loop) and in masked ones
+    with prefill_attention.tuning(config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}):
+        _check_other_sequences("paged_prefill", (q, k, v, tables, cu, lens), {"causal": causal},
+                               rows=[20, 3, 18], exact=[False, bs == 16, True])
+    _assert_flagged("block_tables")
+
+
+def test_debug_mode_raises_at_the_call(kernel_device, monkeypatch):
+    monkeypatch.setenv("ATTN_DEBUG", "1")
+    k, v, _ = _cache(kernel_device)
+    q = torch.randn(1, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    with torch_ops.use_backend("triton"), pytest.raises(ValueError, match="block_tables"):
+        torch.ops.attn.paged_decode(q, k, v, _index([[0, 8]], kernel_device), _index([8], kernel_device))
+
+
+# ---- slots and RoPE positions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_kv_cache_write_slots_and_positions_outside(kernel_device, fmt):
+    k_cache, v_cache, scales = _cache(kernel_device, bs=4, blocks=4, fmt=fmt)   # 16 slots
+    key, value = (torch.randn(6, 2, 16, dtype=torch.bfloat16, device=kernel_device) for _ in range(2))
+    query = torch.randn(6, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    slots = _index([0, 3, 16, 100, -1, 7], kernel_device)   # -1: skip (documented), 16 and 100: outside
+    rope = dict(query=query, positions=_index([0, 5, -3, 40, 2, 31], kernel_device),
+                cos_sin_cache=reference.rope_cos_sin_cache(32, 8).to(kernel_device))
+    ours = [x.clone() for x in (k_cache, v_cache, *scales.values())]
+    theirs = [x.clone() for x in ours]
+    with torch_ops.use_backend("triton"):
+        rotated = torch.ops.attn.kv_cache_write(key, value, *ours[:2], slots, **dict(zip(scales, ours[2:])), **rope)
+    want = reference.kv_cache_write(key, value, *theirs[:2], slots, **dict(zip(scales, theirs[2:])), **rope)
+    for got, expected in zip(ours, theirs):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(rotated, want)
+    _assert_flagged("slot_mapping", "positions")
+
+
+def test_kv_cache_write_skip_value_flags_nothing(kernel_device):
+    k_cache, v_cache, _ = _cache(kernel_device, bs=4, blocks=4)
+    key, value = (torch.randn(3, 2, 16, dtype=torch.bfloat16, device=kernel_device) for _ in range(2))
+    with torch_ops.use_backend("triton"):
+        torch.ops.attn.kv_cache_write(key, value, k_cache, v_cache, _index([-1, 15, -7], kernel_device))
+    _assert_flagged()
+
+
+def test_context_rope_positions_outside_the_table(kernel_device):
+    q = torch.randn(9, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    k, v = (torch.randn(9, 2, 16, dtype=torch.bfloat16, device=kernel_device) for _ in range(2))
+    cu = _index([0, 4, 9], kernel_device)
+    rope = dict(positions=_index([0, 1, 2, -4, 0, 1, 2, 16, 900], kernel_device),
+                cos_sin_cache=reference.rope_cos_sin_cache(16, 16).to(kernel_device))
+    _check("context_attention", (q, k, v, cu, cu), {"causal": True, **rope})
+    _assert_flagged("positions")
+
+
+# ---- cache_attention -----------------------------------------------------------------------------
+
+
+def test_cache_attention_offsets_outside_the_cache(kernel_device):
+    # sequence 0 starts before row 0 (reads and writes nothing); sequence 1 runs past the last row
+    # (reads the 2 keys inside, writes none of its tokens), into rows appended for it
+    args, kwargs = cache_attention_problem(kernel_device, seqlens=[2, 3], start_pos=[3, 2])
+    args = list(args)
+    args[10] = torch.cat([args[10], torch.randn_like(args[10][:4])])
+    args[5] = _index([-10, args[10].shape[0] - 2], kernel_device)
+    check_cache_attention((args, kwargs))
+    _assert_flagged("cachestarts")
+
+
+def test_cache_attention_pages_outside_the_cache(kernel_device):
+    # sequence 0's first page starts before row 0, sequence 1's only page ends past the last row;
+    # sequence 2 is whole
+    args, kwargs = cache_attention_problem(kernel_device, seqlens=[2, 3, 2], start_pos=[5, 0, 3], cache_mode=1)
+    args = list(args)
+    args[5] = args[5].clone()
+    args[5][0, 0] = -4
+    args[5][1, 0] = args[10].shape[0] - 2
+    check_cache_attention((args, kwargs), exact_rows=torch.tensor([False] * 5 + [True] * 2, device=kernel_device))
+    _assert_flagged("cachestarts")
+
+
+def test_cache_attention_key_count_past_max_kvlen(kernel_device):
+    args, kwargs = cache_attention_problem(kernel_device, seqlens=[3], start_pos=[4])
+    args = list(args)
+    args[4] = args[4] + _index([0, 50], kernel_device)
+    check_cache_attention((args, kwargs))
+    _assert_flagged("kvstarts")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_cuda_decode_absent_blocks_and_clamped_lengths(csrc_libraries, fmt):
+    """The CUDA decode kernel (csrc/decode_sm90.cu) on bad metadata, over more than 32 key tiles:
+    what the reference does, and the same bits flagged."""
+    k, v, scales = samples.paged_cache(80, 16, 2, 128, fmt, device="cuda")
+    tables = samples.block_tables_for([700, 300, 40], 16, 80, max_blocks=48).cuda()
+    tables[0, 3], tables[0, 40], tables[1, 0] = 80, -2, 1000   # outside [0, 80): absent blocks
+    lens = _index([700, 300 + 10_000, -5], "cuda")             # past the table, negative
+    q = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
+    _check("paged_decode", (q, k, v, tables, lens), scales, backend="cuda")
+    _assert_flagged("block_tables", "seq_lens")

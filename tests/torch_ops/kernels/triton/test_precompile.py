@@ -1,0 +1,76 @@
+"""torch_ops/kernels/triton/precompile.py: launches recorded instead of run, and their variants compiled ahead in
+parallel processes."""
+
+import pytest
+import torch
+
+import torch_ops
+from torch_ops import backends, reference
+from torch_ops.kernels.triton import precompile
+from torch_ops.testing import assert_error_ratio, poison_
+
+from ... import samples
+
+
+def _decode(device, batch):
+    k, v, _ = samples.paged_cache(2 * batch, 4, 2, 16, "bf16", device=device)
+    tables = samples.block_tables_for([7] * batch, 4, 2 * batch).to(device)
+    lens = torch.full((batch,), 7, dtype=torch.int32, device=device)
+    q = torch.randn(batch, 4, 16, dtype=torch.bfloat16, device=device)
+    return q, k, v, tables, lens
+
+
+def test_recorded_launches_do_not_run_and_name_their_variants(kernel_device):
+    calls = [_decode(kernel_device, 2) for _ in range(2)]   # one signature, two calls
+    buffers = [(poison_(torch.empty(2, 4, 16, dtype=torch.bfloat16, device=kernel_device)),
+                poison_(torch.empty(2, 4, device=kernel_device))) for _ in calls]
+    with torch_ops.use_backend("triton"), precompile.recorded() as launches:
+        for call, (out, lse) in zip(calls, buffers):
+            torch.ops.attn.paged_decode.out(*call, out=out, lse=lse)
+    assert all(out.isnan().all() and lse.isnan().all() for out, lse in buffers), "a recorded launch ran"
+    assert launches and all(l.kernel.startswith("_") and l.module.startswith("torch_ops.kernels.triton") for l in launches)
+    assert len({l.key() for l in launches}) == len(launches) // 2   # each variant once per call
+    assert all(isinstance(a, (int, float, bool, tuple, type(None))) for l in launches for a in l.args)
+    assert not backends._PLANS["paged_decode.out"]   # plans made while recording are dropped
+    with torch_ops.use_backend("triton"):
+        for call in calls:
+            out, lse = torch.ops.attn.paged_decode(*call)
+            truth = reference.paged_decode(*call, compute_dtype=torch.float64)
+            base = reference.paged_decode(*call, compute_dtype=torch.bfloat16)
+            assert_error_ratio(out, truth[0], base[0])
+
+
+def test_variant_key_follows_triton_specialization():
+    from torch_ops.kernels.triton.paged_decode import _merge_kernel as fn
+
+    params = precompile._params(fn)
+    names = [name for name, *_ in params]
+    meta = {name: 1 for name, constexpr, *_ in params if constexpr}
+    x = torch.empty(64, dtype=torch.float32)
+    args = [x if name[0].isupper() else 32 for name, constexpr, *_ in params if not constexpr]
+    key = precompile.variant_key(fn, tuple(args), meta)
+    assert key[0] == "_merge_kernel"
+    assert precompile.variant_key(fn, tuple(precompile._describe(a) for a in args), meta) == key
+    unaligned = [x[1:] if isinstance(a, torch.Tensor) else a for a in args]
+    assert precompile.variant_key(fn, tuple(unaligned), meta) != key            # 16-byte alignment
+    assert precompile.variant_key(fn, tuple(args), {**meta, "num_warps": 8}) != key
+    changed = list(args)
+    changed[names.index("num_splits")] = 33   # do_not_specialize: any value, one variant
+    assert precompile.variant_key(fn, tuple(changed), meta) == key
+    changed[names.index("stride_pt")] = 33
+    assert precompile.variant_key(fn, tuple(changed), meta) != key
+
+
+@pytest.mark.gpu
+def test_variants_compile_in_parallel_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # a fresh cache: nothing compiled yet
+    calls = [_decode("cuda", b) for b in (1, 64)] + [_decode("cuda", 3)]
+    with torch_ops.use_backend("triton"):
+        compiled = precompile.compile_ahead(lambda: [torch.ops.attn.paged_decode(*c) for c in calls], workers=2)
+        assert compiled >= 2
+        assert any(tmp_path.rglob("*.cubin")), "the workers wrote Triton's disk cache"
+        for call in calls:
+            out, _ = torch.ops.attn.paged_decode(*call)
+            truth = reference.paged_decode(*call, compute_dtype=torch.float64)
+            base = reference.paged_decode(*call, compute_dtype=torch.bfloat16)
+            assert_error_ratio(out, truth[0], base[0])

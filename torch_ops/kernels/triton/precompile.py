@@ -1,0 +1,175 @@
+"""Compiling the Triton kernels a block of code would launch, in parallel processes, before it runs.
+
+`recorded()` collects the launches a block makes (through `TritonLaunch` or a kernel's JIT)
+without running them: their outputs stay unwritten, and the C++ front records nothing meanwhile.
+`compile_launches()` compiles each distinct variant once, in one process per variant up to the
+cores, into Triton's on-disk cache; the block's first real launch of a variant then loads it
+instead of compiling it (Triton compiles with the GIL held: threads would take turns).
+
+A variant is what Triton compiles under (`variant_key`): the kernel, its constexprs and launch
+options, each tensor's dtype and 16-byte alignment, each integer's width and, unless the kernel
+marks it `do_not_specialize`, whether it is 1 or a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from ... import backends, replay
+from .launcher import TritonLaunch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the kernel (`module`.`kernel`), its positional arguments (a tensor as
+    `("tensor", dtype name, 16-byte aligned)`), grid and keyword arguments."""
+
+    module: str
+    kernel: str
+    args: tuple
+    grid: tuple
+    meta: tuple
+
+    @property
+    def fn(self):
+        return getattr(importlib.import_module(self.module), self.kernel)
+
+    def key(self) -> tuple:
+        return variant_key(self.fn, self.args, dict(self.meta))
+
+
+def _params(fn) -> list[tuple[str, bool, bool, object]]:
+    """(name, constexpr, do_not_specialize, default) of each parameter of a Triton kernel, compiled
+    (`JITFunction`) or interpreted (TRITON_INTERPRET=1)."""
+    if hasattr(fn, "params"):
+        return [(p.name, p.is_constexpr, p.do_not_specialize, p.default) for p in fn.params]
+    plain = set(fn.kwargs.get("do_not_specialize") or ())
+    return [(name, "constexpr" in str(p.annotation), name in plain, None if p.default is p.empty else p.default)
+            for name, p in inspect.signature(fn.fn).parameters.items()]
+
+
+def _integer(value: int, specialize: bool) -> tuple:
+    width = "i32" if -2**31 <= value < 2**31 else "i64" if value < 2**63 else "u64"
+    return (width, value == 1, value % 16 == 0) if specialize else (width,)
+
+
+def variant_key(fn, args: tuple, meta: dict) -> tuple:
+    """What Triton compiles `fn(*args, **meta)` under (see the module docstring); a tensor may be
+    a `Launch` tensor description."""
+    params = _params(fn)
+    values = dict(zip((name for name, *_ in params), args))
+    values.update(meta)
+    spec = []
+    for name, constexpr, plain, default in params:
+        v = values.get(name, default)
+        if constexpr:
+            spec.append(v)
+        elif isinstance(v, torch.Tensor):
+            spec.append((str(v.dtype).removeprefix("torch."), v.data_ptr() % 16 == 0))
+        elif isinstance(v, tuple) and v[:1] == ("tensor",):
+            spec.append(v[1:])
+        elif isinstance(v, bool) or v is None:
+            spec.append(v)
+        elif isinstance(v, int):
+            spec.append(_integer(v, not plain))
+        else:
+            spec.append(type(v).__name__)
+    names = {name for name, *_ in params}
+    options = tuple(sorted((k, v) for k, v in meta.items() if k not in names))
+    return fn.__name__, tuple(spec), options
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", str(x.dtype).removeprefix("torch."), x.data_ptr() % 16 == 0)
+    return x
+
+
+def _launch(fn, args: tuple, grid, meta: dict) -> Launch:
+    python = fn.fn
+    return Launch(python.__module__, python.__name__, tuple(map(_describe, args)), tuple(grid),
+                  tuple(sorted(meta.items())))
+
+
+@contextlib.contextmanager
+def recorded():
+    """Collect, into the yielded list, the Triton launches of the block instead of running them."""
+    launches: list[Launch] = []
+    call, runs = TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
+
+    def record(self, *tensors):
+        launches.append(_launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta))
+
+    def record_jit(self, *args, grid, warmup, **kwargs):
+        launches.append(_launch(self, args, grid if isinstance(grid, tuple) else (grid,), kwargs))
+
+    replay.configure(bypass=True)   # the C++ front records no skipped launch
+    TritonLaunch.__call__ = record
+    JITFunction.run = InterpretedFunction.run = record_jit
+    try:
+        yield launches
+    finally:
+        TritonLaunch.__call__ = call
+        JITFunction.run, InterpretedFunction.run = runs
+        backends.clear_plans()   # plans made meanwhile would not be recorded by the C++ front
+
+
+def _tensor(description: tuple, device: int) -> torch.Tensor:
+    _, dtype, aligned = description
+    t = torch.empty(32, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+    return t if aligned else t[1:]
+
+
+def _compile(launch: Launch, device: int) -> str | None:
+    """Compile `launch`'s variant into Triton's cache (in a worker process); an error's text."""
+    try:
+        torch.cuda.set_device(device)
+        args = [_tensor(a, device) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch.args]
+        launch.fn.warmup(*args, grid=launch.grid, **dict(launch.meta))
+        return None
+    except Exception as e:  # noqa: BLE001 - reported; the real launch compiles it again and raises
+        return f"{launch.kernel}: {type(e).__name__}: {e}"
+
+
+def compile_launches(launches, *, workers: int | None = None) -> int:
+    """Compile the distinct variants among `launches` (CUDA, compiled Triton) in up to `workers`
+    processes (default `ATTN_COMPILE_WORKERS`, else one per core; fewer than 2: none), each once,
+    into Triton's on-disk cache; returns how many were compiled. Failures are logged: the real
+    launch compiles its variant again, and raises."""
+    distinct = list({launch.key(): launch for launch in launches}.values())
+    workers = min(len(distinct), _worker_count(workers))
+    if workers < 2 or not torch.cuda.is_available() or not isinstance(distinct[0].fn, JITFunction):
+        return 0
+    device = torch.cuda.current_device()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for error in pool.map(_compile, distinct, [device] * len(distinct)):
+            if error:
+                log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
+    return len(distinct)
+
+
+def _worker_count(workers: int | None) -> int:
+    return workers if workers is not None else int(os.environ.get("ATTN_COMPILE_WORKERS") or os.cpu_count() or 1)
+
+
+def compile_ahead(run, *, workers: int | None = None) -> int:
+    """Record the launches of `run()` and compile their variants in parallel (`compile_launches`);
+    with one worker or no CUDA device nothing is recorded (the caller's own run compiles)."""
+    if _worker_count(workers) < 2 or not torch.cuda.is_available():
+        return 0
+    with recorded() as launches:
+        run()
+    return compile_launches(launches, workers=workers)
