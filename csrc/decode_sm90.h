@@ -1,5 +1,5 @@
 // C ABI of the small-problem paged decode kernel in decode_sm90.cu: plain C, no torch headers.
-// torch_ops/cuda_decode.py mirrors this struct field by field (ctypes.Structure `DecodeArgs`).
+// torch_ops/kernels/cuda/decode_sm90.py mirrors this struct field by field (ctypes.Structure `DecodeArgs`).
 #pragma once
 #include <stdint.h>
 

@@ -6,7 +6,7 @@
 
 namespace {
 
-// Tuning knobs for A/B builds (torch_ops/cuda_decode.build(defines=...)); the defaults are the
+// Tuning knobs for A/B builds (torch_ops.kernels.cuda.decode_sm90.build(defines=...)); the defaults are the
 // choices measured fastest on an H200.
 #ifndef ATTN_DECODE_WARPS
 #define ATTN_DECODE_WARPS 8
@@ -20,7 +20,7 @@ namespace {
 #ifndef ATTN_DECODE_QUANT_TILES_PER_STEP
 #define ATTN_DECODE_QUANT_TILES_PER_STEP 2   // FP8/INT8/INT4: 16-key tiles per softmax step (Storage)
 #endif
-constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/cuda_decode.py WARPS
+constexpr int kWarps = ATTN_DECODE_WARPS;   // per CTA; torch_ops/kernels/cuda/decode_sm90.py WARPS
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;       // query rows of a CTA at most: two n8 MMA tiles
 constexpr int kKeys = 16;       // keys per tile

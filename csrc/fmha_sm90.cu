@@ -26,7 +26,7 @@
 //
 // One translation unit per (element, head dim, persistent or not, paged or not, cluster size),
 // chosen by -DATTN_ELEMENT_<E4M3|BF16|FP16>, -DATTN_HEAD_DIM=<64|128|256>, -DATTN_PERSISTENT=<0|1>,
-// -DATTN_PAGED=<0|1|2> and -DATTN_CLUSTER=<1|2>; torch_ops/cutlass_build.py builds and links them.
+// -DATTN_PAGED=<0|1|2> and -DATTN_CLUSTER=<1|2>; torch_ops/kernels/cuda/fmha_sm90_build.py builds and links them.
 #include "fmha_sm90_config.cuh"    // the configuration, tile shape, masks
 #include "fmha_sm90_paged.cuh"     // stage layouts, the paged caches' TMA descriptors
 #include "fmha_sm90_work.cuh"      // work tiles
@@ -40,7 +40,7 @@ namespace {
 // One CTA per work item (WorkOrder). The host picks one head per section (head by head: the
 // running CTAs share a head's K/V in L2) or, for causal grids of few waves, as many heads as fit
 // their K/V in L2, so that the heaviest tiles of all those heads start first
-// (torch_ops/cutlass.py `sectioned`). A CTA with a spare tile exits. In clusters of 2 (even
+// (torch_ops/kernels/cuda/fmha_sm90.py `sectioned`). A CTA with a spare tile exits. In clusters of 2 (even
 // sections), items 2i and 2i + 1 are heads h, h + 1 of one tile and KV head.
 struct Scheduler {
   using Params = WorkOrder;

@@ -1,6 +1,6 @@
 // C ABI of the Hopper (sm90a) varlen FMHA kernels in fmha_sm90.cu: plain C, no torch headers,
 // so the heavy translation units build without PyTorch and Python calls them through ctypes.
-// torch_ops/cutlass.py mirrors this struct field by field (ctypes.Structure `FmhaArgs`).
+// torch_ops/kernels/cuda/fmha_sm90.py mirrors this struct field by field (ctypes.Structure `FmhaArgs`).
 #pragma once
 #include <stdint.h>
 
@@ -13,7 +13,7 @@ enum AttnOutDtype { ATTN_OUT_BF16 = 0, ATTN_OUT_FP16 = 1, ATTN_OUT_E4M3 = 2 };
 // (bf16/fp16, and FP8 at head dim 128 in the persistent grid, which transposes tiles in shared
 // memory), or transposed, vt [hkv, head_dim, >= total_k] (FP8 otherwise: the FP8 wgmma wants the
 // PV reduction dim contiguous), at head dim 128 with the tokens of every aligned 16 interleaved and
-// ceil(total_k / 16) * 16 of them, the padding zero (torch_ops/kernels/transpose.py).
+// ceil(total_k / 16) * 16 of them, the padding zero (torch_ops/kernels/triton/transpose.py).
 enum AttnValueLayout { ATTN_V_TOKENS = 0, ATTN_V_TRANSPOSED = 1, ATTN_V_TRANSPOSED_INTERLEAVED = 2 };
 
 typedef struct {

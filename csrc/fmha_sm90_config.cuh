@@ -65,7 +65,7 @@ static_assert(kCluster == 1 || (kPaged && kCluster == 2), "clusters: paged kerne
 // (query rows per CTA, keys per tile, head dim): the example's best-measured shapes, except FP8
 // D = 128 at 192 keys (the largest tile whose scores fit the registers beside the next tile's
 // operand, see kOverlapSoftmax) in the plain grid, and at 128 keys in the persistent grid, which
-// runs short sequences (torch_ops.cutlass_build.PERSISTENT_SHORT; H200: 1.01-1.08x the 192-key
+// runs short sequences (torch_ops.kernels.cuda.fmha_sm90_build.PERSISTENT_SHORT; H200: 1.01-1.08x the 192-key
 // tiles up to 2k keys, 0.99x at 4k), unless -DATTN_BLOCK_N overrides the key tile (for tuning
 // runs; run the GPU tests on any other tile: bf16 160-key tiles in the overlapped loop give wrong
 // outputs, for a reason not known).
@@ -92,7 +92,7 @@ constexpr bool kInterleavedV = kFp8 && kHeadDim == 128;
 // warpgroup transpose each tile in shared memory into the interleaved layout the PV product reads
 // (transpose_tiles): a tile passes through three pipeline stages, K, raw V and transposed V. H200,
 // S = 512: 1.07x / 1.12x (non-causal / causal).
-// The plain kernels read V transposed and interleaved by torch_ops/kernels/transpose.py: with their
+// The plain kernels read V transposed and interleaved by torch_ops/kernels/triton/transpose.py: with their
 // 192-key tiles in 6 stages (against 5 stages of K and V) transposing here runs 0.96x at S = 4k-8k.
 constexpr bool kTransposeV = kInterleavedV && kPersistent;
 #ifdef ATTN_OVERLAP_SOFTMAX  // tuning runs only: the paged kernels then skip the V tail zeroing

@@ -479,7 +479,7 @@ struct VarlenMainloop : Base {
   // In the accumulator a thread holds, per row and per 16 keys, the columns 2c, 2c + 1, 2c + 8,
   // 2c + 9 (c = lane % 4); the A operand wants 4 consecutive k positions 4c .. 4c + 3 in one
   // register. V's tokens are interleaved so that k position 4c + i is exactly that column
-  // (torch_ops/kernels/transpose.py), so each register packs a row's two column pairs of
+  // (torch_ops/kernels/triton/transpose.py), so each register packs a row's two column pairs of
   // adjacent 8-column blocks: 4 converts and no exchange between threads per 8 values (the
   // example's make_acc_into_op converts one value at a time and exchanges across the quad).
   // Storage: accumulator registers 8m .. 8m + 7 are blocks 2m, 2m + 1 as (row g, row g + 8) x
