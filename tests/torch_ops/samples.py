@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_ops import quant
+from torch_ops import quant, reference
 
 
 def paged_cache(num_blocks, block_size, hkv, d, fmt="bf16", *, per_head=False, group=8, device="cpu", dv=None):
@@ -175,3 +175,19 @@ VARIANTS = {
 
 def sample(op: str, variant: str):
     return globals()[op](variant)
+
+
+# the attention options that the kernels' feature tests run one at a time and all together:
+# name -> (query heads, device) -> keyword arguments
+FEATURES = {
+    "alibi": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev)},
+    "window": lambda hq, dev: {"window_left": 100},
+    "window_sinks": lambda hq, dev: {"window_left": 37, "sink_tokens": 20},
+    "learned_sinks": lambda hq, dev: {"sinks": torch.randn(hq, device=dev) * 2},
+    "softcap": lambda hq, dev: {"softcap": 8.0},
+    "out_scale": lambda hq, dev: {"out_scale": torch.tensor(0.02, device=dev)},
+    "scale": lambda hq, dev: {"scale": 0.3, "q_scaling": 2.0},
+    "all": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev), "window_left": 64,
+                            "sink_tokens": 5, "sinks": torch.randn(hq, device=dev), "softcap": 10.0,
+                            "out_scale": torch.tensor(0.03, device=dev)},
+}

@@ -9,7 +9,6 @@ format (fp32 RoPE roundings may differ on the GPU). Slots the call does not writ
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -21,6 +20,8 @@ import torch_ops
 from torch_ops import errors, reference
 from torch_ops.kernels.triton import kv_cache_write as kcw
 from torch_ops.testing import assert_error_ratio, poison_
+
+pytestmark = pytest.mark.usefixtures("clear_error_flags")
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 DV, DR = 512, 64
@@ -70,15 +71,6 @@ def assert_same_writes(ours, ref, rotated: bool):
     assert torch.equal(written, ~torch.isnan(ours[..., DV:].float())), "other slots written or skipped"
     rel = 2.0 ** -3 if ref.dtype == E4M3 else 2.0 ** -7
     torch.testing.assert_close(ours[..., DV:].float()[written], ref[..., DV:].float()[written], rtol=rel, atol=2.0 ** -9)
-
-
-@pytest.fixture(autouse=True)
-def _clear_error_flags():
-    with contextlib.suppress(ValueError):
-        errors.check_errors()
-    yield
-    with contextlib.suppress(ValueError):
-        errors.check_errors()
 
 
 @pytest.mark.parametrize("cache_dtype,bs,rope,with_query", [

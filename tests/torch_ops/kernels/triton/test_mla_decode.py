@@ -11,7 +11,6 @@ problems (Hq = 16); the DeepSeek-V3-sized ones and CUDA graphs are marked `gpu`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -25,6 +24,8 @@ from torch_ops.kernels.cuda import decode_sm90
 from torch_ops.kernels.triton import mla_decode
 from torch_ops.kernels.triton import paged_decode as pd
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, max_error, poison_
+
+pytestmark = pytest.mark.usefixtures("poisoned_workspace", "clear_error_flags")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -97,29 +98,6 @@ def check(args, kwargs, out, lse):
         sinks = kwargs.get("sinks")
         want = sinks.expand(int(empty.sum()), -1) if sinks is not None else torch.full_like(lse[empty], -math.inf)
         torch.testing.assert_close(lse[empty], want.float())
-
-
-@pytest.fixture
-def knobs():
-    """The decode kernels' tuning knobs for one test (`paged_decode.tuning`, restored afterwards)."""
-    with contextlib.ExitStack() as stack:
-        yield lambda **changes: stack.enter_context(pd.tuning(**changes))
-
-
-@pytest.fixture(autouse=True)
-def poisoned_workspace(monkeypatch):
-    """Split-K partials start as NaN: the merge may read only what the splits wrote."""
-    real = pd.split_workspace
-    monkeypatch.setattr(pd, "split_workspace", lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
-
-
-@pytest.fixture(autouse=True)
-def _clear_error_flags():
-    with contextlib.suppress(ValueError):
-        errors.check_errors()
-    yield
-    with contextlib.suppress(ValueError):
-        errors.check_errors()
 
 
 def launch_of(args, kwargs):

@@ -11,7 +11,6 @@ module's knobs); the broad matrix, CUDA graphs and >2^31-element caches are mark
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 
@@ -22,6 +21,10 @@ import torch_ops
 from torch_ops import kv_cache, quant, reference
 from torch_ops.kernels.triton import paged_decode as pd
 from torch_ops.testing import assert_error_ratio, assert_replays_match_eager, max_error, poison_
+
+from ... import samples
+
+pytestmark = pytest.mark.usefixtures("poisoned_workspace")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -127,23 +130,6 @@ def run_and_check(problem, **options):
     out, lse = call_triton(q, cache, bt, sl, **options)
     check(q, cache, bt, sl, out, lse, **options)
     return out, lse
-
-
-@pytest.fixture
-def knobs():
-    """Set the kernel's tuning knobs for one test (`paged_decode.tuning`, restored afterwards)."""
-    with contextlib.ExitStack() as stack:
-        yield lambda **changes: stack.enter_context(pd.tuning(**changes))
-
-
-@pytest.fixture(autouse=True)
-def poisoned_workspace(monkeypatch):
-    """Split-K partials start as NaN: the merge may read only what the splits wrote."""
-    real = pd.split_workspace
-
-    def poisoned(*args):
-        return tuple(t.fill_(float("nan")) for t in real(*args))
-    monkeypatch.setattr(pd, "split_workspace", poisoned)
 
 
 # ---- CPU (interpreter) cases: few and tiny -----------------------------------------------------
@@ -377,31 +363,17 @@ def test_matrix(kernel_device, d, bs, heads, cache_dtype, dtype, extra):
     run_and_check(problem)
 
 
-FEATURES = {
-    "alibi": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev)},
-    "window": lambda hq, dev: {"window_left": 100},
-    "window_sinks": lambda hq, dev: {"window_left": 37, "sink_tokens": 20},
-    "learned_sinks": lambda hq, dev: {"sinks": torch.randn(hq, device=dev) * 2},
-    "softcap": lambda hq, dev: {"softcap": 8.0},
-    "out_scale": lambda hq, dev: {"out_scale": torch.tensor(0.02, device=dev)},
-    "scale": lambda hq, dev: {"scale": 0.3, "q_scaling": 2.0},
-    "all": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev), "window_left": 64,
-                            "sink_tokens": 5, "sinks": torch.randn(hq, device=dev), "softcap": 10.0,
-                            "out_scale": torch.tensor(0.03, device=dev)},
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("forced_split", [False, True])
 @pytest.mark.parametrize("cache_dtype,group", [(BF16, None), (E4M3, None), (INT4, 32)])
-@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("feature", list(samples.FEATURES))
 def test_features(kernel_device, knobs, feature, cache_dtype, group, forced_split):
     if forced_split:
         knobs(num_splits=5, min_split_tokens=64)
     hq = 16
     problem = make_problem(kernel_device, lens=[700, 3, 0, 161, 1029], hq=hq, hkv=4, d=128, bs=16, qps=2,
                            cache_dtype=cache_dtype, group=group)
-    run_and_check(problem, **FEATURES[feature](hq, kernel_device))
+    run_and_check(problem, **samples.FEATURES[feature](hq, kernel_device))
 
 
 @pytest.mark.gpu

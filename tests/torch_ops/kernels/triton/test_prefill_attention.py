@@ -444,18 +444,10 @@ def test_context_matrix(kernel_device, d, heads, dtype, q_lens, k_lens, causal):
 
 
 FEATURES = {
-    "alibi": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev)},
-    "window": lambda hq, dev: {"window_left": 100},
+    **samples.FEATURES,
     "window0": lambda hq, dev: {"window_left": 0},
-    "window_sinks": lambda hq, dev: {"window_left": 37, "sink_tokens": 20},
     "window_many_sinks": lambda hq, dev: {"window_left": 64, "sink_tokens": 300},
-    "learned_sinks": lambda hq, dev: {"sinks": torch.randn(hq, device=dev) * 2},
-    "softcap": lambda hq, dev: {"softcap": 8.0},
-    "out_scale": lambda hq, dev: {"out_scale": torch.tensor(0.02, device=dev)},
-    "scale": lambda hq, dev: {"scale": 0.3, "q_scaling": 2.0},
-    "all": lambda hq, dev: {"alibi_slopes": reference.alibi_slopes(hq).to(dev), "window_left": 64,
-                            "sink_tokens": 5, "sinks": torch.randn(hq, device=dev), "softcap": 10.0,
-                            "out_scale": torch.tensor(0.03, device=dev), "scale": 0.1},
+    "all": lambda hq, dev: dict(samples.FEATURES["all"](hq, dev), scale=0.1),
 }
 
 
