@@ -34,7 +34,7 @@ def test_main_without_cuda_says_so(capsys):
 
 def test_uses_only_the_public_modules():
     source = (ROOT / "benchmarks" / "bench_mla.py").read_text()
-    for private in ("torch_ops.kernels", "cuda_decode", "cutlass"):
+    for private in ("torch_ops.kernels", "decode_sm90", "fmha_sm90", "cutlass"):
         assert private not in source
 
 
