@@ -20,7 +20,8 @@ LAYERS, NEW_TOKENS = 2, 6
 NEAR_TIE = 0.1   # a bf16 run of another kernel may flip tokens whose top-2 logits are this close
 FAMILIES = {"llama": llama, "mistral": mistral, "gemma3": gemma3,   # Mistral and Gemma 3: sliding windows
             **{name: lambda impl, name=name: tiny(name, impl)
-               for name in ("qwen3", "phi3", "starcoder2", "gpt2", "opt", "falcon")}}
+               for name in ("qwen3", "phi3", "starcoder2", "gpt2", "opt", "falcon")},
+            "deepseek_v3": deepseek_v3}   # values of a head dim of their own
 
 
 def gpt_oss(impl):
