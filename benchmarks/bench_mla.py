@@ -31,10 +31,12 @@ Notes
 * Decode peers, on the same latent tensor: FlashInfer `BatchMLAPagedAttentionWrapper` with
   backends "fa2" and "fa3" (`ckv_cache`/`kpe_cache` are views of the latent, as its strides
   allow; for an FP8 cache the K scale rides on `sm_scale` and the V scale is not applied: timing
-  only); and, for context, SDPA on the decompressed equivalent (`sdpa_mha`: per-head keys
-  `[B, Hq, ctx, 192]` and values `[B, Hq, ctx, 128]`, the attention transformers runs, bf16
-  only, skipped past `MAX_DECOMPRESSED_BYTES`). Every GB/s column is latent bytes / time: the
-  same decode step, so the SDPA column shows what reading the decompressed cache costs.
+  only); and, for context, the decompressed equivalent (per-head keys `[B, Hq, ctx, 192]` and
+  values `[B, Hq, ctx, 128]`, the attention transformers runs; bf16 only, skipped past
+  `MAX_DECOMPRESSED_BYTES`) under SDPA (`sdpa_mha`) and under our `paged_decode`, one page per
+  sequence (`ours_mha`: what `fx_passes` makes of transformers' DeepSeek-V3 decode step). Every
+  GB/s column is latent bytes / time: the same decode step, so the decompressed columns show what
+  reading the decompressed cache costs.
 * Prefill, not absorbed: packed self-attention of 16k tokens (`TOTAL_TOKENS`, batch = 16k / S),
   128 heads, queries and keys of 192 dims, values of 128, causal, bf16: `context_attention`
   against FlashInfer fa3 (`BatchPrefillWithRaggedKVCacheWrapper`, `head_dim_qk=192`,
@@ -77,7 +79,7 @@ PREFILL_HEADS = 128
 TOTAL_TOKENS = 16384
 SEQLENS = [1024, 4096, 16384]
 QUICK_SEQLENS = [4096]
-DECODE_PEERS = ["flashinfer_fa2", "flashinfer_fa3", "sdpa_mha"]
+DECODE_PEERS = ["flashinfer_fa2", "flashinfer_fa3", "sdpa_mha", "ours_mha"]
 PREFILL_PEERS = ["flashinfer_fa3", "cudnn_sdpa"]
 PEERS = list(dict.fromkeys(DECODE_PEERS + PREFILL_PEERS))
 SECTIONS = ["decode", "prefill"]
@@ -293,26 +295,47 @@ def flashinfer_mla_fns(case: DecodeCase, backend: str):
     return fns
 
 
-def sdpa_mha_fns(case: DecodeCase, n_sets: int):
-    """SDPA over decompressed keys `[B, Hq, ctx, 192]` and values `[B, Hq, ctx, 128]` (no paging),
-    on CUDA kernels only (cuDNN, memory-efficient or flash; not the math fallback)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+class DecompressedCase:
+    """The decompressed equivalent of a decode step: `n_sets` rotated copies of queries `[B, Hq,
+    1, 192]`, keys `[B, Hq, ctx, 192]` and values `[B, Hq, ctx, 128]` (bf16)."""
 
-    b, hq, ctx = case.batch, case.hq, case.ctx
-    kernels = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
-    fns = []
-    for _ in range(n_sets):
-        q = torch.randn(b, hq, 1, QK_HEAD, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(b, hq, ctx, QK_HEAD, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn(b, hq, ctx, V_HEAD, dtype=torch.bfloat16, device="cuda")
+    def __init__(self, batch, ctx, hq, n_sets=1, device="cuda"):
+        self.sets = [(torch.randn(batch, hq, 1, QK_HEAD, dtype=torch.bfloat16, device=device),
+                      torch.randn(batch, hq, ctx, QK_HEAD, dtype=torch.bfloat16, device=device),
+                      torch.randn(batch, hq, ctx, V_HEAD, dtype=torch.bfloat16, device=device)) for _ in range(n_sets)]
+        self.block_tables = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.out = [torch.empty(batch, hq, V_HEAD, dtype=torch.bfloat16, device=device) for _ in range(n_sets)]
+        self.lse = [torch.empty(batch, hq, dtype=torch.float32, device=device) for _ in range(n_sets)]
 
-        def fn(q=q, k=k, v=v):
-            with sdpa_kernel(kernels):
-                F.scaled_dot_product_attention(q, k, v, scale=SCALE)
-        fns.append(fn)
-    fns[0]()
-    return fns
+    def paged_args(self, i: int = 0) -> tuple:
+        """`paged_decode`'s arguments for set i: each sequence one page of ctx tokens (`k.transpose(1, 2)`)."""
+        q, k, v = self.sets[i]
+        return q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), self.block_tables, self.seq_lens
+
+    def ours_fns(self) -> list:
+        fns = []
+        for i in range(len(self.sets)):
+            def fn(args=self.paged_args(i), out=self.out[i], lse=self.lse[i]):
+                torch.ops.attn.paged_decode.out(*args, scale=SCALE, out=out, lse=lse)
+            fns.append(fn)
+        fns[0]()
+        return fns
+
+    def sdpa_fns(self) -> list:
+        """SDPA on CUDA kernels only (cuDNN, memory-efficient or flash; not the math fallback)."""
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernels = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
+        fns = []
+        for q, k, v in self.sets:
+            def fn(q=q, k=k, v=v):
+                with sdpa_kernel(kernels):
+                    F.scaled_dot_product_attention(q, k, v, scale=SCALE)
+            fns.append(fn)
+        fns[0]()
+        return fns
 
 
 def flashinfer_prefill_fn(case: PrefillCase, backend: str = "fa3"):
@@ -365,8 +388,14 @@ def time_long_us(fn) -> tuple[float, str]:
 
 
 class Runner:
-    def __init__(self, args, env, bw):
-        self.args = args
+    """Measures rows. `device`, `time` (decode: calls -> (µs, how)), `time_long` (prefill: one
+    call -> (µs, how)) and the prefill size are attributes, so that rows can be built on a CPU
+    with a stand-in timer."""
+
+    def __init__(self, args, env, bw, device="cuda"):
+        self.args, self.device = args, device
+        self.time, self.time_long = common.time_us, time_long_us
+        self.total_tokens, self.prefill_heads = TOTAL_TOKENS, PREFILL_HEADS
         self.l2 = env.get("l2_bytes", 50 << 20) or (50 << 20)
         self.limits = {"hbm_TBps": hbm_tbps(env.get("gpu", "")), "read_GBps": bw.get("read_GBps"),
                        "bf16_TFLOPs": BF16_TFLOPS}
@@ -376,66 +405,83 @@ class Runner:
     def time_left(self) -> float:
         return self.t_end - time.time()
 
-    def peer(self, row: dict, name: str, make, nbytes, flops, ours_us: float, timer=common.time_us) -> None:
-        """Time peer `name` (`make()` returns its calls), or record why it is missing."""
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info()[0] if self.device == "cuda" else 1 << 40
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def peer(self, row: dict, name: str, make, nbytes, flops, ours_us: float, long: bool = False) -> None:
+        """Time peer `name` (`make()` returns its calls; with `long`, its one call), or record why
+        it is missing."""
         if self.time_left() < 20:
             row[name] = "skipped: time budget"
             return
         try:
             fns = make()
-            us, how = timer(fns)
+            us, how = (self.time_long if long else self.time)(fns)
             rates(row, name, us, nbytes, flops, self.limits)
             row[f"{name}_timing"], row[f"vs_{name}"] = how, us / ours_us
         except Exception as e:  # noqa: BLE001
             row[name] = f"unavailable: {type(e).__name__}: {str(e)[:160]}"
-        torch.cuda.synchronize()
+        self.sync()
 
     def decode(self, batch: int, ctx: int, hq: int, fmt: str, check: bool) -> dict:
-        nbytes = latent_bytes(batch, ctx, fmt)
         row = {"section": "decode", "batch": batch, "ctx": ctx, "hq": hq, "fmt": fmt, "page": self.args.page,
-               "latent_bytes": nbytes, "flops": decode_flops(batch, ctx, hq)}
-        free, _ = torch.cuda.mem_get_info()
-        n_sets = common.rotation_count(nbytes, self.l2, budget_bytes=int(min(8 << 30, free * 0.3)))
-        case = DecodeCase(batch, ctx, hq, fmt, self.args.page, n_sets=n_sets)
+               "latent_bytes": latent_bytes(batch, ctx, fmt), "flops": decode_flops(batch, ctx, hq)}
+        us = self.latent(row, check)
+        mha = [p for p in ("sdpa_mha", "ours_mha") if p in self.args.peers]
+        if mha and fmt == "bf16":
+            self.decompressed(row, mha, us)
+        return row
+
+    def latent(self, row: dict, check: bool) -> float:
+        """Ours and FlashInfer's MLA on the latent cache of `row`'s shape; returns our µs."""
+        batch, ctx, hq, fmt, nbytes = (row[k] for k in ("batch", "ctx", "hq", "fmt", "latent_bytes"))
+        n_sets = common.rotation_count(nbytes, self.l2, budget_bytes=int(min(8 << 30, self.free_bytes() * 0.3)))
+        case = DecodeCase(batch, ctx, hq, fmt, self.args.page, n_sets=n_sets, device=self.device)
         row["rotated_sets"], row["backend"] = n_sets, case.backend()
         if check:
             row["check"] = common.run_check(lambda: check_decode(case))
-        us, how = common.time_us([case.ours(i) for i in range(n_sets)])
+        us, how = self.time([case.ours(i) for i in range(n_sets)])
         rates(row, "ours", us, nbytes, row["flops"], self.limits)
         row["ours_timing"] = how
         for backend in ("fa2", "fa3"):
             if f"flashinfer_{backend}" in self.args.peers:
                 self.peer(row, f"flashinfer_{backend}", lambda: flashinfer_mla_fns(case, backend), nbytes, row["flops"],
                           us)
-        if "sdpa_mha" in self.args.peers and fmt == "bf16":
-            size = decompressed_bytes(batch, ctx, hq)
-            free, _ = torch.cuda.mem_get_info()
-            if size > MAX_DECOMPRESSED_BYTES or 1.2 * size > free:
-                row["sdpa_mha"] = f"skipped: decompressed K/V of {size / 1e9:.0f} GB"
-            else:
-                sets = common.rotation_count(size, self.l2, budget_bytes=int(min(8 << 30, free * 0.3)))
-                self.peer(row, "sdpa_mha", lambda: sdpa_mha_fns(case, sets), nbytes, row["flops"], us)
-                row["sdpa_mha_bytes"] = size
-        del case
-        torch.cuda.empty_cache()
-        return row
+        return us
+
+    def decompressed(self, row: dict, peers: list[str], ours_us: float) -> None:
+        """`peers` (sdpa_mha, ours_mha) on the decompressed equivalent of `row`'s decode step."""
+        batch, ctx, hq = row["batch"], row["ctx"], row["hq"]
+        size = decompressed_bytes(batch, ctx, hq)
+        free = self.free_bytes()
+        if size > MAX_DECOMPRESSED_BYTES or 1.2 * size > free:
+            row.update({p: f"skipped: decompressed K/V of {size / 1e9:.0f} GB" for p in peers})
+            return
+        sets = common.rotation_count(size, self.l2, budget_bytes=int(min(8 << 30, free * 0.3)))
+        row["decompressed_bytes"], row["decompressed_sets"] = size, sets
+        case = DecompressedCase(batch, ctx, hq, sets, device=self.device)
+        for p in peers:
+            self.peer(row, p, case.sdpa_fns if p == "sdpa_mha" else case.ours_fns, row["latent_bytes"], row["flops"],
+                      ours_us)
 
     def prefill(self, seqlen: int, check: bool) -> dict:
-        lens = [seqlen] * max(1, TOTAL_TOKENS // seqlen)
-        case = PrefillCase(lens)
+        lens = [seqlen] * max(1, self.total_tokens // seqlen)
+        case = PrefillCase(lens, self.prefill_heads, device=self.device)
         row = {"section": "prefill", "seqlen": seqlen, "num_seqs": len(lens), "hq": case.heads, "d_qk": case.d_qk,
                "d_v": case.d_v, "causal": True, "flops": case.flops, "backend": case.backend()}
         if check:
             row["check"] = common.run_check(lambda: check_prefill(case))
-        us, how = time_long_us(case.ours())
+        us, how = self.time_long(case.ours())
         rates(row, "ours", us, None, case.flops, self.limits)
         row["ours_timing"] = how
         if "flashinfer_fa3" in self.args.peers:
-            self.peer(row, "flashinfer_fa3", lambda: flashinfer_prefill_fn(case), None, case.flops, us, time_long_us)
+            self.peer(row, "flashinfer_fa3", lambda: flashinfer_prefill_fn(case), None, case.flops, us, long=True)
         if "cudnn_sdpa" in self.args.peers:
-            self.peer(row, "cudnn_sdpa", lambda: cudnn_prefill_fn(case), None, case.flops, us, time_long_us)
-        del case
-        torch.cuda.empty_cache()
+            self.peer(row, "cudnn_sdpa", lambda: cudnn_prefill_fn(case), None, case.flops, us, long=True)
         return row
 
 
@@ -472,11 +518,13 @@ def summary(rows: list[dict], limits: dict) -> str:
            "faster)"]
     if decode:
         out.append(common.table(decode, [
-            ("batch", "B", "d"), ("ctx", "ctx", "d"), ("hq", "Hq", "d"), ("fmt", "kv", "s"), ("backend", "backend", "s"),
+            ("batch", "B", "d"), ("ctx", "ctx", "d"), ("hq", "Hq", "d"), ("fmt", "kv", "s"),
+            ("backend", "backend", "s"),
             ("ours_us", "ours_us", ".1f"), ("ours_GBps", "GB/s", ".0f"), ("ours_pct_hbm", "%HBM", ".1f"),
             ("ours_pct_read", "%read", ".1f"), ("ours_tflops", "TFLOP/s", ".0f"), ("ours_pct_peak", "%peak", ".1f"),
             ("flashinfer_fa2_us", "FIfa2_us", ".1f"), ("flashinfer_fa3_us", "FIfa3_us", ".1f"),
-            ("sdpa_mha_us", "sdpa_mha_us", ".1f"), ("vs_fi", "xFI", ".2f"), ("err", "err_ok", "s")]))
+            ("sdpa_mha_us", "sdpa_mha_us", ".1f"), ("ours_mha_us", "ours_mha_us", ".1f"), ("vs_fi", "xFI", ".2f"),
+            ("err", "err_ok", "s")]))
     if prefill:
         out.append(common.table(prefill, [
             ("seqlen", "S", "d"), ("num_seqs", "B", "d"), ("hq", "H", "d"), ("backend", "backend", "s"),

@@ -506,7 +506,7 @@ def serving_metadata(data: dict, name: str):
 
 
 MLA_DECODE_PEERS = (("flashinfer_fa2", "FlashInfer fa2"), ("flashinfer_fa3", "FlashInfer fa3"),
-                    ("sdpa_mha", "SDPA decompressed"))
+                    ("sdpa_mha", "SDPA decompressed"), ("ours_mha", "ours decompressed"))
 MLA_PREFILL_PEERS = (("flashinfer_fa3", "FlashInfer fa3"), ("cudnn_sdpa", "cuDNN SDPA"))
 MLA_DEFAULTS = {"sections": ["decode", "prefill"], "formats": ["bf16", "fp8"], "page": 64,
                 "peers": ["flashinfer_fa2", "flashinfer_fa3", "sdpa_mha", "cudnn_sdpa"]}
@@ -529,7 +529,8 @@ def mla(data: dict, name: str):
     text = ("MLA in DeepSeek-V3's shapes. Decode, the absorbed form: `paged_decode` over one latent cache "
             f"`[blocks, {data['args'].get('page', 64)}, 1, 576]` (values: its first 512 dims, a view), scale "
             "1/sqrt(192), one new token per sequence, against FlashInfer's `BatchMLAPagedAttentionWrapper` (fa2, fa3) "
-            "on the same latent and SDPA on the decompressed keys (192 dims) and values (128) per head. GB/s = "
+            "on the same latent; SDPA and our `paged_decode` on the decompressed keys (192 dims) and values (128) "
+            "per head (what transformers runs, and the passes rewrite), in the plot. GB/s = "
             "latent bytes (read once) / time for every implementation; FLOPs 2 · Hq · ctx · (576 + 512) per "
             "sequence.")
     if decode:
@@ -563,7 +564,7 @@ def mla(data: dict, name: str):
         rows_ = -(-max(1, len(groups)) // cols)
         fig, axes = plt.subplots(rows_, cols, figsize=(7.5, 2.6 * rows_), sharey=True, squeeze=False)
         for ax, (fmt, hq) in zip(axes.flat, groups):
-            for (key, label), marker in zip((("ours", "ours"),) + MLA_DECODE_PEERS, "o^vs"):
+            for (key, label), marker in zip((("ours", "ours"),) + MLA_DECODE_PEERS, "o^vsD"):
                 pts = [(b, cell[fmt, hq, b]["latent_bytes"] / cell[fmt, hq, b][key + "_us"] / 1e3) for b in batches
                        if isinstance(cell.get((fmt, hq, b), {}).get(key + "_us"), (int, float))]
                 if pts:

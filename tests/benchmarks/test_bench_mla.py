@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch_ops.testing import assert_error_ratio
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_mla", ROOT / "benchmarks" / "bench_mla.py")
 bench_mla = importlib.util.module_from_spec(_spec)
@@ -86,7 +88,7 @@ def test_summary_on_synthetic_rows():
     decode = [line.split() for line in lines[1:4]]
     assert decode[0][:6] == ["B", "ctx", "Hq", "kv", "backend", "ours_us"]
     assert decode[1] == ["64", "4096", "128", "bf16", "triton", "200.0", "1510", "31.5", "37.7", "365", "36.9",
-                         "300.0", "250.0", "-", "1.25", "ok"]
+                         "300.0", "250.0", "-", "-", "1.25", "ok"]
     assert decode[2][-5:] == ["-", "-", "-", "-", "BAD"]   # peers that did not run
     prefill = lines[4:]
     assert prefill[1].split() == ["4096", "4", "128", "triton", "5000.0", "420", "42.5", "525", "-", "0.80", "-"]
@@ -116,3 +118,55 @@ def test_prefill_case_checks_against_the_reference(backend):
     check = bench_mla.check_prefill(case, rows=8, backend=backend)
     assert check["ok"], check
     assert case.out.shape == (48, 2, 128)
+
+
+def test_decompressed_case_on_the_op_matches_sdpa():
+    """The decompressed equivalent through `paged_decode` (one page per sequence, values of 128
+    dims under keys of 192) against SDPA in float64 on the same tensors."""
+    import torch.nn.functional as F
+
+    case = bench_mla.DecompressedCase(2, 20, 4, n_sets=2, device="cpu")
+    q, k, v, bt, sl = case.paged_args(1)
+    assert k.shape == (2, 20, 4, 192) and v.shape == (2, 20, 4, 128) and bt.tolist() == [[0], [1]]
+    fns = case.ours_fns()   # runs set 0 once
+    fns[1]()
+    for i, (q, k, v) in enumerate(case.sets):
+        truth = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=bench_mla.SCALE)[:, :, 0]
+        base = F.scaled_dot_product_attention(q, k, v, scale=bench_mla.SCALE)[:, :, 0]
+        assert_error_ratio(case.out[i], truth, base)
+
+
+@pytest.mark.filterwarnings("ignore:.*[Ff]lash attention:UserWarning")   # SDPA's CUDA kernels on the CPU
+def test_runner_builds_rows_on_the_cpu():
+    """Decode and prefill rows through the Runner with a stand-in timer (each call run once): our
+    rates and check, and every peer timed or recorded as unavailable (FlashInfer and SDPA's CUDA
+    kernels cannot run here), never raising."""
+    args = bench_mla.parser().parse_args(["--page", "16"])
+    runner = bench_mla.Runner(args, {"gpu": "NVIDIA H200", "l2_bytes": 1 << 20}, {"read_GBps": 4000.0}, device="cpu")
+
+    def run_once(fns):
+        for fn in fns if isinstance(fns, list) else [fns]:
+            fn()
+        return 100.0, "test"
+    runner.time = runner.time_long = run_once
+    runner.total_tokens, runner.prefill_heads = 32, 2
+    bench_mla.MAX_DECOMPRESSED_BYTES, limit = 1e6, bench_mla.MAX_DECOMPRESSED_BYTES
+    try:
+        small = runner.decode(2, 40, 16, "bf16", check=True)
+        large = runner.decode(8, 64, 16, "bf16", check=False)   # decompressed K/V past the limit
+        fp8 = runner.decode(2, 40, 16, "fp8", check=False)
+    finally:
+        bench_mla.MAX_DECOMPRESSED_BYTES = limit
+    prefill = runner.prefill(16, check=True)
+    assert small["backend"] == "vanilla" and small["check"]["ok"] and small["rotated_sets"] > 1
+    assert small["ours_GBps"] == pytest.approx(2 * 40 * 576 * 2 / 100 / 1e3)
+    assert small["ours_pct_hbm"] == pytest.approx(100 * small["ours_GBps"] / 4800)
+    assert small["flashinfer_fa2"].startswith("unavailable") and small["flashinfer_fa3"].startswith("unavailable")
+    assert small["sdpa_mha"].startswith("unavailable")   # CUDA kernels only
+    assert small["ours_mha_us"] == 100.0 and small["decompressed_bytes"] == 2 * 16 * 40 * 320 * 2
+    assert large["sdpa_mha"].startswith("skipped") and large["ours_mha"].startswith("skipped")
+    assert "sdpa_mha" not in fp8 and "ours_mha" not in fp8   # the decompressed cache is bf16: once per shape
+    assert prefill["num_seqs"] == 2 and prefill["check"]["ok"] and prefill["ours_tflops"] > 0
+    assert prefill["cudnn_sdpa"].startswith("unavailable") and "ours_GBps" not in prefill
+    lines = bench_mla.summary([small, large, fp8, prefill], runner.limits).splitlines()
+    assert len(lines) == 1 + 4 + 2 and "cudnn_TF" in lines[5]
