@@ -34,8 +34,7 @@ check (`replacements.check_alibi`; the op measures `|p - k|` from the last visib
 there: causal masks.
 
 Values may have a head dim of their own, `v [B, Hkv, S, D_v]` (MLA over decompressed keys and
-values, DeepSeek-V3's decode in Hugging Face: `D = qk_nope + qk_rope`, `D_v = v_head_dim`), except
-with a key mask on CUDA (`check_value_head_dim`).
+values, DeepSeek-V3's decode in Hugging Face: `D = qk_nope + qk_rope`, `D_v = v_head_dim`).
 
 At the edge: a length of 0 (an all-false mask row) gives zeros where SDPA gives NaN.
 """
@@ -109,7 +108,6 @@ def _is_decode(c) -> bool:
 def _match_eager(a: sdpa_to_attn.Attention) -> tuple[tuple, dict, list[fx.Node], torch.Tensor]:
     """(args, kwargs of `paged_decode_bhsd` without the query factor and slopes, the nodes it
     makes dead, its example output) of an eager-spelled decode attention."""
-    check_value_head_dim(value(a.query), value(a.value), a.key_mask is not None)
     args = (a.query, a.key, a.value, a.key_mask)
     kwargs = {"scale": a.scale, "key_mask": a.key_mask is not None, "softcap": a.softcap, "sinks": a.sinks,
               "alibi_positions": a.positions}
@@ -152,19 +150,8 @@ def _match(node: fx.Node, c) -> tuple[tuple, dict, list[fx.Node]]:
         scale, q_factor = 1.0, scale
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise Decline(f"scale {scale} is not a number")
-    check_value_head_dim(value(q), value(v), key_mask)
     kwargs = {"scale": None if scale is None else float(scale), "q_factor": q_factor, "key_mask": key_mask, **extra}
     return (q, k, v, mask), kwargs, k_nodes + v_nodes
-
-
-def check_value_head_dim(query: torch.Tensor, value_: torch.Tensor, key_mask: bool) -> None:
-    """Declines values of their own head dim (`value_ [B, Hkv, S, D_v]`, `D_v != D` of `query [B,
-    Hq, 1, D]`) with a key mask on CUDA: the GPU kernel of `paged_decode` with `D_v != D` takes
-    no `key_mask`, and the reference that would serve the call reads lengths on the host (a sync
-    per layer, not CUDA-graph safe)."""
-    if key_mask and query.device.type == "cuda" and not known_equal(query.shape[-1], value_.shape[-1]):
-        raise Decline(f"a value head dim of its own (D = {query.shape[-1]}, D_v = {value_.shape[-1]}) with a "
-                      "key mask: on CUDA only the reference serves paged_decode with both (host-synchronizing)")
 
 
 def _alibi(q: fx.Node, k: fx.Node, mask: fx.Node, terms) -> dict:

@@ -159,21 +159,3 @@ def test_static_batch_tables_are_shared_constants(dynamic):
             assert len(made_by) == 1 and made_by <= set(constants)
     truth = two_layer_step(*(t.double() for t in (q, *caches)))
     assert_error_ratio(out, truth, two_layer_step(q, *caches))
-
-
-def test_value_head_dim_with_a_key_mask_declined_on_cuda():
-    """Values of their own head dim (MLA over decompressed keys and values) are rewritten, on CUDA
-    too, except with a key mask there: the GPU kernel of that `paged_decode` takes none."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fx_passes.decode_to_paged import check_value_head_dim
-    from fx_passes.torch_ir import Decline
-
-    with FakeTensorMode():
-        for device in ("cpu", "cuda"):
-            q, v = torch.empty(2, 4, 1, 32, device=device), torch.empty(2, 4, 24, 16, device=device)
-            check_value_head_dim(q, v, key_mask=False)
-            check_value_head_dim(q, torch.empty(2, 4, 24, 32, device=device), key_mask=True)
-        check_value_head_dim(q.cpu(), v.cpu(), key_mask=True)
-        with pytest.raises(Decline, match="key mask"):
-            check_value_head_dim(q, v, key_mask=True)

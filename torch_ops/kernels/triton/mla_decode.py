@@ -23,8 +23,8 @@ in the absorbed form, `v_cache = k_cache[..., :512]`, out `[T, Hq, 512]`).
   (`block_table.any_absent_block`); with one outside the cache it reads no keys (its split or its
   rows stay empty). Each bad value sets its bit in the error flag.
 
-Served options: `scale`, `q_scaling`, `sinks`, `out_scale`; ALiBi, sliding windows, soft-capping
-and `key_mask` are not (`unsupported`). Under TRITON_INTERPRET=1: a fixed trip count, bf16 dots in
+Served options: `scale`, `q_scaling`, `sinks`, `out_scale`, `key_mask`; ALiBi, sliding windows and
+soft-capping are not (`unsupported`). Under TRITON_INTERPRET=1: a fixed trip count, bf16 dots in
 fp32 with P rounded to bf16 first, as in `paged_decode`.
 """
 
@@ -91,11 +91,11 @@ def _load_rows(Base, rows, n_ok, first: tl.constexpr, DIMS: tl.constexpr, FP8: t
 
 
 @triton.jit
-def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
+def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, km_rows, km_len, bt_row, stride_btp,
           K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
           D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
           FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-          P_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+          P_DTYPE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, INTERPRET: tl.constexpr):
     """One online-softmax step (log2 units) over keys `t0 ..< min(t0 + BLOCK_N, end)`, whose block
     ids are known to lie in the cache (`any_absent_block`)."""
     offs_n = t0 + tl.arange(0, BLOCK_N)
@@ -124,6 +124,8 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
     s = tl.dot(q_r, tl.trans(k_r), s)
     s = s * qk_scale
     vis = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+    if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
+        vis = vis & (tl.load(km_rows[:, None] + offs_n[None, :], mask=vis & (offs_n < km_len)[None, :], other=0) != 0)
     s = tl.where(vis, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -141,45 +143,46 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
 
 
 @triton.jit
-def _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
+def _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, km_rows, km_len, bt_row, stride_btp,
               K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
               D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
               FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-              P_DTYPE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr):
+              P_DTYPE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+              MAX_ITERS: tl.constexpr):
     """The tiles of keys `start ..< end` (`_tile`)."""
     n_iter = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
     if DYNAMIC_LOOP:
         for it in range(0, n_iter):
-            acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                  stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+            acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, km_rows,
+                                  km_len, bt_row, stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
                                   stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
-                                  P_DTYPE, False)
+                                  P_DTYPE, HAS_KEY_MASK, False)
     else:
         # the interpreter takes no loaded value as a loop bound (numpy >= 2.4): a fixed trip count
         for it in range(0, MAX_ITERS):
             if it < n_iter:
-                acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, bt_row,
-                                      stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
+                acc, m_i, l_i = _tile(start + it * BLOCK_N, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, km_rows,
+                                      km_len, bt_row, stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb,
                                       stride_vt, D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE,
-                                      P_DTYPE, True)
+                                      P_DTYPE, HAS_KEY_MASK, True)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])   # they follow the batch size
 def _mla_decode_kernel(
-    Query, K, V, KScale, VScale, BT, SeqLens, Sinks, OutScale, Out, Lse, POut, PLse, Err,
+    Query, K, V, KScale, VScale, BT, SeqLens, Sinks, OutScale, Out, Lse, POut, PLse, KeyMask, Err,
     scale_eff, num_splits, min_split,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_fp8s,
     stride_btb, stride_btp,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, kv_cap, num_blocks,
+    stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len, kv_cap, num_blocks,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
     PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, E5M2: tl.constexpr, V_FROM_K: tl.constexpr,
     HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, MAX_ITERS: tl.constexpr, DOT_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr,
-    BLOCK_ERR: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, BLOCK_ERR: tl.constexpr,
 ):
     """`Query [T, Hq, D_V + D_R]`, caches `[num_blocks, page, Hkv, D_V + D_R]` (FP8: as bytes), `Out
     [T, Hq, D_V]`, `Lse [T, Hq]`; split-K partials `POut [S, T, Hq, D_V]`, `PLse [S, T, Hq]`.
@@ -203,6 +206,7 @@ def _mla_decode_kernel(
     head = kh * GROUP + m % GROUP
     tok = b * QPS + qi
     pos = L - QPS + qi                     # absolute positions of the query rows
+    km_rows = KeyMask + tl.where(row_ok, tok, 0).to(tl.int64) * stride_kmt
     q_rows = Query + tok.to(tl.int64) * stride_qt + head * stride_qh
     dv = tl.arange(0, D_V)
     dr = D_V + tl.arange(0, D_R)
@@ -224,10 +228,10 @@ def _mla_decode_kernel(
     if BLOCK_ERR != 0:
         tl.atomic_or(Err, BLOCK_ERR, mask=absent != 0, sem="relaxed")
     end = tl.where(absent != 0, start, end)
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, bt_row, stride_btp,
-                              K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, start, end, q_v, q_r, qk_scale, pos, km_rows, km_len, bt_row,
+                              stride_btp, K, V, k_head, v_head, stride_kb, stride_kt, stride_vb, stride_vt,
                               D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
-                              DYNAMIC_LOOP, MAX_ITERS)
+                              HAS_KEY_MASK, DYNAMIC_LOOP, MAX_ITERS)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -259,7 +263,7 @@ def _pow2_in(n: int, lo: int, hi: int) -> bool:
 
 
 def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, alibi_slopes=None, window_left=-1,
-                softcap=0.0, key_mask=None, **options) -> list[str]:
+                softcap=0.0, **options) -> list[str]:
     """Reasons this kernel cannot run a validated `paged_decode` call with `D_v != D`."""
     why = []
     d, dv = query.shape[-1], v_cache.shape[-1]
@@ -269,7 +273,7 @@ def unsupported(query, k_cache, v_cache, block_tables, seq_lens, *, alibi_slopes
     if query.dtype not in _DTYPES:
         why.append(f"query dtype {query.dtype} is not served (fp16/bf16 only)")
     for name, given in (("ALiBi (alibi_slopes)", alibi_slopes is not None), ("sliding windows (window_left)",
-                        window_left >= 0), ("soft-capping (softcap)", softcap > 0), ("key_mask", key_mask is not None)):
+                        window_left >= 0), ("soft-capping (softcap)", softcap > 0)):
         if given:
             why.append(f"{name} is not implemented for D_v != D")
     return why
@@ -287,7 +291,7 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=None, q_scaling=1.0,
-            sinks=None, out_scale=None, k_scale=None, v_scale=None, num_blocks=None,
+            sinks=None, out_scale=None, k_scale=None, v_scale=None, key_mask=None, num_blocks=None,
             block_error=errors.BLOCK_TABLES, **_):
     """The launch of a call of this signature (only the arguments' metadata is read). Block ids
     outside `[0, num_blocks)` (default `k_cache.shape[0]`) are absent blocks, flagged with the error
@@ -345,14 +349,16 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
             fp8_stride, bt.stride(0), bt.stride(1),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            *p_strides, kv_cap, num_blocks,
+            *p_strides, *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
+            kv_cap, num_blocks,
         ), dict(
             D_V=dv, D_R=d - dv, BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PAGE=page_span,
             ONE_PAGE=one_page, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv, FP8=fp8,
             E5M2=k_cache.dtype == torch.float8_e5m2, V_FROM_K=v_from_k, HAS_SINKS=sinks is not None,
             OUT_FP8=out_scale is not None, SPLIT=split, DYNAMIC_LOOP=not interpret, MAX_ITERS=max_iters,
             DOT_DTYPE=tl.float32 if interpret and query.dtype == torch.bfloat16 else dot_dtype, P_DTYPE=dot_dtype,
-            BLOCK_ERR=block_error, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         ))
 
     mains = {False: main(False), True: main(True) if shareable else None}
@@ -361,7 +367,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     flag = errors.device_flag(query.device)
 
     def launch(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, sinks=None, out_scale=None,
-               k_scale=None, v_scale=None, **_):
+               k_scale=None, v_scale=None, key_mask=None, **_):
         kernel = mains[values_in_keys(k_cache, v_cache)]
         kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
         ks, vs = scale_operands(scales, k_scale, v_scale, hkv, lse)
@@ -369,7 +375,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         sinks_ = lse if sinks is None else sinks
         out_scale_ = lse if out_scale is None else out_scale
         kernel(query, kc, vc, ks, vs, block_tables if no_tables is None else no_tables, seq_lens, sinks_,
-               out_scale_, out, lse, pout, plse, flag)
+               out_scale_, out, lse, pout, plse, lse if key_mask is None else key_mask.view(torch.uint8), flag)
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
 

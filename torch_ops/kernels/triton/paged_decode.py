@@ -181,7 +181,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if v_cache.shape[-1] != k_cache.shape[-1]:
         return mla_decode.prepare(query, k_cache, v_cache, block_tables, seq_lens, out=out, lse=lse, scale=scale,
                                   q_scaling=q_scaling, sinks=sinks, out_scale=out_scale, k_scale=k_scale,
-                                  v_scale=v_scale, num_blocks=num_blocks, block_error=block_error)
+                                  v_scale=v_scale, key_mask=key_mask, num_blocks=num_blocks, block_error=block_error)
     t, hq, d = query.shape
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:

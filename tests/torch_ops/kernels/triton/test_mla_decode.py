@@ -125,6 +125,19 @@ def test_latent_cache(kernel_device, knobs, bs, cache_dtype, qps, splits):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("qps", [1, 2])
+def test_key_mask(kernel_device, knobs, splits, qps):
+    # random holes, a row that sees no key, and a mask narrower than the longest sequence
+    knobs(num_splits=splits, min_split_tokens=16)
+    args, kwargs = make_problem(kernel_device, lens=[70, 9, 40], qps=qps, bs=16)
+    key_mask = torch.rand(args[0].shape[0], 60, device=kernel_device) < 0.7
+    key_mask[qps] = False
+    out, lse = call_triton(args, dict(kwargs, key_mask=key_mask))
+    check(args, dict(kwargs, key_mask=key_mask), out, lse)
+    assert torch.isinf(lse[qps]).all() and (out[qps].float() == 0).all()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 def test_lengths_past_the_table_are_clamped(kernel_device, knobs, splits):
     # sequence 0 claims 1000 keys in a table of 4 x 16, sequence 1 claims a negative length
     knobs(num_splits=splits, min_split_tokens=16)
@@ -221,7 +234,6 @@ def test_unsupported_reasons(kernel_device):
         "ALiBi": pd.unsupported(*args, alibi_slopes=torch.ones(16), **kwargs),
         "sliding windows": pd.unsupported(*args, window_left=8, **kwargs),
         "soft-capping": pd.unsupported(*args, softcap=5.0, **kwargs),
-        "key_mask": pd.unsupported(*args, key_mask=torch.ones(1, 8, dtype=torch.bool), **kwargs),
         "value head dim of its own": decode_sm90.problem_reasons(*args, **kwargs),
     }
     for fragment, why in reasons.items():
