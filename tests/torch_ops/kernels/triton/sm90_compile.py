@@ -72,10 +72,12 @@ def prefill(paged, key_mask=False, fmt=torch.bfloat16, d=128, dv=128):
         context_attention.prepare(*args, out=out, lse=lse, causal=True, **kw)(*args, out=out, lse=lse, **kw)
 
 
-def mla_decode(fmt, qps=1, splits=None):
+def mla_decode(fmt, qps=1, splits=None, key_mask=False):
     """DeepSeek-V3's absorbed decode: 128 query heads over one latent KV head of 576 dims, values its first 512."""
     k = torch.zeros(256, 64, 1, 576, dtype=fmt)
     kw = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if fmt != torch.bfloat16 else {}
+    if key_mask:
+        kw["key_mask"] = torch.ones(4 * qps, 4096, dtype=torch.bool)
     q = torch.zeros(4 * qps, 128, 576, dtype=torch.bfloat16)
     args = (q, k, k[..., :512], torch.zeros(4, 64, dtype=torch.int32), torch.full((4,), 4096, dtype=torch.int32))
     out, lse = torch.empty(4 * qps, 128, 512, dtype=torch.bfloat16), torch.empty(4 * qps, 128)
@@ -111,6 +113,7 @@ CALLS = {
     "kv_cache_write INT8": lambda: cache_write(torch.int8),
     "paged_decode MLA bf16, split-K": lambda: mla_decode(torch.bfloat16, splits=4),
     "paged_decode MLA FP8, 4 tokens": lambda: mla_decode(torch.float8_e4m3fn, qps=4),
+    "paged_decode MLA bf16, key_mask": lambda: mla_decode(torch.bfloat16, key_mask=True),
     "kv_cache_write MLA latent FP8, RoPE": lambda: latent_write(torch.float8_e4m3fn),
 }
 
