@@ -514,10 +514,7 @@ def main(argv=None):
         warm_peers()
         return 0
 
-    env = common.environment()
-    print(f"# {env.get('gpu')}  torch {env['torch']}  triton {env['triton']}  flashinfer {env['flashinfer']}", flush=True)
-    bw = common.device_bandwidth()
-    print(f"# copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s", flush=True)
+    env, bw = common.machine()
     runner = Runner(args, env)
     payload = {"env": env, "bandwidth": bw, "args": vars(args), "rows": runner.rows}
 

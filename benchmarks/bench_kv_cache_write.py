@@ -358,11 +358,7 @@ def main(argv=None):
         print("bench_kv_cache_write needs a CUDA GPU")
         return 1
 
-    env = common.environment()
-    print(f"# {env.get('gpu')}  torch {env['torch']}  triton {env['triton']}  flashinfer {env['flashinfer']}",
-          flush=True)
-    bw = common.device_bandwidth()
-    print(f"# copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s", flush=True)
+    env, bw = common.machine()
     runner = Runner(args, env, bw)
     payload = {"env": env, "bandwidth": bw, "args": vars(args), "rows": runner.rows}
     if args.tune:

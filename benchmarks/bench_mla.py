@@ -373,21 +373,6 @@ def cudnn_prefill_fn(case: PrefillCase):
 # ------------------------------------------------------------------------------------------------
 
 
-def time_long_us(fn) -> tuple[float, str]:
-    """Median µs per call (common.time_us), with about 40 ms of work per graph replay."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    end.synchronize()
-    one = start.elapsed_time(end) * 1e3 / 3
-    calls = int(max(1, min(20, 40_000 // max(one, 1.0))))
-    return common.time_us([fn], calls=calls, replays=10 if one < 5000 else 5)
-
-
 class Runner:
     """Measures rows. `device`, `time` (decode: calls -> (µs, how)), `time_long` (prefill: one
     call -> (µs, how)) and the prefill size are attributes, so that rows can be built on a CPU
@@ -395,7 +380,7 @@ class Runner:
 
     def __init__(self, args, env, bw, device="cuda"):
         self.args, self.device = args, device
-        self.time, self.time_long = common.time_us, time_long_us
+        self.time, self.time_long = common.time_us, common.time_long_us
         self.total_tokens, self.prefill_heads = TOTAL_TOKENS, PREFILL_HEADS
         self.l2 = env.get("l2_bytes", 50 << 20) or (50 << 20)
         self.limits = {"hbm_TBps": hbm_tbps(env.get("gpu", "")), "read_GBps": bw.get("read_GBps"),
@@ -588,11 +573,7 @@ def main(argv=None) -> int:
     heads = args.heads or (QUICK_HEADS if args.quick else GRID_HEADS)
     seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
 
-    env = common.environment()
-    print(f"# {env.get('gpu')}  torch {env['torch']}  triton {env['triton']}  flashinfer {env['flashinfer']}",
-          flush=True)
-    bw = common.device_bandwidth()
-    print(f"# copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s", flush=True)
+    env, bw = common.machine()
     runner = Runner(args, env, bw)
     payload = {"env": env, "bandwidth": bw, "limits": runner.limits, "args": vars(args), "rows": runner.rows}
 

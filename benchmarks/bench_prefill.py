@@ -327,21 +327,6 @@ def flex_fn(case: ContextCase):
 # ------------------------------------------------------------------------------------------------
 
 
-def time_us(fn) -> tuple[float, str]:
-    """Median µs per call (common.time_us), with about 40 ms of work per graph replay."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    end.synchronize()
-    one = start.elapsed_time(end) * 1e3 / 3
-    calls = int(max(1, min(20, 40_000 // max(one, 1.0))))
-    return common.time_us([fn], calls=calls, replays=10 if one < 5000 else 5)
-
-
 def kernel_report(case) -> dict:
     """Resources of the Triton prefill kernel of `case` (registers, spills, shared memory)."""
     k = case.triton_launch().kernels[0].kernel
@@ -418,7 +403,7 @@ class Runner:
             row[name] = "skipped: time budget"
             return
         try:
-            us, how = time_us(make())
+            us, how = common.time_long_us(make())
             row[f"{name}_us"], row[f"{name}_timing"] = us, how
             row[f"{name}_tflops"] = flops / us / 1e6
             row[f"vs_{name}"] = us / ours_us
@@ -431,7 +416,7 @@ class Runner:
             row["check"] = common.run_check(check)
         flops = case.flops
         try:
-            us, how = time_us(case.ours())
+            us, how = common.time_long_us(case.ours())
         except Exception as e:  # noqa: BLE001
             row["error"] = f"ours: {type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -508,11 +493,11 @@ class Runner:
                 continue
             part = case.subset(idx)
             try:
-                t, _ = time_us(part.ours())
+                t, _ = common.time_long_us(part.ours())
                 row[f"part_{kind}_us"] = t
                 parts_us += t
                 if kind == "decode":
-                    row["part_decode_paged_decode_us"], _ = time_us(part.ours_decode())
+                    row["part_decode_paged_decode_us"], _ = common.time_long_us(part.ours_decode())
             except Exception as e:  # noqa: BLE001
                 row[f"part_{kind}"] = f"error: {type(e).__name__}: {str(e)[:160]}"
         row["parts_sum_us"] = parts_us
@@ -541,7 +526,7 @@ class Runner:
                        "config": "default" if cfg is None else dict(zip(names, cfg))}
                 try:
                     with pa.tuning(config=None if cfg is None else res["config"]):
-                        us, _ = time_us(case.ours())
+                        us, _ = common.time_long_us(case.ours())
                         res.update(us=us, tflops=case.flops / us / 1e6, kernel=kernel_report(case))
                 except Exception as e:  # noqa: BLE001
                     res["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -67,6 +67,31 @@ def time_us(fns: list[Callable[[], None]], **kw) -> tuple[float, str]:
         return do_bench_us(fns[0]), f"do_bench ({type(e).__name__}: {str(e)[:80]})"
 
 
+def time_long_us(fn: Callable[[], None]) -> tuple[float, str]:
+    """Median µs per call (`time_us`) of a long call, with about 40 ms of work per graph replay."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    one = start.elapsed_time(end) * 1e3 / 3
+    calls = int(max(1, min(20, 40_000 // max(one, 1.0))))
+    return time_us([fn], calls=calls, replays=10 if one < 5000 else 5)
+
+
+def machine() -> tuple[dict, dict]:
+    """(`environment()`, `device_bandwidth()`), printed as a benchmark's first lines."""
+    env = environment()
+    print(f"# {env.get('gpu')}  torch {env['torch']}  triton {env['triton']}  flashinfer {env['flashinfer']}",
+          flush=True)
+    bw = device_bandwidth()
+    print(f"# copy {bw['copy_GBps']:.0f} GB/s (read+write), read-only {bw['read_GBps']:.0f} GB/s", flush=True)
+    return env, bw
+
+
 def run_prepared(kernel_module, *args, **kwargs):
     """`kernel_module.prepare(*args, **kwargs)`, run once on those arguments (its kernels compiled):
     the launch whose `kernels` a benchmark reports."""

@@ -187,6 +187,29 @@ def passes_then_eager(ops):
     return backend
 
 
+def _static_cache_decode(model, model64) -> list[str]:
+    """Three decode steps of 2 sequences over transformers' `StaticCache` (11 prompt tokens, 24
+    slots): `model` compiled with the passes against eager `model` and its float64 twin `model64`;
+    returns the ops the passes made."""
+    b, prompt, capacity = 2, 11, 24
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=capacity) for _ in range(3)]
+    ids = torch.randint(0, VOCAB, (b, prompt))
+    with torch.no_grad():
+        for m, cache in zip((model, model, model64), caches):
+            m(ids, past_key_values=cache, use_cache=True)
+    ops = []
+    compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
+    with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for pos in range(prompt, prompt + 3):
+            step = dict(input_ids=torch.randint(0, VOCAB, (b, 1)), use_cache=True,
+                        cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos))
+            out = compiled(past_key_values=caches[0], **step).logits
+            want = model(past_key_values=caches[1], **step).logits
+            truth = model64(past_key_values=caches[2], **step).logits
+            assert_error_ratio(out, truth, want, name=f"logits (position {pos})")
+    return ops
+
+
 class TestHFModels(expecttest.TestCase):
     def setUp(self):
         super().setUp()
@@ -390,22 +413,7 @@ context_attention_bhsd q[*, 4, *, 16] k[*, 4, *, 16] causal=True scale=1.0 q_fac
         place; three steps of one graph match eager bf16 against a float64 twin."""
         model = llama("sdpa").to(torch.bfloat16).eval()
         model64 = copy.deepcopy(model).double()
-        b, prompt, capacity = 2, 11, 24
-        caches = [transformers.StaticCache(config=model.config, max_cache_len=capacity) for _ in range(3)]
-        ids = torch.randint(0, VOCAB, (b, prompt))
-        with torch.no_grad():
-            for m, cache in zip((model, model, model64), caches):
-                m(ids, past_key_values=cache, use_cache=True)
-        ops = []
-        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
-        with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-            for pos in range(prompt, prompt + 3):
-                step = dict(input_ids=torch.randint(0, VOCAB, (b, 1)), use_cache=True,
-                            cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos))
-                out = compiled(past_key_values=caches[0], **step).logits
-                want = model(past_key_values=caches[1], **step).logits
-                truth = model64(past_key_values=caches[2], **step).logits
-                assert_error_ratio(out, truth, want, name=f"logits (position {pos})")
+        ops = _static_cache_decode(model, model64)
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         self.assertExpectedInline("\n".join(ops), """\
 paged_decode_bhsd q[*, 4, 1, 16] cache[*, 2, 24, 16] scale=0.25 mask=prefix
@@ -440,22 +448,7 @@ attn.context_attention.default q[*, 4, 32] k[*, 4, 32] v[*, 4, 16] causal=True s
         model64 = copy.deepcopy(model)
         model64.set_experts_implementation("eager")
         model64 = model64.double()
-        b, prompt, capacity = 2, 11, 24
-        caches = [transformers.StaticCache(config=model.config, max_cache_len=capacity) for _ in range(3)]
-        ids = torch.randint(0, VOCAB, (b, prompt))
-        with torch.no_grad():
-            for m, cache in zip((model, model, model64), caches):
-                m(ids, past_key_values=cache, use_cache=True)
-        ops = []
-        compiled = torch.compile(model, fullgraph=True, backend=passes_then_eager(ops))
-        with fx_passes.enabled(), torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-            for pos in range(prompt, prompt + 3):
-                step = dict(input_ids=torch.randint(0, VOCAB, (b, 1)), use_cache=True,
-                            cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos))
-                out = compiled(past_key_values=caches[0], **step).logits
-                want = model(past_key_values=caches[1], **step).logits
-                truth = model64(past_key_values=caches[2], **step).logits
-                assert_error_ratio(out, truth, want, name=f"logits (position {pos})")
+        ops = _static_cache_decode(model, model64)
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         self.assertEqual(sum(counters["graph_break"].values()), 0)
         self.assertExpectedInline("\n".join(ops), """\
