@@ -155,7 +155,7 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
   int group = a.hq / a.hkv;
   VarlenMainloop::Params mainloop{base, a.cu_seqlens_q, a.cu_seqlens_k, a.q_scale, a.k_scale,
                                   a.q_scale_stride, a.k_scale_stride, group, a.causal, a.softmax_scale,
-                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, 0, 0, {}};
+                                  {}, {}, nullptr, nullptr, 0, 0, 0, 0, 0, 0, {}, 0, 0, {}, nullptr, 0, 0};
   if constexpr (kPaged) {
     int box_rows_log2 = __builtin_ctz(unsigned(max(a.box_rows, 1)));
     if (a.box_rows < 8 || a.box_rows > get<1>(TileShape{}) || a.box_rows != 1 << box_rows_log2 ||
@@ -183,6 +183,9 @@ int run(AttnFmhaArgs const& a, cudaStream_t stream, char* err, int err_len) {
     mainloop.num_blocks = a.num_blocks;
     mainloop.box_rows_log2 = box_rows_log2;
     mainloop.line_stride = int(line);
+    mainloop.err_flag = a.err_flag;
+    mainloop.err_block_tables = a.err_block_tables;
+    mainloop.err_seq_lens = a.err_seq_lens;
   }
   if constexpr (kTransposeV) {
     Base::Arguments v_as_k{static_cast<Element const*>(a.q), dQ, static_cast<Element const*>(a.v),

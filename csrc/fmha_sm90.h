@@ -58,6 +58,10 @@ typedef struct {
   int32_t max_blocks, block_size, num_blocks, box_rows;
   // sequences of at most skip_q_len queries are left to another launch (their rows untouched); 0: none
   int32_t skip_q_len;
+  // paged kernels: the device error flag (NULL: none), into which a length outside [0, max_blocks x
+  // block_size] ORs err_seq_lens and a block id outside [0, num_blocks) err_block_tables
+  int* err_flag;
+  int32_t err_block_tables, err_seq_lens;
 } AttnFmhaArgs;
 
 // Each instantiation (input dtype x head dim x grid) exports one entry point:

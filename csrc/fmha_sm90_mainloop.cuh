@@ -37,6 +37,8 @@ struct VarlenMainloop : Base {
     typename Base::TMA_K tma_load_v_tokens;
     int inner_pipeline_offset, outer_pipeline_offset;
     WorkOrder order;  // the scheduler's: the persistent cluster kernels' load warp looks ahead in it
+    int* err_flag;    // paged: the device error flag (NULL: none) and the bits that bad metadata sets
+    int err_block_tables, err_seq_lens;
   };
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -52,7 +54,11 @@ struct VarlenMainloop : Base {
     int b = get<2, 0>(blk);
     int q0 = p.cu_q[b];
     // a length past the block table is clamped into it (as the Triton kernels clamp it)
-    if constexpr (kPaged) return {q0, 0, p.cu_q[b + 1] - q0, min(max(p.seq_lens[b], 0), p.max_blocks * p.block_size), 0};
+    if constexpr (kPaged) {
+      int raw = p.seq_lens[b], cap = p.max_blocks * p.block_size;
+      if ((raw < 0 || raw > cap) && p.err_flag) atomicOr(p.err_flag, p.err_seq_lens);
+      return {q0, 0, p.cu_q[b + 1] - q0, min(max(raw, 0), cap), 0};
+    }
     int k0 = p.cu_k[b], off = k0 % kKeyAlign;
     return {q0, k0 - off, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0, off};
   }
@@ -377,7 +383,10 @@ struct VarlenMainloop : Base {
     int block = p.num_blocks, row = 0;
     if (key < lk) {
       block = table[min(key / p.block_size, p.max_blocks - 1)];
-      if (block < 0 || block >= p.num_blocks) block = p.num_blocks;
+      if (block < 0 || block >= p.num_blocks) {
+        if (p.err_flag) atomicOr(p.err_flag, p.err_block_tables);
+        block = p.num_blocks;
+      }
       row = key % p.block_size;
     }
     if (!p.line_stride) return {row, hk, block};

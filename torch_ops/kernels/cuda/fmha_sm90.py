@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ... import gpu
+from ... import errors, gpu
 from .fmha_sm90_build import (CLUSTER_VARIANTS, KERNELS, NOT_BUILT, OUT_DTYPES, PAGED16_HEAD_DIM, PAGED_KERNELS,
                             PAGED_PERSISTENT_FAMILY, PAGED_PERSISTENT_KERNELS, PAGED_PERSISTENT_MIN_QUERIES,
                             PERSISTENT_SHORT, V_TOKENS, V_TRANSPOSED, V_TRANSPOSED_INTERLEAVED, FmhaArgs,
@@ -345,13 +345,16 @@ def paged_prepare(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         block_table_stride=tables.stride(0),
         k_block_stride=k_cache.stride(0), v_block_stride=v_cache.stride(0), max_blocks=tables.shape[1],
         block_size=block_size, num_blocks=num_blocks, box_rows=box_rows,
-        skip_q_len=skip_q_len, section_heads=section, num_ctas=num_ctas))
+        skip_q_len=skip_q_len, section_heads=section, num_ctas=num_ctas,
+        err_block_tables=errors.BLOCK_TABLES, err_seq_lens=errors.SEQ_LENS))
+    flag = errors.device_flag(query.device)
 
     def launch(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, out, lse, out_scale=None, **_):
         q = query.contiguous() if copy_q else query
         tables, lens, cu_q = _int32_rows(block_tables), _int32(seq_lens), _int32(cu_seqlens_q)
         kernel(out, lse, q=q.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(), cu_seqlens_q=cu_q.data_ptr(),
-               block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), out_scale=_address(out_scale))
+               block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), out_scale=_address(out_scale),
+               err_flag=flag.data_ptr())
 
     launch.describe = kernel.describe
     return launch

@@ -248,6 +248,8 @@ class FmhaArgs(ctypes.Structure):
         *((n, ctypes.c_void_p) for n in ("block_tables", "seq_lens")),
         *((n, ctypes.c_int64) for n in ("block_table_stride", "k_block_stride", "v_block_stride")),
         *((n, ctypes.c_int32) for n in ("max_blocks", "block_size", "num_blocks", "box_rows", "skip_q_len")),
+        ("err_flag", ctypes.c_void_p),
+        *((n, ctypes.c_int32) for n in ("err_block_tables", "err_seq_lens")),
     ]
 
 

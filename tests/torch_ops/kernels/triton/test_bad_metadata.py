@@ -57,10 +57,10 @@ def _check(op, args, kwargs, backend="triton"):
     check(op, args, out, lse, **kwargs)
 
 
-def _check_other_sequences(op, args, kwargs, rows, exact):
-    """`op` on the Triton kernels: finite everywhere, and as the reference on the rows of the
-    sequences that have no absent block (`exact`: per sequence; `rows`: query rows per sequence)."""
-    with torch_ops.use_backend("triton"):
+def _check_other_sequences(op, args, kwargs, rows, exact, backend="triton"):
+    """`op` on `backend`: finite everywhere, and as the reference on the rows of the sequences that
+    have no absent block (`exact`: per sequence; `rows`: query rows per sequence)."""
+    with torch_ops.use_backend(backend):
         out, lse = getattr(torch.ops.attn, op)(*args, **kwargs)
     assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
     keep = torch.repeat_interleave(torch.tensor(exact), torch.tensor(rows)).to(out.device)
@@ -247,4 +247,19 @@ def test_cuda_decode_absent_blocks_and_clamped_lengths(csrc_libraries, fmt):
     lens = _index([700, 300 + 10_000, -5], "cuda")             # past the table, negative
     q = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
     _check("paged_decode", (q, k, v, tables, lens), scales, backend="cuda")
+    _assert_flagged("block_tables", "seq_lens")
+
+
+@pytest.mark.gpu
+def test_cutlass_paged_prefill_absent_blocks_and_clamped_lengths(csrc_libraries):
+    """The CUTLASS paged kernel (csrc/fmha_sm90.cu) on bad metadata: the other sequences exact, every
+    row finite, the same bits flagged."""
+    k, v, _ = samples.paged_cache(80, 16, 2, 128, "bf16", device="cuda")
+    tables = samples.block_tables_for([300, 200, 150], 16, 80, max_blocks=24).cuda()
+    tables[0, 3], tables[1, 0] = 80, -2                  # outside [0, 80): absent blocks
+    lens = _index([300, 200, 150 + 10_000], "cuda")      # the last one past the table: clamped to 384
+    q = torch.randn(3 * 64, 8, 128, dtype=torch.bfloat16, device="cuda")
+    cu = _index([0, 64, 128, 192], "cuda")
+    _check_other_sequences("paged_prefill", (q, k, v, tables, cu, lens), {"causal": True}, rows=[64] * 3,
+                           exact=[False, False, True], backend="cutlass")
     _assert_flagged("block_tables", "seq_lens")
