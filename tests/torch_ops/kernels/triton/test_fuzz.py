@@ -1,5 +1,6 @@
-"""Property-based tests (hypothesis): the Triton kernels of every op (paged_decode,
-paged_prefill, context_attention, merge_states, kv_cache_write, cache_attention) against the
+"""Property-based tests (hypothesis): the Triton kernels of every op (paged_decode, its MLA
+latent-cache form, paged_prefill, context_attention, merge_states, kv_cache_write,
+cache_attention) against the
 reference on drawn shapes, block sizes, cache formats, layouts and options, with the checks of
 each op's kernel tests (error ratio against float64, caches bitwise). On CPU the
 kernels run through Triton's interpreter, so the problems stay tiny and the examples few;
@@ -16,7 +17,9 @@ from torch_ops import reference
 from torch_ops.quant import kv_format
 from torch_ops.testing import assert_error_ratio, poison_
 
-from . import test_cache_attention as cache_attention, test_kv_cache_write as kv_write
+from torch_ops.kernels.triton import paged_decode
+
+from . import test_cache_attention as cache_attention, test_kv_cache_write as kv_write, test_mla_decode as mla
 from .test_paged_decode import call_triton, check as check_decode, make_problem
 from .test_prefill_attention import check, check_paged, make_context, make_paged, run_context, run_paged
 
@@ -57,6 +60,22 @@ def test_paged_decode(kernel_device, data, heads, d, bs, lens, qps, cache):
     opts = _on(kernel_device, data.draw(options(hkv * group)))
     out, lse = call_triton(*problem, **opts)
     check_decode(*problem, out, lse, **opts)
+
+
+@FUZZ
+@given(data=st.data(), bs=st.sampled_from([1, 16, 64]), lens=st.lists(st.integers(0, 80), min_size=1, max_size=3),
+       qps=st.sampled_from([1, 2]), cache_dtype=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn]),
+       splits=st.sampled_from([None, 1, 3]))
+def test_mla_decode(kernel_device, data, bs, lens, qps, cache_dtype, splits):
+    lens = [max(n, qps) if n else 0 for n in lens]
+    args, kwargs = mla.make_problem(kernel_device, lens=lens, qps=qps, bs=bs, cache_dtype=cache_dtype)
+    if data.draw(st.booleans()):
+        kwargs["sinks"] = torch.randn(args[0].shape[1], device=kernel_device)
+    if data.draw(st.booleans()):
+        kwargs["key_mask"] = torch.rand(args[0].shape[0], max(lens) + 1, device=kernel_device) < 0.8
+    with paged_decode.tuning(num_splits=splits, min_split_tokens=16):
+        out, lse = mla.call_triton(args, kwargs)
+    mla.check(args, kwargs, out, lse)
 
 
 @FUZZ
