@@ -1,12 +1,25 @@
 """Block-table helpers shared by the paged Triton kernels: lengths clamped into the table, and bad
 block ids found before a key loop, which then reads only ids known to lie in the cache."""
 
+import torch
 import triton
 import triton.language as tl
 
-from ... import errors
+from ... import errors, gpu, replay
 
 _ERR_LEN = tl.constexpr(errors.SEQ_LENS)
+_EMPTY_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def table_for_no_blocks(device: torch.device) -> torch.Tensor:
+    """A `[1, 1]` int32 block table for calls whose table is empty (the kernels clamp every length
+    to 0 and read no entry): kept for the life of the process, so that such calls record and
+    replay like any other and never allocate inside a CUDA graph's pool."""
+    device = torch.device(device)
+    if device not in _EMPTY_TABLES:
+        _EMPTY_TABLES[device] = replay.keep(gpu.kept_tensor(
+            lambda: torch.zeros(1, 1, dtype=torch.int32, device=device), device))
+    return _EMPTY_TABLES[device]
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton.language as tl
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import any_absent_block, clamped_seq_len
+from .block_table import any_absent_block, clamped_seq_len, table_for_no_blocks
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import _cdiv, _pow2, split_count, tuning
@@ -335,7 +335,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if interpret:
         per = max(min_split, _cdiv(_cdiv(kv_cap, num_splits), block_n) * block_n)
         max_iters = max(1, _cdiv(min(per, kv_cap), block_n) + 1)
-    no_tables = torch.zeros(1, 1, dtype=torch.int32, device=query.device) if not block_tables.numel() else None
+    no_tables = table_for_no_blocks(query.device) if not block_tables.numel() else None
     bt = block_tables if no_tables is None else no_tables
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
     dot_dtype = _DTYPES[query.dtype]

@@ -97,6 +97,7 @@ import torch
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
 from . import interpreting, mla_decode
+from .block_table import table_for_no_blocks
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import (LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, _cdiv, _pow2, config,
                                   large_tile_splits, split_count, tuning)
@@ -266,7 +267,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         words_per_thread = block_n * ngp * gw // (32 * cfg["num_warps"])
         asm = bool(asm) and words_per_thread >= 2 and words_per_thread % 2 == 0
 
-    no_tables = torch.zeros(1, 1, dtype=torch.int32, device=query.device) if not block_tables.numel() else None
+    no_tables = table_for_no_blocks(query.device) if not block_tables.numel() else None
     bt = block_tables if no_tables is None else no_tables
     one_page = page_span % block_n == 0
     # single-page tiles may address their rows with 32-bit offsets from the tile's first row

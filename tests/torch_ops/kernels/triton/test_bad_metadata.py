@@ -86,6 +86,14 @@ def test_decode_lengths_past_the_table_or_negative(kernel_device):
     _assert_flagged("seq_lens")
 
 
+def test_decode_with_an_empty_block_table(kernel_device):
+    # no table columns: every length clamps to 0 (zeros, lse -inf), and the call records like any other
+    k, v, _ = _cache(kernel_device)
+    q = torch.randn(2, 4, 16, dtype=torch.bfloat16, device=kernel_device)
+    _check("paged_decode", (q, k, v, _index([[], []], kernel_device).view(2, 0), _index([5, 0], kernel_device)), {})
+    _assert_flagged("seq_lens")
+
+
 def test_prefill_lengths_past_the_table_and_queries_past_the_tokens(kernel_device):
     k, v, _ = _cache(kernel_device)
     tables = _index([[0, 1], [2, 3]], kernel_device)
