@@ -43,7 +43,7 @@ from .block_table import any_absent_block, clamped_seq_len, table_for_no_blocks
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import _cdiv, _pow2, split_count, tuning
-from .paged_decode_kernels import _split_geometry
+from .paged_decode_kernels import _split_geometry, _store_rows
 
 MAX_BLOCK_M = 64
 MAX_VALUE_DIM = 512      # the fp32 accumulator [BLOCK_M, D_v]
@@ -233,29 +233,10 @@ def _mla_decode_kernel(
                               D_V, D_R, BLOCK_N, PAGE, ONE_PAGE, FP8, E5M2, V_FROM_K, DOT_DTYPE, P_DTYPE,
                               HAS_KEY_MASK, DYNAMIC_LOOP, MAX_ITERS)
 
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if FP8:
-        inv_l = inv_l * tl.load(VScale + kh * stride_fp8s)
-    o = acc * inv_l[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if SPLIT:
-        p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
-        tl.store(POut + p_rows[:, None] + dv[None, :], o, mask=row_ok[:, None])
-        tl.store(PLse + split.to(tl.int64) * stride_pls + tok.to(tl.int64) * stride_plt + head, lse, mask=row_ok)
-    else:
-        if HAS_SINKS:
-            sink = tl.load(Sinks + head, mask=row_ok, other=0.0)
-            mx = tl.maximum(lse, sink)
-            lse_f = mx + tl.log(tl.exp(lse - mx) + tl.exp(sink - mx))
-            o = o * tl.exp(lse - lse_f)[:, None]
-            lse = lse_f
-        if OUT_FP8:
-            o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-        o = exact_cast(o, Out.dtype.element_ty, INTERPRET)
-        o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(Out + o_rows[:, None] + dv[None, :] * stride_od, o, mask=row_ok[:, None])
-        tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+    _store_rows(acc, m_i, l_i, tok, head, row_ok, dv < D_V, split, VScale + kh * stride_fp8s, Sinks, OutScale,
+                Out, Lse, POut, PLse, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+                FP8, HAS_SINKS, OUT_FP8, SPLIT, D_V, INTERPRET)
 
 
 def _pow2_in(n: int, lo: int, hi: int) -> bool:

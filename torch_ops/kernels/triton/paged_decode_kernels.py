@@ -346,14 +346,31 @@ def _paged_decode_kernel(
         qi = m // GROUP
         head = kh * GROUP + m % GROUP
         tok = b * QPS + qi
+    VScale = VS + kh * stride_fp8s
+    _store_rows(acc, m_i, l_i, tok, head, row_ok, tl.arange(0, BLOCK_D) < HEAD_DIM, split, VScale, Sinks, OutScale,
+                Out, Lse, POut, PLse, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+                FMT == FMT_FP8, HAS_SINKS, OUT_FP8, SPLIT, BLOCK_D, not DYNAMIC_LOOP)
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, tok, head, row_ok, d_ok, split, VScale, Sinks, OutScale,
+                Out, Lse, POut, PLse, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
+                V_SCALED: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, SPLIT: tl.constexpr,
+                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """The epilogue of a decode program's query rows (token `tok`, head `head`; `row_ok`): `acc
+    [rows, BLOCK_D]` over `l_i` (times the FP8 value scale at `VScale` if V_SCALED) and the
+    log-sum-exp from `m_i` (log2 units), into split `split`'s partials, or, with learned sinks
+    joined and FP8 output quantized, into `Out`/`Lse`; columns where `d_ok`. Rows that saw no key
+    write zeros and -inf."""
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if FMT == FMT_FP8:
-        inv_l = inv_l * tl.load(VS + kh * stride_fp8s)
+    if V_SCALED:
+        inv_l = inv_l * tl.load(VScale)
     o = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     if SPLIT:
         p_rows = split.to(tl.int64) * stride_ps + tok.to(tl.int64) * stride_pt + head * stride_ph
         tl.store(POut + p_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
@@ -368,7 +385,7 @@ def _paged_decode_kernel(
         o_rows = tok.to(tl.int64) * stride_ot + head * stride_oh
         if OUT_FP8:
             o = tl.clamp(o / tl.load(OutScale), -448.0, 448.0)
-        o = exact_cast(o, Out.dtype.element_ty, not DYNAMIC_LOOP)
+        o = exact_cast(o, Out.dtype.element_ty, INTERPRET)
         tl.store(Out + o_rows[:, None] + d[None, :] * stride_od, o,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
