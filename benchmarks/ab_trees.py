@@ -1,13 +1,15 @@
-"""Device time of the Triton kernels in this tree against a baseline tree, rounds A B B A.
+"""Device time of the Triton kernels in this tree (and in candidate trees) against a baseline tree.
 
-The evidence for kernel changes that should cost nothing (memory-safety clamps and masks,
-refactors): every round times the same cases in a fresh process per tree, and the report gives,
+The evidence for kernel changes that should cost nothing (memory-safety checks, refactors):
+every round times the same cases in a fresh process per tree, the trees in order, then in reverse
+order in the next round (A B B A), and the report gives,
 per case, the median over rounds of this tree's time over the baseline's, then the median and the
 largest ratio per kernel family. Times are CUDA-graph replays (`common.cuda_graph_time_us`) of
 the `triton` backend's ops.
 
     git worktree add /tmp/base <commit>   # or any directory holding another `torch_ops` package
     python benchmarks/ab_trees.py --baseline /tmp/base --label <commit> --out benchmarks/results
+    python benchmarks/ab_trees.py --baseline /tmp/base --trees /tmp/candidate   # and another tree
 """
 
 from __future__ import annotations
@@ -119,11 +121,33 @@ def summarize(rounds: list[tuple[list[dict], list[dict]]]) -> dict:
     return dict(cases=per_case, kinds=per_kind)
 
 
+def time_trees(trees: list, rounds: int, run) -> dict:
+    """{tree: [rows of each round]}: `run(tree, round, index)` of every tree in every round, the
+    trees in order, then in reverse order in the next round."""
+    times = {tree: [] for tree in trees}
+    for i in range(rounds):
+        order = list(enumerate(trees))
+        for j, tree in order if i % 2 == 0 else order[::-1]:
+            times[tree].append(run(tree, i, j))
+        print(f"round {i + 1}/{rounds} done", flush=True)
+    return times
+
+
+def _print(summary: dict) -> None:
+    print(common.table(summary["cases"], [("kind", "kind", "s"), ("fmt", "fmt", "s"), ("batch", "batch", "d"),
+                                          ("keys", "keys", "d"), ("baseline_us", "baseline us", ".1f"),
+                                          ("us", "us", ".1f"), ("ratio", "ratio", ".3f")]))
+    for kind, s in summary["kinds"].items():
+        print(f"{kind}: median ratio {s['median']:.3f}, largest {s['max']:.3f} over {s['cases']} cases")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", help="a directory holding the baseline's torch_ops package")
     p.add_argument("--label", default="", help="what the baseline is (a commit), for the JSON")
-    p.add_argument("--rounds", type=int, default=2, help="A B B A pairs")
+    p.add_argument("--trees", nargs="*", default=[],
+                   help="more directories holding a torch_ops package (candidates), timed in the same rounds")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, the trees in order then in reverse order")
     p.add_argument("--quick", action="store_true", help="one case per kernel family and format")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -133,29 +157,26 @@ def main() -> None:
     if not args.baseline:
         p.error("--baseline is required")
 
-    def run(tree: Path, tmp: str, i: int) -> list[dict]:
-        out = f"{tmp}/{'ours' if tree == ROOT else 'baseline'}_{i}.json"
+    def run(tree: Path, out: str) -> list[dict]:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, __file__, "--worker", out, *(["--quick"] if args.quick else [])]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(Path(out).read_text())
 
     baseline = Path(args.baseline).resolve()
-    rounds = []
+    trees = [baseline, ROOT, *(Path(t).resolve() for t in args.trees)]
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            order = (baseline, ROOT) if i % 2 == 0 else (ROOT, baseline)
-            got = {tree: run(tree, tmp, i) for tree in order}
-            rounds.append((got[baseline], got[ROOT]))
-            print(f"round {i + 1}/{args.rounds} done", flush=True)
-    summary = summarize(rounds)
-    print(common.table(summary["cases"], [("kind", "kind", "s"), ("fmt", "fmt", "s"), ("batch", "batch", "d"),
-                                          ("keys", "keys", "d"), ("baseline_us", "baseline us", ".1f"),
-                                          ("us", "us", ".1f"), ("ratio", "ratio", ".3f")]))
-    for kind, s in summary["kinds"].items():
-        print(f"{kind}: median ratio {s['median']:.3f}, largest {s['max']:.3f} over {s['cases']} cases")
+        times = time_trees(trees, args.rounds, lambda tree, i, j: run(tree, f"{tmp}/{i}_{j}.json"))
+    summary = summarize(list(zip(times[baseline], times[ROOT])))
+    others = {str(tree): summarize(list(zip(times[baseline], times[tree]))) for tree in trees[2:]}
+    print(f"== this tree against {args.label or baseline}")
+    _print(summary)
+    for tree, other in others.items():
+        print(f"== {tree} against {args.label or baseline}")
+        _print(other)
+    rounds = [(times[baseline][i], times[ROOT][i]) for i in range(args.rounds)]
     path = common.write_json(args.out, "ab_trees", dict(env=common.environment(), baseline=args.label or str(baseline),
-                                                       quick=args.quick, rounds=rounds, **summary))
+                                                       quick=args.quick, rounds=rounds, **summary, trees=others))
     print(f"wrote {path}")
 
 

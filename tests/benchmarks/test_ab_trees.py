@@ -36,3 +36,10 @@ def test_summary_takes_each_case_median_ratio_then_each_family_median_and_max():
     assert by_case["decode", "bf16"]["us"] == 12 and by_case["decode", "bf16"]["baseline_us"] == 10
     assert summary["kinds"]["decode"] == dict(median=pytest.approx(1.125), max=pytest.approx(1.2), cases=2)
     assert summary["kinds"]["paged_prefill"]["median"] == pytest.approx(1.0)
+
+
+def test_rounds_alternate_the_order_of_the_trees():
+    calls = []
+    times = ab_trees.time_trees(["base", "ours", "cand"], 3, lambda tree, i, j: calls.append(tree) or [dict(i=i)])
+    assert calls == ["base", "ours", "cand", "cand", "ours", "base", "base", "ours", "cand"]
+    assert times == {tree: [[dict(i=0)], [dict(i=1)], [dict(i=2)]] for tree in ("base", "ours", "cand")}
