@@ -7,11 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .formats import FMT_FP8, FMT_PLAIN
 from .block_table import any_absent_block, clamped_seq_len
+from .formats import FMT_FP8, FMT_PLAIN
 from .interpreter import exact_cast
 from .paged_decode_dequant import _load_lanes
-
 
 
 @triton.jit
