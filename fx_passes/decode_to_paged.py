@@ -81,6 +81,8 @@ def apply(graph: fx.Graph) -> int:
             declined(log, NAME, node, reason)
             continue
         kwargs.update(_static_tables(graph, args))
+        if kwargs.get("key_mask"):
+            args = (*args[:3], sdpa_to_attn.key_mask_node(graph, args[3], node))
         with graph.inserting_before(node):
             new = graph.call_function(paged_decode_bhsd, args, kwargs)
         new.meta.update(node.meta)

@@ -86,7 +86,7 @@ import torch.fx as fx
 from . import alibi, index_mask
 from .masks import (CASTS, added_mask, causal_fill, check_mask_shape, is_head_shared_bool, is_input_mask,
                     key_mask_added)
-from .replacements import context_attention_bhsd
+from .replacements import context_attention_bhsd, key_mask_of
 from .torch_ir import Call, Decline, call, declined, erase_unused, insert_call, is_tensor, known_equal, value
 
 log = logging.getLogger(__name__)
@@ -419,14 +419,27 @@ def slopes_node(graph: fx.Graph, attention: Attention) -> fx.Node | None:
     return alibi.slopes_node(graph, attention.node, attention.alibi, q.shape[1], q.device)
 
 
+def key_mask_node(graph: fx.Graph, mask: fx.Node, before: fx.Node) -> fx.Node:
+    """`mask` as the op's bool `key_mask`: itself if bool, else one `key_mask_of` node (its check
+    included) per mask node, inserted before the first attention that uses it and shared by the
+    later ones (the layers of a model share one mask)."""
+    if value(mask).dtype == torch.bool:
+        return mask
+    shared = mask.meta.get("attn_key_mask")
+    if shared is None or shared.graph is not graph:
+        shared = mask.meta["attn_key_mask"] = insert_call(graph, before, key_mask_of, (mask,))
+    return shared
+
+
 def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
     a = attention
     factor, slopes = q_factor_node(graph, a), slopes_node(graph, a)
+    key_mask = None if a.key_mask is None else key_mask_node(graph, a.key_mask, a.node)
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
                                    "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks,
-                                   "alibi_slopes": slopes, "key_mask": a.key_mask, "alibi_positions": a.positions})
+                                   "alibi_slopes": slopes, "key_mask": key_mask, "alibi_positions": a.positions})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example.unflatten(0, value(a.query).shape[:2]) if a.merged else example
     out = insert_call(graph, a.node, "flatten", (new, 0, 1), method=True) if a.merged else new

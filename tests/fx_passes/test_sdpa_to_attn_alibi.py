@@ -261,6 +261,21 @@ def test_float_input_mask_becomes_key_mask(sq, op):
     check_close(matmul_softcap_input_mask, inputs, out)
 
 
+def two_layers_input_mask(q, k, v, mask):
+    """Two attention layers over one float mask input, as every layer of a model gets it."""
+    return matmul_softcap_input_mask(matmul_softcap_input_mask(q, k, v, mask), k, v, mask)
+
+
+@pytest.mark.parametrize("sq", [6, 1], ids=["prefill", "decode"])
+def test_layers_share_the_input_mask_check(sq):
+    """The float mask's conversion to key_mask and its device check run once, not once per layer."""
+    inputs = (*qkv(sq=sq, sk=6, hq=2, hkv=2, dtype=torch.bfloat16), input_mask(2, sq, 6, torch.bfloat16))
+    out, code = compile_and_run(two_layers_input_mask, inputs)
+    assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 2
+    assert code.count("holds values other than 0 and -inf") == 1, code
+    check_close(two_layers_input_mask, inputs, out)
+
+
 @pytest.mark.parametrize("fn", [bmm_bloom_padding_alibi, sdpa_falcon_padding_alibi], ids=["bloom", "falcon"])
 @pytest.mark.parametrize("sq,op", [(6, OP), (1, "attn.paged_decode")], ids=["prefill", "decode"])
 def test_alibi_of_padding_positions(fn, sq, op):
