@@ -85,8 +85,6 @@ PREFILL_PEERS = ["flashinfer_fa3", "cudnn_sdpa"]
 PEERS = list(dict.fromkeys(DECODE_PEERS + PREFILL_PEERS))
 SECTIONS = ["decode", "prefill"]
 MAX_DECOMPRESSED_BYTES = 24e9
-HBM_TBPS = {"H200": 4.8, "H100": 3.35}   # nominal, matched in the GPU name
-BF16_TFLOPS = 989
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,10 +111,6 @@ def prefill_flops(lens: list[int], hq: int, causal: bool = True) -> float:
     """`2 * Hq * (192 + 128)` per query-key pair; causal counts half of each `S^2`."""
     pairs = sum(n * n for n in lens) * (0.5 if causal else 1.0)
     return 2.0 * hq * (QK_HEAD + V_HEAD) * pairs
-
-
-def hbm_tbps(gpu: str) -> float:
-    return next((v for k, v in HBM_TBPS.items() if k in gpu), HBM_TBPS["H200"])
 
 
 def rates(row: dict, key: str, us: float, nbytes: float | None, flops: float, limits: dict) -> None:
@@ -383,8 +377,8 @@ class Runner:
         self.time, self.time_long = common.time_us, common.time_long_us
         self.total_tokens, self.prefill_heads = TOTAL_TOKENS, PREFILL_HEADS
         self.l2 = env.get("l2_bytes", 50 << 20) or (50 << 20)
-        self.limits = {"hbm_TBps": hbm_tbps(env.get("gpu", "")), "read_GBps": bw.get("read_GBps"),
-                       "bf16_TFLOPs": BF16_TFLOPS}
+        hbm, bf16, _ = common.nominal_limits(env.get("gpu", ""))
+        self.limits = {"hbm_TBps": hbm, "read_GBps": bw.get("read_GBps"), "bf16_TFLOPs": bf16}
         self.t_end = time.time() + args.budget_s
         self.rows: list[dict] = []
 

@@ -22,6 +22,15 @@ from typing import Callable
 import torch
 
 
+# nominal limits per GPU (matched in its name): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
+NOMINAL_LIMITS = {"H200": (4.8, 989, 1979), "H100": (3.35, 989, 1979)}
+
+
+def nominal_limits(gpu: str) -> tuple[float, int, int]:
+    """(HBM TB/s, dense bf16 TFLOP/s, dense FP8 TFLOP/s) of the GPU named `gpu` (an H200's if unknown)."""
+    return next((v for k, v in NOMINAL_LIMITS.items() if k in gpu), NOMINAL_LIMITS["H200"])
+
+
 def cuda_graph_time_us(fns: list[Callable[[], None]], *, calls: int = 20, replays: int = 15,
                        warmup: int = 2) -> float:
     """Median µs per call of `fns` (cycled: call i runs fns[i % len(fns)]) replayed in a CUDA graph."""

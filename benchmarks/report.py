@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import nominal_limits as limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -32,8 +37,6 @@ PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", 
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
             "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass",
             "mla": "mla", "bench_mla": "mla"}
-# nominal limits per GPU (matched in env.gpu): HBM TB/s, dense bf16 and FP8 tensor-core TFLOP/s
-LIMITS = {"H200": (4.8, 989, 1979), "H100": (3.35, 989, 1979)}
 
 
 # ---- selecting the runs ---------------------------------------------------------------------------
@@ -89,10 +92,6 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     keep = [i for i in range(len(header)) if any(r[i] != "-" for r in rows)] or list(range(len(header)))
     lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + "---|" * len(keep)]
     return lines + ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
-
-
-def limits(gpu: str) -> tuple[float, int, int]:
-    return next((v for k, v in LIMITS.items() if k in gpu), LIMITS["H200"])
 
 
 def passed(check: dict) -> bool:

@@ -40,15 +40,14 @@ def _key(device) -> torch.device:
 
 
 def device_flag(device) -> torch.Tensor:
-    """The error flag of `device`: an int32 `[1]` tensor, allocated at its first use and kept for
+    """The error flag of `device`: one int32 `[1]` tensor, allocated at its first use and kept for
     the life of the process (a constant address: CUDA graphs and recorded launches may hold it;
-    `gpu.kept_tensor`). Allocate it outside a stream capture (an
-    eager call of any op on the device does)."""
+    `gpu.kept_tensor`). Allocate it outside a stream capture (an eager call of any op on the
+    device does)."""
     key = _key(device)
     flag = _FLAGS.get(key)
     if flag is None:
-        flag = _FLAGS[key] = replay.keep(gpu.kept_tensor(
-            lambda: torch.zeros(1, dtype=torch.int32, device=key), key))
+        flag = _FLAGS[key] = replay.keep(gpu.kept_tensor(lambda: torch.zeros(1, dtype=torch.int32, device=key), key))
     return flag
 
 
@@ -57,9 +56,9 @@ def check_errors() -> None:
     check (on any device), and clear the flags. Synchronizes with the devices that have a flag."""
     found = 0
     for flag in _FLAGS.values():
-        bits = int(flag[0].item())
+        bits = int(flag.item())
         if bits:
-            flag[0] = 0
+            flag.zero_()
             found |= bits
     if found:
         problems = [message for bit, message in MESSAGES.items() if found & bit]

@@ -47,7 +47,8 @@ def test_counts():
     assert bench_mla.decompressed_bytes(1, 1024, 16) == 16 * 1024 * (192 + 128) * 2
     assert bench_mla.prefill_flops([4, 2], 128) == 2 * 128 * (192 + 128) * (16 + 4) / 2
     assert bench_mla.prefill_flops([4], 1, causal=False) == 2 * (192 + 128) * 16
-    assert bench_mla.hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35 and bench_mla.hbm_tbps("NVIDIA H200") == 4.8
+    assert bench_mla.common.nominal_limits("NVIDIA H100 80GB HBM3")[0] == 3.35
+    assert bench_mla.common.nominal_limits("NVIDIA H200")[0] == 4.8
 
 
 def test_rates():

@@ -22,6 +22,12 @@ def table_for_no_blocks(device: torch.device) -> torch.Tensor:
     return _EMPTY_TABLES[device]
 
 
+def key_capacity(max_blocks: int, block_size: int, num_blocks: int) -> int:
+    """Keys a block table of `max_blocks` entries addresses (`kv_cap`, the bound lengths are
+    clamped to): none in a cache of no blocks, where no id is valid."""
+    return max_blocks * block_size if num_blocks else 0
+
+
 @triton.jit
 def clamped_seq_len(SeqLens, b, kv_cap, Err, FLAG: tl.constexpr):
     """Sequence `b`'s key count, clamped into the block table's capacity `kv_cap`: a bad length

@@ -39,17 +39,15 @@ import triton.language as tl
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import any_absent_block, clamped_seq_len, table_for_no_blocks
+from .block_table import any_absent_block, clamped_seq_len, key_capacity, table_for_no_blocks
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
-from .paged_decode_config import _cdiv, _pow2, split_count, tuning
+from .paged_decode_config import INTERPRETER_SMS, ONE_PAGE_SPAN, _cdiv, _pow2, split_count, tuning
 from .paged_decode_kernels import _split_geometry, _store_rows
 
 MAX_BLOCK_M = 64
 MAX_VALUE_DIM = 512      # the fp32 accumulator [BLOCK_M, D_v]
 MAX_ROPE_DIM = 256
-ONE_PAGE_SPAN = 1 << 30   # the page size assumed for single-page block tables (as in paged_decode)
-INTERPRETER_SMS = 8
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -57,7 +55,7 @@ def config(rows: int, fp8: bool) -> dict:
     """BLOCK_M, BLOCK_N, num_warps, num_stages for `rows` query rows per KV head (`tuning.current.config`
     overrides them; BLOCK_M defaults to `rows` rounded up to a power of two, 16..`MAX_BLOCK_M`).
 
-    Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512), not yet timed on a GPU:
+    Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512), untimed on a GPU:
     the largest tiles that compile without spills on pages of 16 and 64 keys. bf16: 64 rows x 16
     keys in 8 warps take 255 registers and 126-128 KB of shared memory (the query tile stays there:
     72 KB); 64 x 32 spills. FP8 (converted to the query dtype in registers before the dots): 32 x
@@ -298,7 +296,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, 1)
     min_split = max(block_n, -(-knobs.min_split_tokens // block_n) * block_n)
     num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
-    kv_cap = max_blocks * page if num_blocks else 0   # absent blocks read block 0
+    kv_cap = key_capacity(max_blocks, page, num_blocks)
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page
     # a tile in one page is addressed by 32-bit row offsets from its first row
     one_page = page_span % block_n == 0 and (block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + d < 2**31

@@ -97,16 +97,14 @@ import torch
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
 from . import interpreting, mla_decode
-from .block_table import table_for_no_blocks
+from .block_table import key_capacity, table_for_no_blocks
 from .launcher import TritonLaunch, no_launch, scale_operands
-from .paged_decode_config import (LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, _cdiv, _pow2, config,
-                                  large_tile_splits, split_count, tuning)
+from .paged_decode_config import (INTERPRETER_SMS, LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, ONE_PAGE_SPAN, _cdiv,
+                                  _pow2, config, large_tile_splits, split_count, tuning)
 from .paged_decode_kernels import _merge_kernel, _paged_decode_kernel
 
-INTERPRETER_SMS = 8   # the interpreter's stand-in: a small "GPU", so that the split heuristic still splits
 MAX_HEAD_DIM = 256
 MAX_BLOCK_M = 64
-ONE_PAGE_SPAN = 1 << 30   # the page size the kernel assumes for single-page block tables
 # Quantized tiles stop at 32 rows: at 64 their lane accumulators take ~250 registers, and with
 # 16-value groups Triton 3.6 fails to compile them for sm_90 (TritonGPUOptimizeDotOperands).
 MAX_BLOCK_M_QUANTIZED = 32
@@ -208,7 +206,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         block_d = 4 * block_dw
     max_blocks = block_tables.shape[1]
     num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
-    kv_cap = max_blocks * page if num_blocks else 0   # absent blocks read block 0
+    kv_cap = key_capacity(max_blocks, page, num_blocks)
     # With one page per sequence every key is in it: any tile lies in one page (and one compiled
     # kernel serves every page size, e.g. the lengths of Hugging Face static caches).
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page

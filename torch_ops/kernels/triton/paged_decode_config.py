@@ -37,6 +37,9 @@ class Tuning:
 
 tuning = Knobs(Tuning())   # `with paged_decode.tuning(num_splits=4): ...`; `tuning.current`: the knobs in force
 
+INTERPRETER_SMS = 8   # the interpreter's stand-in: a small "GPU", so that the split heuristic still splits
+ONE_PAGE_SPAN = 1 << 30   # the page size the kernels assume for single-page block tables
+
 # split heuristic costs, in "tokens of one program's work"
 SPLIT_FIXED_COST = 48                 # prologue/epilogue of one program
 MERGE_COST = 96                       # the merge kernel's launch and its tail

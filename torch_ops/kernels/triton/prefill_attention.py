@@ -82,7 +82,7 @@ import triton.language as tl
 from ... import errors
 from ...quant import KVFormat, kv_format
 from . import interpreting
-from .block_table import any_absent_block, clamped_seq_len
+from .block_table import any_absent_block, clamped_seq_len, key_capacity
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
@@ -607,7 +607,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     if paged:
         page = k.shape[1]
         num_blocks = k.shape[0] if num_blocks is None else num_blocks
-        kv_cap = block_tables.shape[1] * page if num_blocks else 0   # absent blocks read block 0
+        kv_cap = key_capacity(block_tables.shape[1], page, num_blocks)
         kv_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
         bt_strides = (block_tables.stride(0), block_tables.stride(1))
     else:

@@ -6,8 +6,6 @@ read nor written. A sequence with an absent block (an id outside the cache) gets
 no specified value; every other sequence is exact. The kernels set a bit per
 argument class in the device error flag; `torch_ops.check_errors()` raises naming them."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -21,10 +19,7 @@ from .test_cache_attention import check as check_cache_attention, make_problem a
 from .test_prefill_attention import check
 
 
-@pytest.fixture(autouse=True)
-def _clear_flags():
-    with contextlib.suppress(ValueError):
-        torch_ops.check_errors()
+pytestmark = pytest.mark.usefixtures("clear_error_flags")
 
 
 def _raised() -> str:
