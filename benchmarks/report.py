@@ -36,7 +36,7 @@ PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", 
             "e2e_compile": "e2e", "generate": "generate", "bench_generate": "generate", "serving": "serving", "serving_grid": "serving",
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
             "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass",
-            "mla": "mla", "bench_mla": "mla"}
+            "mla": "mla", "bench_mla": "mla", "ab_trees": "ab_trees"}
 
 
 # ---- selecting the runs ---------------------------------------------------------------------------
@@ -420,8 +420,10 @@ def generate(data: dict, name: str):
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     by = {(r["model"], r["batch"], r["mode"]): r for r in rows}
     new = rows[0]["new_tokens"] if rows else "-"
-    text = ("`model.generate(..., cache_implementation=\"static\")` of random-weight bf16 models (a 1B Llama; "
-            "the same size in Gemma 2's shape, which transformers runs through eager attention) on left-padded "
+    quick = data.get("args", {}).get("quick")
+    size = "2-layer, hidden-512 models" if quick else "models (a 1B Llama, and the same size in Gemma 2's shape)"
+    text = (f"`model.generate(..., cache_implementation=\"static\")` of random-weight bf16 {size}, Gemma 2 "
+            "through transformers' eager attention, on left-padded "
             f"prompts of random lengths, {new} new tokens, greedy: eager, transformers' own compile of the "
             "decode steps (`compile`), and the same inside `fx_passes.enabled()` (`passes`); `/graphs`: "
             "`mode=\"reduce-overhead\"`. Tokens/s = batch x new tokens / seconds, prefill included; "
@@ -440,7 +442,7 @@ def generate(data: dict, name: str):
         return bars(plt, [f"{model} B={batch}" for model, batch in keys], series, "tokens/s", "generate()")
 
     args = data.get("args", {})
-    flags = ["--quick"] * bool(args.get("quick")) + ["--batch", *map(str, args["batch"])] * bool(args.get("batch"))
+    flags = ["--quick"] * bool(quick) + (["--batch", *map(str, args["batch"])] if args.get("batch") else [])
     return text, table(header, body), plot, shlex.join(["python", "benchmarks/bench_generate.py", *flags])
 
 
@@ -575,7 +577,8 @@ def mla(data: dict, name: str):
             ax.set_xticks(batches, labels=[str(b) for b in batches], fontsize=6)
         for ax in axes[:, 0]:
             ax.set_ylabel(f"GB/s of latent (ctx {ctx})", fontsize=7)
-        axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+        fullest = max(axes.flat, key=lambda ax: len(ax.get_legend_handles_labels()[0]))
+        axes[0][-1].legend(*fullest.get_legend_handles_labels(), fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
         return fig
 
     args = {k: v for k, v in data["args"].items() if MLA_DEFAULTS.get(k, object()) != v}
@@ -641,7 +644,7 @@ def render(results: Path = RESULTS, img: Path | None = None) -> str:
             out += ["", f"## {heading}"]
         for (_, run_mode, gpu), (path, data) in mine:
             text, lines, plot, cmd = renderer(data, path.stem)
-            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""), "",
+            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""),
                     f"{provenance(path, data['env'])} {text} Reproduce: `{cmd}`", ""] + lines
             png = img / f"{path.stem}.png"
             if plt is not None:

@@ -71,6 +71,12 @@ def fp8_problem(device, q_lens, k_lens, hq, hkv, d, per_head):
     return (q8, k8, v8, cumsum0(q_lens, device), cumsum0(k_lens, device)), scales
 
 
+# With probabilities rounded to e4m3, the kernel's and the baseline's largest errors fall on
+# different elements and vary by seed. H200, D = 256, causal, 16 seeds: (error - floor) / baseline
+# error 0.94 median, 1.43 max; one seed of the suite reached 2.1.
+FP8_P_RATIO = 2.5
+
+
 def fp8_p_baseline(problem, *, causal, q_scale, k_scale, v_scale, scale=None):
     """What an FP8 attention does in PyTorch: fp32 logits and softmax, probabilities rounded to
     e4m3 for the product with the e4m3 values of V, the sum taken before rounding, the V descale
@@ -119,7 +125,7 @@ def check(problem, out, lse, baseline_out, **options):
     low = BF16 if problem[0].dtype == E4M3 else problem[0].dtype   # the Triton FP8 tests' lse baseline too
     _, base_l = reference.context_attention(*problem, compute_dtype=low, **options)
     assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any(), "unwritten or NaN output"
-    assert_error_ratio(out, truth_o, baseline_out)
+    assert_error_ratio(out, truth_o, baseline_out, ratio=FP8_P_RATIO if problem[0].dtype == E4M3 else 2.0)
     assert_error_ratio(lse, truth_l, base_l, name="lse")
     empty = torch.isinf(truth_l)
     assert (out.float()[empty] == 0).all() and (lse[empty] == float("-inf")).all(), "rows with no key: 0 and -inf"
