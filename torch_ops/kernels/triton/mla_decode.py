@@ -51,15 +51,28 @@ MAX_ROPE_DIM = 256
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def config(rows: int, fp8: bool) -> dict:
+def config(rows: int, fp8: bool, *, sm90: bool = False, key_mask: bool = False,
+           values_in_keys: bool = True) -> dict:
     """BLOCK_M, BLOCK_N, num_warps, num_stages for `rows` query rows per KV head (`tuning.current.config`
     overrides them; BLOCK_M defaults to `rows` rounded up to a power of two, 16..`MAX_BLOCK_M`).
 
-    Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512), untimed on a GPU:
-    the largest tiles that compile without spills on pages of 16 and 64 keys. bf16: 64 rows x 16
-    keys in 8 warps take 255 registers and 126-128 KB of shared memory (the query tile stays there:
-    72 KB); 64 x 32 spills. FP8 (converted to the query dtype in registers before the dots): 32 x
-    32 takes 249-252 registers, 72 KB; 64-row tiles spill 0.5 KB."""
+    Chosen from sm_90a compiles (Triton 3.6, ptxas, D = 576, D_v = 512, with the launch's argument
+    specialization: 16-byte aligned pointers and strides, without which the key loads are neither
+    vectorized nor pipelined and the counts below are wrong), untimed on a GPU unless stated:
+    - bf16 64 rows x 16 keys, 8 warps, 3 stages (the query tile stays in shared memory: 72 KB):
+      255 registers, no spills, 126-128 KB; measured on an H200 at Hq = 128, B = 64, ctx 4096:
+      672 us. Its QK^T is 72 `wgmma m64n8k16` per tile: a dot chained into the PV dot gets all 8
+      warps along M, so each of the two warpgroups computes the whole 64 x 16 score tile.
+    - `sm90` (an sm_90 device), 64 rows, a plain cache of the query dtype, values that can be the keys' first dims
+      (`values_in_keys`: the caches share strides and dtype), no key mask:
+      64 rows x 64 keys, 8 warps, 2 stages: QK^T 72 `wgmma m64n32k16` (two per k step, still the
+      whole tile in each warpgroup), PV 4 `m64n256k16` (the warpgroups split the 512 value dims),
+      255 registers, no spills, 216 KB (query 72 KB + 2 x 72 KB key tiles, `cp.async`), on pages
+      of 16 and 64 keys. A key mask costs 8 KB and 32-88 B of spills there (not taken); values
+      of a cache of their own (`V_FROM_K` off) do not fit in 2 stages: such a call on the same
+      plan takes 1 (144 KB, 0.6-0.9 KB of spills); caches of other strides keep the 16-key tiles.
+    - FP8 (converted to the query dtype in registers before the dots): 32 x 32 takes 250
+      registers, no spills, 70 KB, `mma.sync`; 64-row tiles (`wgmma`) spill 0.2-0.6 KB."""
     block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
     if tuning.current.config:
         return {"BLOCK_M": block_m, **tuning.current.config}
@@ -68,6 +81,8 @@ def config(rows: int, fp8: bool) -> dict:
     if fp8:
         return {"BLOCK_M": min(block_m, 32), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     if block_m == 64:
+        if sm90 and values_in_keys and not key_mask:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "separate_values_stages": 1}
         return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
@@ -287,7 +302,10 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     fp8 = fmt is KVFormat.FP8
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    cfg = config(rows, fp8)
+    shareable = v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
+    # (a plain cache of another dtype than the query's is converted in registers: 0.4 KB of spills on the wide tiles)
+    sm90 = query.device.type == "cuda" and k_cache.dtype == query.dtype and gpu.capability(query.device) == (9, 0)
+    cfg = config(rows, fp8, sm90=sm90, key_mask=key_mask is not None, values_in_keys=shareable)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     m_tiles = -(-rows // block_m)
     knobs = tuning.current
@@ -318,10 +336,11 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     bt = block_tables if no_tables is None else no_tables
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling
     dot_dtype = _DTYPES[query.dtype]
-    shareable = v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
 
     def main(v_from_k: bool) -> TritonLaunch:
         vc = k_cache if v_from_k else v_cache
+        # a value tile of its own takes shared memory of its own: fewer stages where the config says
+        stages = cfg["num_stages"] if v_from_k else cfg.get("separate_values_stages", cfg["num_stages"])
         return TritonLaunch(_mla_decode_kernel, (batch * hkv * m_tiles, num_splits), (
             float(scale_eff), num_splits, min_split,
             query.stride(0), query.stride(1), query.stride(2),
@@ -337,7 +356,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             OUT_FP8=out_scale is not None, SPLIT=split, DYNAMIC_LOOP=not interpret, MAX_ITERS=max_iters,
             DOT_DTYPE=tl.float32 if interpret and query.dtype == torch.bfloat16 else dot_dtype, P_DTYPE=dot_dtype,
             HAS_KEY_MASK=key_mask is not None, BLOCK_ERR=block_error, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            num_stages=stages,
         ))
 
     mains = {False: main(False), True: main(True) if shareable else None}

@@ -124,6 +124,30 @@ def test_latent_cache(kernel_device, knobs, bs, cache_dtype, qps, splits):
     errors.check_errors()   # good metadata sets no error bit
 
 
+@pytest.mark.parametrize("bs,splits", [(16, 3), (64, None)])
+def test_sm90_tiles(kernel_device, knobs, bs, splits):
+    # the sm_90 plain-cache tiles (`config(..., sm90=True)`: 64 rows x 64 keys, several 16-key
+    # pages or one 64-key page per tile), with a tile cut by the split and by the length
+    knobs(config={"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, num_splits=splits, min_split_tokens=16)
+    args, kwargs = make_problem(kernel_device, lens=[300, 0, 69, 129], qps=4, bs=bs)
+    launch = launch_of(args, kwargs)
+    assert "64 query rows x 64-key tiles" in launch.describe
+    out, lse = call_triton(args, kwargs)
+    check(args, kwargs, out, lse)
+
+
+def test_config_choices(monkeypatch):
+    monkeypatch.setattr(mla_decode, "interpreting", lambda: False)
+    wide = mla_decode.config(128, False, sm90=True)
+    assert (wide["BLOCK_M"], wide["BLOCK_N"], wide["num_warps"], wide["num_stages"]) == (64, 64, 8, 2)
+    assert wide["separate_values_stages"] == 1
+    for cfg in (mla_decode.config(128, False), mla_decode.config(128, False, sm90=True, key_mask=True),
+                mla_decode.config(128, False, sm90=True, values_in_keys=False)):
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]) == (64, 16, 3)
+    assert mla_decode.config(128, True, sm90=True)["BLOCK_M"] == 32
+    assert mla_decode.config(16, False, sm90=True)["BLOCK_N"] == 32
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("qps", [1, 2])
 def test_key_mask(kernel_device, knobs, splits, qps):
