@@ -4,8 +4,11 @@ or write outside its tensors, and the kernels and the reference agree on what it
 positions are clamped into the table, and `cache_attention` rows outside the cache are neither
 read nor written. A sequence with an absent block (an id outside the cache) gets finite rows of
 no specified value; every other sequence is exact. The kernels set a bit per
-argument class in the device error flag; `torch_ops.check_errors()` raises naming them."""
+argument class in the device error flag; `torch_ops.check_errors()` raises naming them. Under the
+interpreter, the paged kernels' loads are watched for any read of the margins laid around the
+block-table rows and the caches (`GuardedLoads`)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from torch_ops.kernels.triton import paged_decode, prefill_attention
 
 from ... import samples
 from .test_cache_attention import check as check_cache_attention, make_problem as cache_attention_problem
+from .test_mla_decode import D as MLA_D, DV as MLA_DV
 from .test_prefill_attention import check
 
 
@@ -163,6 +167,120 @@ def test_debug_mode_raises_at_the_call(kernel_device, monkeypatch):
     q = torch.randn(1, 4, 16, dtype=torch.bfloat16, device=kernel_device)
     with torch_ops.use_backend("triton"), pytest.raises(ValueError, match="block_tables"):
         torch.ops.attn.paged_decode(q, k, v, _index([[0, 8]], kernel_device), _index([8], kernel_device))
+
+
+# ---- reads outside the tables and caches (interpreter) --------------------------------------------
+
+
+class GuardedLoads:
+    """Watches the loads of Triton's interpreter: a load whose mask lets it read an address in a
+    guard (margins laid around a block table's rows, or blocks around a cache) is a read outside
+    what the metadata may address. `table`/`cache` return the guarded tensor's inner view."""
+
+    MARGIN = 3   # table entries each side of a row; blocks each side of a cache
+
+    def __init__(self):
+        self.guards: list[tuple[torch.Tensor, object]] = []   # a guarded tensor (kept: its memory is
+        self.reads = 0                                        # not reused), which of its bytes are guard
+
+    def watch(self, ptrs, mask):
+        addresses = np.asarray(ptrs.data).astype(np.uint64).ravel()
+        live = np.broadcast_to(np.asarray(mask.data).astype(bool), np.shape(ptrs.data)).ravel()
+        for wide, is_guard in self.guards:
+            lo, hi = wide.data_ptr(), wide.data_ptr() + wide.numel() * wide.element_size()
+            inside = addresses[live & (addresses >= lo) & (addresses < hi)]
+            self.reads += int(is_guard(inside - np.uint64(lo)).sum())
+
+    def table(self, rows: torch.Tensor) -> torch.Tensor:
+        m, width = self.MARGIN, rows.shape[1]
+        wide = torch.zeros(rows.shape[0], m + width + m, dtype=rows.dtype, device=rows.device)
+        wide[:, m:m + width] = rows
+        row_bytes = wide.shape[1] * wide.element_size()
+        self._guard(wide, lambda off: ~np.isin(off % np.uint64(row_bytes) // np.uint64(wide.element_size()),
+                                               np.arange(m, m + width, dtype=np.uint64)))
+        return wide[:, m:m + width]
+
+    def cache(self, blocks: torch.Tensor) -> torch.Tensor:
+        m, n = self.MARGIN, blocks.shape[0]
+        wide = torch.zeros((m + n + m, *blocks.shape[1:]), dtype=blocks.dtype, device=blocks.device)
+        wide[m:m + n] = blocks
+        block_bytes = blocks[0].numel() * blocks.element_size()
+        self._guard(wide, lambda off: (off < np.uint64(m * block_bytes)) | (off >= np.uint64((m + n) * block_bytes)))
+        return wide[m:m + n]
+
+    def _guard(self, wide, is_guard):
+        self.guards.append((wide, is_guard))
+
+
+@pytest.fixture
+def guarded(kernel_device, monkeypatch):
+    if kernel_device.type != "cpu":
+        pytest.skip("watches the loads of Triton's interpreter (CPU)")
+    from triton.runtime import interpreter
+    loads = GuardedLoads()
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def watched(builder, ptrs, mask, *rest, **kwargs):
+        loads.watch(ptrs, mask)
+        return load(builder, ptrs, mask, *rest, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", watched)
+    return loads
+
+
+def _guarded_paged(guarded, fmt, bs, hkv, d, lens, max_blocks, blocks):
+    """A guarded cache of `blocks` blocks and a guarded table of `max_blocks` columns for sequences of
+    `lens` keys (clamped into the table), with block ids outside the cache in its first and last rows."""
+    k, v, scales = samples.paged_cache(blocks, bs, hkv, d, fmt)
+    k, v = guarded.cache(k), guarded.cache(v)
+    scales = {name: guarded.cache(s) if s.dim() == 4 else s for name, s in scales.items()}
+    table = samples.block_tables_for([min(max(n, 0), max_blocks * bs) for n in lens], bs, blocks, max_blocks)
+    table[0, -1], table[-1, 0] = blocks, -1
+    return k, v, scales, guarded.table(table), _index(lens, "cpu")
+
+
+# lengths at, under and past the table's capacity, negative, and short
+GUARD_LENS = [[48, 47, 31, 48 + 40, 1, -2]]
+
+
+@pytest.mark.parametrize("window", [None, (7, 5)], ids=["full", "window+sinks"])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "int8"])
+def test_decode_reads_nothing_outside_the_table_and_cache(guarded, fmt, replicas, splits, window):
+    # 16-key pages of one table entry per tile and several tiles per step (replicas): a replica's
+    # tile can start past a sequence's keys, and past its table row
+    k, v, scales, table, lens = _guarded_paged(guarded, fmt, 16, 2, 32, GUARD_LENS[0], 3, 24)
+    q = torch.randn(len(lens), 8, 32, dtype=torch.bfloat16)
+    options = dict(window_left=window[0], sink_tokens=window[1]) if window else {}
+    config = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": True}
+    with paged_decode.tuning(config=config, num_splits=splits, min_split_tokens=16), torch_ops.use_backend("triton"):
+        torch.ops.attn.paged_decode(q, k, v, table, lens, **scales, **options)
+    assert guarded.reads == 0, f"{guarded.reads} reads outside the block table rows or the cache"
+    _assert_flagged("block_tables", "seq_lens")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_reads_nothing_outside_the_table_and_cache(guarded, splits):
+    k, _, _, table, lens = _guarded_paged(guarded, "bf16", 16, 1, MLA_D, GUARD_LENS[0], 3, 24)
+    q = torch.randn(len(lens), 16, MLA_D, dtype=torch.bfloat16)
+    with paged_decode.tuning(num_splits=splits, min_split_tokens=16), torch_ops.use_backend("triton"):
+        torch.ops.attn.paged_decode(q, k, k[..., :MLA_DV], table, lens)
+    assert guarded.reads == 0, f"{guarded.reads} reads outside the block table rows or the cache"
+    _assert_flagged("block_tables", "seq_lens")
+
+
+@pytest.mark.parametrize("bs", [16, 5])
+def test_prefill_reads_nothing_outside_the_table_and_cache(guarded, bs):
+    lens = [3 * bs, 3 * bs - 1, 2 * bs + 1, 3 * bs + 20]
+    k, v, _, table, seq_lens = _guarded_paged(guarded, "bf16", bs, 2, 16, lens, 3, 16)
+    q = torch.randn(4 * 6, 4, 16, dtype=torch.bfloat16)
+    cu = _index([0, 6, 12, 18, 24], "cpu")
+    with prefill_attention.tuning(config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}), \
+            torch_ops.use_backend("triton"):
+        torch.ops.attn.paged_prefill(q, k, v, table, cu, seq_lens, causal=True)
+    assert guarded.reads == 0, f"{guarded.reads} reads outside the block table rows or the cache"
+    _assert_flagged("block_tables", "seq_lens")
 
 
 # ---- slots and RoPE positions --------------------------------------------------------------------
