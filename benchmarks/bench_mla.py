@@ -31,9 +31,9 @@ Notes
   bf16 peak.
 * Decode peers, on the same latent tensor: FlashInfer `BatchMLAPagedAttentionWrapper` with
   backends "fa2" and "fa3" (`ckv_cache`/`kpe_cache` are views of the latent, as its strides
-  allow; for an FP8 cache the K scale rides on `sm_scale` and the V scale is not applied: timing
-  only); and, for context, the decompressed equivalent (per-head keys `[B, Hq, ctx, 192]` and
-  values `[B, Hq, ctx, 128]`, the attention transformers runs; bf16 only, skipped past
+  allow; an FP8 cache's scale as its `ckv_scale` and `kpe_scale`); and, for context, the
+  decompressed equivalent (per-head keys `[B, Hq, ctx, 192]` and values `[B, Hq, ctx, 128]`, the
+  attention transformers runs; bf16 only, skipped past
   `MAX_DECOMPRESSED_BYTES`) under SDPA (`sdpa_mha`) and under our `paged_decode`, one page per
   sequence (`ours_mha`: what `fx_passes` makes of transformers' DeepSeek-V3 decode step). Every
   GB/s column is latent bytes / time: the same decode step, so the decompressed columns show what
@@ -274,9 +274,9 @@ def flashinfer_mla_fns(case: DecodeCase, backend: str):
     qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32, device=device)
     kv_indptr = qo_indptr * case.blocks_per_seq
     kv_indices = case.block_tables.flatten().contiguous()
-    sm_scale = SCALE * (FP8_SCALE if case.fmt == "fp8" else 1.0)
     wrapper.plan(qo_indptr, kv_indptr, kv_indices, case.seq_lens, case.hq, LATENT, ROPE, case.page, False,
-                 sm_scale, torch.bfloat16, FORMATS[case.fmt])
+                 SCALE, torch.bfloat16, FORMATS[case.fmt])
+    scales = dict(ckv_scale=FP8_SCALE, kpe_scale=FP8_SCALE) if case.fmt == "fp8" else {}
     fns = []
     for i, (q, latent) in enumerate(case.sets):
         rows = latent[:, :, 0]
@@ -284,7 +284,7 @@ def flashinfer_mla_fns(case: DecodeCase, backend: str):
         out = case.out[i]
 
         def fn(q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe, out=out):
-            wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+            wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
         fns.append(fn)
     fns[0]()
     return fns
