@@ -180,8 +180,10 @@ class GuardedLoads:
     MARGIN = 3   # table entries each side of a row; blocks each side of a cache
 
     def __init__(self):
-        self.guards: list[tuple[torch.Tensor, object]] = []   # a guarded tensor (kept: its memory is
-        self.reads = 0                                        # not reused), which of its bytes are guard
+        # (guarded tensor, which of its byte offsets are guard); holding the tensor keeps its
+        # memory from being reused by other tensors while the loads are watched
+        self.guards: list[tuple[torch.Tensor, object]] = []
+        self.reads = 0
 
     def watch(self, ptrs, mask):
         addresses = np.asarray(ptrs.data).astype(np.uint64).ravel()
@@ -196,8 +198,8 @@ class GuardedLoads:
         wide = torch.zeros(rows.shape[0], m + width + m, dtype=rows.dtype, device=rows.device)
         wide[:, m:m + width] = rows
         row_bytes = wide.shape[1] * wide.element_size()
-        self._guard(wide, lambda off: ~np.isin(off % np.uint64(row_bytes) // np.uint64(wide.element_size()),
-                                               np.arange(m, m + width, dtype=np.uint64)))
+        self.guards.append((wide, lambda off: ~np.isin(off % np.uint64(row_bytes) // np.uint64(wide.element_size()),
+                                                       np.arange(m, m + width, dtype=np.uint64))))
         return wide[:, m:m + width]
 
     def cache(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -205,11 +207,9 @@ class GuardedLoads:
         wide = torch.zeros((m + n + m, *blocks.shape[1:]), dtype=blocks.dtype, device=blocks.device)
         wide[m:m + n] = blocks
         block_bytes = blocks[0].numel() * blocks.element_size()
-        self._guard(wide, lambda off: (off < np.uint64(m * block_bytes)) | (off >= np.uint64((m + n) * block_bytes)))
+        inner = np.uint64(m * block_bytes), np.uint64((m + n) * block_bytes)
+        self.guards.append((wide, lambda off: (off < inner[0]) | (off >= inner[1])))
         return wide[m:m + n]
-
-    def _guard(self, wide, is_guard):
-        self.guards.append((wide, is_guard))
 
 
 @pytest.fixture
@@ -240,7 +240,7 @@ def _guarded_paged(guarded, fmt, bs, hkv, d, lens, max_blocks, blocks):
 
 
 # lengths at, under and past the table's capacity, negative, and short
-GUARD_LENS = [[48, 47, 31, 48 + 40, 1, -2]]
+GUARD_LENS = [48, 47, 31, 48 + 40, 1, -2]
 
 
 @pytest.mark.parametrize("window", [None, (7, 5)], ids=["full", "window+sinks"])
@@ -250,7 +250,7 @@ GUARD_LENS = [[48, 47, 31, 48 + 40, 1, -2]]
 def test_decode_reads_nothing_outside_the_table_and_cache(guarded, fmt, replicas, splits, window):
     # 16-key pages of one table entry per tile and several tiles per step (replicas): a replica's
     # tile can start past a sequence's keys, and past its table row
-    k, v, scales, table, lens = _guarded_paged(guarded, fmt, 16, 2, 32, GUARD_LENS[0], 3, 24)
+    k, v, scales, table, lens = _guarded_paged(guarded, fmt, 16, 2, 32, GUARD_LENS, 3, 24)
     q = torch.randn(len(lens), 8, 32, dtype=torch.bfloat16)
     options = dict(window_left=window[0], sink_tokens=window[1]) if window else {}
     config = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": True}
@@ -262,7 +262,7 @@ def test_decode_reads_nothing_outside_the_table_and_cache(guarded, fmt, replicas
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mla_decode_reads_nothing_outside_the_table_and_cache(guarded, splits):
-    k, _, _, table, lens = _guarded_paged(guarded, "bf16", 16, 1, MLA_D, GUARD_LENS[0], 3, 24)
+    k, _, _, table, lens = _guarded_paged(guarded, "bf16", 16, 1, MLA_D, GUARD_LENS, 3, 24)
     q = torch.randn(len(lens), 16, MLA_D, dtype=torch.bfloat16)
     with paged_decode.tuning(num_splits=splits, min_split_tokens=16), torch_ops.use_backend("triton"):
         torch.ops.attn.paged_decode(q, k, k[..., :MLA_DV], table, lens)
