@@ -135,6 +135,25 @@ def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, c
     _agree(*got, *want)
 
 
+@pytest.mark.gpu
+def test_generate_reduce_overhead_on_cuda():
+    """A user's `torch.compile(model.forward, mode="reduce-overhead")` on CUDA: the prefill and the
+    decode steps run on the ops inside CUDA graphs (none skipped), with eager's tokens."""
+    torch.manual_seed(0)
+    model = _model("llama").cuda()
+    ids, mask = (t.cuda() for t in _padded_prompt(7))
+    with torch.no_grad():
+        want = _generate(model, ids, mask, disable_compile=True)
+        with fx_passes.enabled():
+            model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+            got = _generate(model, ids, mask, disable_compile=True)
+    assert counters["attn"]["decode_to_paged_matched"] == LAYERS
+    assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert sum(counters["graph_break"].values()) == 0
+    _agree(*got, *want)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", LENGTHS)
 def test_generate_three_prompt_lengths_in_one_graph(family):
