@@ -57,7 +57,10 @@ Semantics: docs/ops.md. Design, in the order the kernel runs:
 Value head dim: V tiles, the P @ V product, the accumulator and the output have D_v (`HEAD_DV`,
 padded to `BLOCK_DV`), which may differ from the query/key head dim (plain and FP8 K/V; MLA
 prefill: D = 192, D_v = 128). Tile configs follow the larger of the two; with D_v = D the kernel
-is the one of D alone.
+is the one of D alone. A query/key head dim that is no power of two but the sum of two (192 =
+128 + 64, 96, 80, 48: `split_dims`) takes its scores as one dot per part instead of one over the
+dims padded to the next power of two (sm_90a compile, D = 192: 24 wgmma k-steps a tile against 32,
+128 KB of shared memory against 160 KB); power-of-two head dims compile as before.
 
 Not served (`unsupported` says why): head dims > 256.
 
@@ -137,12 +140,32 @@ def _masked_load(ptrs, n_ok, c_ok, MASKED: tl.constexpr, PAD: tl.constexpr):
 
 
 @triton.jit
+def _load_query(Q, q_rows, row_ok, stride_qd, FIRST: tl.constexpr, DIMS: tl.constexpr, BLOCK: tl.constexpr,
+                Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Dims `FIRST ..< FIRST + DIMS` (padded to BLOCK) of the query rows at `q_rows`, in the dot dtype."""
+    d = tl.arange(0, BLOCK)
+    if FIRST > 0:
+        d += FIRST
+    q = tl.load(Q + q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None] & (d < FIRST + DIMS)[None, :], other=0)
+    if Q_FP8:
+        q = q.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return q.to(DOT_DTYPE)
+
+
+@triton.jit
 def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] K or V tile in the dot dtype. `rows`: offsets of its token rows (in
-    stored elements); plain tiles load as they are, FP8 bytes convert exactly, INT8 values and INT4
-    nibbles (low nibble first, offset 8) are multiplied by their group scales at `SBase + s_rows`."""
+               BLOCK_D: tl.constexpr, FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               FIRST: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] K or V tile of dims `FIRST ..< FIRST + HEAD_DIM` in the dot dtype.
+    `rows`: offsets of its token rows (in stored elements); plain tiles load as they are, FP8 bytes
+    convert exactly, INT8 values and INT4 nibbles (low nibble first, offset 8) are multiplied by
+    their group scales at `SBase + s_rows`."""
     PAD: tl.constexpr = HEAD_DIM != BLOCK_D
+    if FIRST > 0:   # INT4: two dims a byte
+        if FMT == FMT_INT4:
+            Base += FIRST // 2
+        else:
+            Base += FIRST
     if FMT == FMT_INT4:
         c = tl.arange(0, BLOCK_D // 2)
         b = _masked_load(Base + rows[:, None] + c[None, :], n_ok, c < HEAD_DIM // 2, MASKED, PAD).to(tl.int32)
@@ -157,24 +180,25 @@ def _load_tile(Base, rows, SBase, s_rows, n_ok, MASKED: tl.constexpr, HEAD_DIM: 
             x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif FMT != FMT_PLAIN:
         d = tl.arange(0, BLOCK_D)
-        scale = _masked_load(SBase + s_rows[:, None] + (d // QGROUP)[None, :], n_ok, d < HEAD_DIM, MASKED, PAD)
+        scale = _masked_load(SBase + s_rows[:, None] + ((FIRST + d) // QGROUP)[None, :], n_ok, d < HEAD_DIM, MASKED, PAD)
         x = x.to(tl.float32) * scale.to(tl.float32)
     return x.to(DOT_DTYPE)
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
+    acc, m_i, l_i, q, q_hi, row_scale, alibi, pos, start_n, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr, D_LO: tl.constexpr,
 ):
     """One online-softmax step over keys `start_n .. start_n + BLOCK_N - 1` (log2 units): K tiles of
-    HEAD_DIM (padded to BLOCK_D) dims, V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
+    HEAD_DIM (padded to BLOCK_D) dims, or, with D_LO, two dots over dims `..< D_LO` (`q`) and
+    `D_LO ..< HEAD_DIM` (`q_hi`), both powers of two; V tiles and `acc` of HEAD_DV (padded to BLOCK_DV).
     K and V (and INT8/INT4 scale caches KS, VS) point at this program's KV head (and, for packed
     K/V, its sequence's first key)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -198,8 +222,15 @@ def _attend_tile(
         k_rows = offs_n.to(tl.int64) * stride_kt
         v_rows = offs_n.to(tl.int64) * stride_vt
 
-    k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_LO > 0:
+        k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, D_LO, D_LO, KV_FMT, E5M2, QGROUP, DOT_DTYPE, 0)
+        k_hi = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, HEAD_DIM - D_LO, HEAD_DIM - D_LO, KV_FMT, E5M2,
+                          QGROUP, DOT_DTYPE, D_LO)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=DOT_PRECISION)
+    else:
+        k = _load_tile(K, k_rows, KS, ks_rows, n_ok, MASKED, HEAD_DIM, BLOCK_D, KV_FMT, E5M2, QGROUP, DOT_DTYPE, 0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(x) with tanh(x) = 1 - 2 / (exp(2x) + 1); softcap2 = softcap * log2(e)
         x = qk * row_scale[:, None]
@@ -228,7 +259,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE)
+    v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE, 0)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
     acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -238,14 +269,14 @@ def _attend_tile(
 @triton.jit
 def _attend_range(
     acc, m_i, l_i, it_lo, it_hi, n_sink, t_lo,
-    q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
+    q, q_hi, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
     K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
     stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, KV_FMT: tl.constexpr, E5M2: tl.constexpr, QGROUP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, SINK_TILES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr, D_LO: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Key tiles `it_lo .. it_hi - 1`; with SINK_TILES, iterations below `n_sink` are the sink
@@ -257,11 +288,11 @@ def _attend_range(
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                acc, m_i, l_i, q, q_hi, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, D_LO)
             it += 1
     else:
         for it in range(it_lo, it_hi):
@@ -269,11 +300,11 @@ def _attend_range(
             if SINK_TILES:
                 tile = tl.where(it < n_sink, it, it - n_sink + t_lo)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
+                acc, m_i, l_i, q, q_hi, row_scale, alibi, pos, tile * BLOCK_N, kv_len, window_left, sink_tokens,
                 softcap2, K, V, KS, VS, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
                 stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
                 BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16)
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, MASKED, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, D_LO)
     return acc, m_i, l_i
 
 
@@ -297,7 +328,7 @@ def _prefill_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_P_BF16: tl.constexpr,
     SHORT: tl.constexpr, SEQ_SLOTS: tl.constexpr, INTERPRET: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    BLOCK_ERR: tl.constexpr,
+    BLOCK_ERR: tl.constexpr, D_LO: tl.constexpr,
 ):
     """`Err`: the device error flag (`torch_ops.errors`): bad lengths set their bits in it, bad block
     ids `BLOCK_ERR` (0: no bit)."""
@@ -354,15 +385,16 @@ def _prefill_kernel(
     p_max = kv_len - q_len + last_tok
     km_rows = KeyMask + tl.where(row_ok, q_start + tok, 0).to(tl.int64) * stride_kmt
 
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    q = tl.load(Q + q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
+    if D_LO > 0:   # two power-of-two parts of the head dim, one dot each (`_attend_tile`)
+        q = _load_query(Q, q_rows, row_ok, stride_qd, 0, D_LO, D_LO, Q_FP8, DOT_DTYPE)
+        q_hi = _load_query(Q, q_rows, row_ok, stride_qd, D_LO, HEAD_DIM - D_LO, HEAD_DIM - D_LO, Q_FP8, DOT_DTYPE)
+    else:
+        q = _load_query(Q, q_rows, row_ok, stride_qd, 0, HEAD_DIM, BLOCK_D, Q_FP8, DOT_DTYPE)
+        q_hi = q   # unused
     row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
     if Q_FP8:
-        q = q.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         row_scale *= tl.load(QScale + head * stride_qs, mask=row_ok, other=0.0)
-    q = q.to(DOT_DTYPE)
     if KV_FMT == FMT_FP8:
         row_scale *= tl.load(KScale + kh * stride_ks)
     alibi = row_scale   # placeholder when there is no ALiBi
@@ -416,26 +448,26 @@ def _prefill_kernel(
     if HAS_WINDOW:   # masked: sink tiles, then the window's leading edge
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, 0, n_sink + f_lo - t_lo, n_sink, t_lo,
-            q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
+            q, q_hi, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
             Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
             stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
             BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL,
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True, True, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16,
-            INTERPRET)
+            D_LO, INTERPRET)
     acc, m_i, l_i = _attend_range(   # unmasked: every row sees every key
         acc, m_i, l_i, f_lo, f_hi, n_sink, t_lo,
-        q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
+        q, q_hi, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        HAS_SOFTCAP, HAS_ALIBI, False, False, False, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, D_LO, INTERPRET)
     acc, m_i, l_i = _attend_range(   # masked: causal diagonal, last partial tile
         acc, m_i, l_i, f_hi, t_hi, n_sink, t_lo,
-        q, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
+        q, q_hi, row_scale, alibi, pos, kv_len, window_left, sink_tokens, softcap2,
         Kh, Vh, KSh, VSh, bt_row, stride_btp, stride_kb, stride_kt, stride_vb, stride_vt,
         stride_ksb, stride_kst, stride_vsb, stride_vst, km_rows, km_len,
         BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DV, PAGED, PAGE, ONE_PAGE, KV_FMT, E5M2, QGROUP, CAUSAL, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, INTERPRET)
+        HAS_SOFTCAP, HAS_ALIBI, True, False, HAS_KEY_MASK, DOT_DTYPE, DOT_PRECISION, ROUND_P_BF16, D_LO, INTERPRET)
 
     # ---- epilogue ----------------------------------------------------------------------------
     if HAS_SINKS:   # one more logit, with no value
@@ -470,6 +502,15 @@ def _prefill_kernel(
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def split_dims(head_dim: int) -> int:
+    """The first part's width where a head dim that is no power of two is the sum of two (192 =
+    128 + 64, 96 = 64 + 32, 80 = 64 + 16): its scores then take one dot per part, with no padded
+    dims (`_attend_tile`). 0: one dot over the head dim padded to a power of two."""
+    lo = _pow2(head_dim) // 2
+    rest = head_dim - lo
+    return lo if _pow2(head_dim) != head_dim and rest >= 16 and rest & (rest - 1) == 0 else 0
 
 
 def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
@@ -634,7 +675,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if op_dtype == torch.float32 else "tf32",
         ROUND_P_BF16=round_p_bf16, INTERPRET=interpret, HAS_KEY_MASK=key_mask is not None,
-        BLOCK_ERR=block_error if paged else 0,
+        BLOCK_ERR=block_error if paged else 0, D_LO=split_dims(d),
     )
     kernels = [_kernel(scalars, constants, cfg, t, num_seqs, hkv, short=False, device=query.device,
                        max_queries=max_queries)]

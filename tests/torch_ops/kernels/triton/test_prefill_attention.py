@@ -287,9 +287,10 @@ def test_context_fp8_inputs(kernel_device, small_tiles):
     check("context_attention", problem, out, lse, baseline_dtype=BF16, causal=True, **scales)
 
 
+# d48 and d80: head dims of two power-of-two parts (`split_dims`), groups across the parts' boundary
 @pytest.mark.parametrize("cache_dtype,group,scale_dtype,d", [(INT8, 16, FP32, 64), (INT4, 8, FP16, 32),
-                                                             (INT4, 24, FP32, 48)],
-                         ids=["int8-g16-d64", "int4-g8-fp16scales-d32", "int4-g24-d48"])
+                                                             (INT4, 24, FP32, 48), (INT8, 40, FP16, 80)],
+                         ids=["int8-g16-d64", "int4-g8-fp16scales-d32", "int4-g24-d48", "int8-g40-d80"])
 def test_paged_int_cache(kernel_device, small_tiles, cache_dtype, group, scale_dtype, d):
     problem = make_paged(kernel_device, q_lens=[2, 1, 21], seq_lens=[19, 33, 21], hq=4, hkv=2, d=d, bs=8,
                          dtype=FP16, cache_dtype=cache_dtype, group=group, scale_dtype=scale_dtype, layout="HND")
@@ -363,6 +364,7 @@ def test_config_heuristic():
     assert pa.config(128, BF16, True, True, rows_per_seq=4096)["BLOCK_M"] == 128
     assert pa._smaller({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3})["num_stages"] == 2
     assert pa._smaller({"BLOCK_M": 128, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}) is None
+    assert [pa.split_dims(d) for d in (48, 64, 80, 96, 112, 128, 192)] == [32, 0, 64, 64, 0, 0, 128]
 
 
 # ---- GPU: the broad matrix ---------------------------------------------------------------------
