@@ -60,11 +60,11 @@ prefill: D = 192, D_v = 128). Tile configs follow the larger of the two; with D_
 is the one of D alone. A query/key head dim that is no power of two but the sum of two (192 =
 128 + 64, 96, 80, 48: `split_dims`) takes its scores as one dot per part instead of one over the
 dims padded to the next power of two (sm_90a compile, D = 192: 24 wgmma k-steps a tile against 32,
-128 KB of shared memory against 160 KB); power-of-two head dims compile as before.
+128 KB of shared memory against 160 KB); a power-of-two head dim takes one dot.
 
 Not served (`unsupported` says why): head dims > 256.
 
-Knobs (tests, tuning): `Tuning`, changed inside `with tuning(config=...):`. A prepared launch's `kernels` are its `TritonLaunch`es
+Knobs (tests, tuning): `prefill_config.Tuning`, changed inside `with tuning(config=...):`. A prepared launch's `kernels` are its `TritonLaunch`es
 (main launch first; each holds its compiled kernel once run, for reports).
 Under TRITON_INTERPRET=1 (CPU tests) the loops are `while` loops (the interpreter cannot take a
 tensor as a `range` bound with numpy >= 2.4), bf16 dots take fp32 operands holding bf16 values
@@ -75,7 +75,6 @@ math as on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -89,17 +88,8 @@ from .block_table import any_absent_block, clamped_seq_len, key_capacity
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
-from .tuning import Knobs
+from .prefill_config import _pow2, _smaller, config, split_dims, tuning
 
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """The kernel family's tuning knobs, read when a launch is prepared (`tuning`)."""
-
-    config: dict | None = None   # a `config` for every call: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-
-
-tuning = Knobs(Tuning())   # `with prefill_attention.tuning(config={...}): ...`
 
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
 
@@ -498,71 +488,6 @@ def _prefill_kernel(
 # =================================================================================================
 # Launcher
 # =================================================================================================
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def split_dims(head_dim: int) -> int:
-    """The first part's width where a head dim that is no power of two is the sum of two (192 =
-    128 + 64, 96 = 64 + 32, 80 = 64 + 16): its scores then take one dot per part, with no padded
-    dims (`_attend_tile`). 0: one dot over the head dim padded to a power of two."""
-    lo = _pow2(head_dim) // 2
-    rest = head_dim - lo
-    return lo if _pow2(head_dim) != head_dim and rest >= 16 and rest & (rest - 1) == 0 else 0
-
-
-def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
-           rows_per_seq: int | None = None, group_scaled: bool = False) -> dict:
-    """Tile and launch parameters: BLOCK_M (query rows), BLOCK_N (keys), num_warps, num_stages.
-
-    Starting points from FlashAttention-2's forward tiles (128 x 128 for D <= 64 non-causal,
-    128 x 64 for D = 128, 128 x 64 with 8 warps for D = 256), checked by compiling for sm_90a
-    (ptxas, no GPU): every default uses wgmma, pipelines K/V with cp.async, fits 200 KB of shared
-    memory (H100: 227 KB) and spills at most a few dozen bytes (D = 256 with every feature on).
-    8 warps = two warpgroups of 64 rows. `causal` keeps D <= 64 at 64-key tiles (less waste on
-    the diagonal); `paged` takes 128-key tiles at D <= 128 (measured), with 5 stages at D <= 64
-    so that the K/V loads behind the block-table load are double-buffered;
-    `group_scaled` (INT8/INT4 caches, whose gathered scale tiles are staged in shared memory too)
-    halves BLOCK_N at D = 256 (256 KB -> 160 KB). fp32 inputs take FMA ("ieee") dots, which spill
-    beyond 16 x 16 tiles. `rows_per_seq` (query rows per sequence from shapes: ceil(T / B) x query
-    heads per KV head) shrinks BLOCK_M for decode-heavy batches. Measured on a GPU: the paged
-    tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
-    if tuning.current.config:
-        return dict(tuning.current.config)
-    block_d = max(16, _pow2(head_dim))
-    if dtype == torch.float32:
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
-    if block_d <= 64:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 64 if causal else 128, "num_warps": 8, "num_stages": 3}
-    elif block_d <= 128:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    else:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    if paged and block_d <= 128:
-        # 128-key tiles over a paged cache. Triton's pipeliner spends stages on the block-table
-        # load the K/V addresses depend on: the K/V tiles are single-buffered below 5 stages
-        # (TTGIR, sm_90a), double-buffered from 5. H200, 4 x 2048 causal queries on 8k cached
-        # keys, GQA 32/8, 16-token pages:
-        # D = 128 309 -> 379-382 TFLOP/s at 3 stages (5 stages: 255 registers, 370);
-        # D = 64 201 -> 300 at 5 stages.
-        cfg.update(BLOCK_N=128, num_stages=3 if block_d == 128 else 5)
-    if group_scaled and block_d > 128:
-        cfg["BLOCK_N"] = 32
-    if rows_per_seq is not None and rows_per_seq < cfg["BLOCK_M"]:
-        cfg["BLOCK_M"] = max(16, _pow2(rows_per_seq))
-        cfg["num_warps"] = 4
-    return cfg
-
-
-def _smaller(cfg: dict) -> dict | None:
-    """The next config to try when `cfg` does not fit the GPU (same BLOCK_M: same grid)."""
-    if cfg["num_stages"] > 2:
-        return {**cfg, "num_stages": cfg["num_stages"] - 1}
-    if cfg["BLOCK_N"] > 16:
-        return {**cfg, "BLOCK_N": cfg["BLOCK_N"] // 2}
-    return None
 
 
 _FITTED: dict[tuple, dict] = {}   # (constants, requested config, device) -> the config that fit
