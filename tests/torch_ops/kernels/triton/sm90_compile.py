@@ -1,40 +1,45 @@
 """Compile the Triton launches of representative calls for sm_90 without a GPU: GPU-only
-compile errors (inline PTX, layouts, shared memory) show on a CPU machine. Run with
-TRITON_INTERPRET unset: `python -m tests.torch_ops.kernels.triton.sm90_compile`; prints one line per
-call and exits non-zero if one fails."""
+compile errors (inline PTX, layouts, shared memory) show on a CPU machine. Each argument is
+specialized as a launch specializes it (16-byte alignment, integers equal to 1), so the compiled
+code takes the same paths as on the GPU (vectorized, pipelined loads). Run with TRITON_INTERPRET
+unset: `python -m tests.torch_ops.kernels.triton.sm90_compile`; prints one line per call and exits
+non-zero if one fails."""
 
 import sys
 
 import torch
 import triton
+from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
 from torch_ops import kv_cache
 from torch_ops.kernels.triton import context_attention, kv_cache_write, launcher, paged_decode, paged_prefill
+from torch_ops.kernels.triton import mla_decode as mla
 
 TARGET = GPUTarget("cuda", 90, 32)
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
-         torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 compiled: list[str] = []
 
 
 def compile_launch(self: launcher.TritonLaunch, *tensors) -> None:
     """Stands in for `TritonLaunch.__call__`: compiles the launch's kernel instead of running it."""
     values = [*tensors, *self.scalars]
-    signature, constants = {}, {}
+    signature, constants, attrs = {}, {}, {}
     for i, p in enumerate(self.fn.params):
         if p.name in self.meta or p.is_constexpr:
             signature[p.name] = "constexpr"
             constants[p.name] = self.meta.get(p.name, p.default)
-        elif isinstance(values[i], torch.Tensor):
-            signature[p.name] = "*" + TYPES[values[i].dtype]
-        elif isinstance(values[i], int):
-            signature[p.name] = "i64" if abs(values[i]) >= 2**31 else "i32"
-        else:
-            signature[p.name] = "fp32"
+            continue
+        kind, attr = native_specialize_impl(CUDABackend, values[i], False, not p.do_not_specialize,
+                                            not p.do_not_specialize_on_alignment)
+        signature[p.name] = kind
+        if kind == "constexpr":   # an integer argument equal to 1
+            constants[p.name] = attr
+        elif attr:
+            attrs[(i,)] = CUDABackend.parse_attr(attr)
     options = {k: self.meta[k] for k in ("num_warps", "num_stages") if k in self.meta}
-    kernel = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(self.fn, signature, constants, attrs), target=TARGET, options=options)
     compiled.append(f"{self.fn.__name__} ({kernel.metadata.shared} B shared memory)")
 
 
@@ -72,8 +77,9 @@ def prefill(paged, key_mask=False, fmt=torch.bfloat16, d=128, dv=128):
         context_attention.prepare(*args, out=out, lse=lse, causal=True, **kw)(*args, out=out, lse=lse, **kw)
 
 
-def mla_decode(fmt, qps=1, splits=None, key_mask=False):
-    """DeepSeek-V3's absorbed decode: 128 query heads over one latent KV head of 576 dims, values its first 512."""
+def mla_decode(fmt, qps=1, splits=None, key_mask=False, config=None):
+    """DeepSeek-V3's absorbed decode: 128 query heads over one latent KV head of 576 dims, values its
+    first 512 (`config`: tiles forced, e.g. those `mla_decode.config` picks on an sm_90 device)."""
     k = torch.zeros(256, 64, 1, 576, dtype=fmt)
     kw = {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)} if fmt != torch.bfloat16 else {}
     if key_mask:
@@ -81,7 +87,7 @@ def mla_decode(fmt, qps=1, splits=None, key_mask=False):
     q = torch.zeros(4 * qps, 128, 576, dtype=torch.bfloat16)
     args = (q, k, k[..., :512], torch.zeros(4, 64, dtype=torch.int32), torch.full((4,), 4096, dtype=torch.int32))
     out, lse = torch.empty(4 * qps, 128, 512, dtype=torch.bfloat16), torch.empty(4 * qps, 128)
-    with paged_decode.tuning(num_splits=splits):
+    with paged_decode.tuning(num_splits=splits, config=config):
         paged_decode.prepare(*args, out=out, lse=lse, **kw)(*args, out=out, lse=lse, **kw)
 
 
@@ -114,6 +120,7 @@ CALLS = {
     "paged_decode MLA bf16, split-K": lambda: mla_decode(torch.bfloat16, splits=4),
     "paged_decode MLA FP8, 4 tokens": lambda: mla_decode(torch.float8_e4m3fn, qps=4),
     "paged_decode MLA bf16, key_mask": lambda: mla_decode(torch.bfloat16, key_mask=True),
+    "paged_decode MLA bf16, sm_90 tiles": lambda: mla_decode(torch.bfloat16, config=mla.config(128, False, sm90=True)),
     "kv_cache_write MLA latent FP8, RoPE": lambda: latent_write(torch.float8_e4m3fn),
 }
 
