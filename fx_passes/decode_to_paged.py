@@ -83,6 +83,10 @@ def apply(graph: fx.Graph) -> int:
         kwargs.update(_static_tables(graph, args))
         if kwargs.get("key_mask"):
             args = (*args[:3], sdpa_to_attn.key_mask_node(graph, args[3], node))
+            positions = kwargs.get("alibi_positions")
+            if positions is not None and sdpa_to_attn.alibi_checked_before(
+                    graph, args[3], positions, (value(args[0]).shape[0], value(args[1]).shape[2])):
+                kwargs["alibi_positions"] = None   # an earlier layer checks them
         with graph.inserting_before(node):
             new = graph.call_function(paged_decode_bhsd, args, kwargs)
         new.meta.update(node.meta)

@@ -55,7 +55,8 @@ def check_alibi(rows: torch.Tensor, batch: int, positions=None, query_positions=
 
 def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | None, q_factor=None,
                            out_scale=None, cos=None, sin=None, rope_neox: bool = True, window_left: int = -1,
-                           softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None, alibi_positions=None):
+                           softcap: float = 0.0, sinks=None, alibi_slopes=None, key_mask=None, alibi_positions=None,
+                           alibi_checked: bool = False):
     """SDPA on `query [B, Hq, Sq, D]`, `key [B, Hkv, Sk, D]`, `value [B, Hkv, Sk, D_v]` through
     `attn::context_attention`; returns `[B, Hq, Sq, D_v]` (a transposed view of `[B*Sq, Hq, D_v]`).
 
@@ -70,7 +71,8 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
     `[B, 1, Sq, Sk]`): which keys each query sees (any pattern: e.g. left padding), the op's
     `key_mask` row by row; with ALiBi, `check_alibi` fails the call if a query sees a key after
     its position in the op (`Sk - Sq + i`), or, given the model's `alibi_positions [B, Sk]`, if
-    they are not the key index up to a constant on each row's keys."""
+    they are not the key index up to a constant on each row's keys (`alibi_checked`: an earlier
+    layer over the same mask and positions checks them)."""
     b, hq, sq, _ = query.shape
     sk = key.shape[2]
 
@@ -87,7 +89,7 @@ def context_attention_bhsd(query, key, value, *, causal: bool, scale: float | No
         positions, table = rope_table(cos, sin, (b, 1, sq), rope_neox)
         rope = dict(positions=positions, cos_sin_cache=table, rope_neox=rope_neox)
     rows = None if key_mask is None else key_mask_of(key_mask).expand(b, 1, sq, sk)[:, 0].reshape(b * sq, sk)
-    if rows is not None and alibi_slopes is not None:
+    if rows is not None and alibi_slopes is not None and not alibi_checked:
         check_alibi(rows, b, alibi_positions, torch.arange(sk - sq, sk, device=query.device))
     out, _ = torch.ops.attn.context_attention(
         pack(query), pack(key), pack(value), cu_seqlens(sq), cu_seqlens(sk), causal=causal, scale=scale,

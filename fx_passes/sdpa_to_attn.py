@@ -40,6 +40,7 @@ device that no query sees a key after it (`replacements.check_alibi`). Positions
 mask `m` (`(cumsum(m) - 1) * m`, BLOOM's and Falcon's, `alibi.padding_positions`) are `k - c_b`
 on the keys of a left-padded row: the same check fails the call where they are not the key
 index plus one number on the keys a query sees (a mask with holes); they need a `key_mask`.
+Layers over the same mask, positions and shapes share one check (`alibi_checked_before`).
 
 K/V repeated to the query head count, by `repeat_interleave(n, dim=1)`, `expand` of one head,
 or Hugging Face's `repeat_kv` (`k[:, :, None].expand(...).reshape(...)`), are fed to the op
@@ -431,15 +432,32 @@ def key_mask_node(graph: fx.Graph, mask: fx.Node, before: fx.Node) -> fx.Node:
     return shared
 
 
+def alibi_checked_before(graph: fx.Graph, key_mask: fx.Node, positions: fx.Node | None, shape: tuple) -> bool:
+    """Whether an attention rewritten earlier in `graph` over the same `key_mask` node, ALiBi
+    `positions` node and `shape` already checks its ALiBi on the device (`replacements.check_alibi`:
+    the same check); if not, the caller's attention is recorded as the one that does."""
+    seen = key_mask.meta.get("attn_alibi_checked")
+    if seen is None or seen[0] is not graph:
+        seen = key_mask.meta["attn_alibi_checked"] = (graph, set())
+    key = (None if positions is None else positions.name, *map(str, shape))
+    if key in seen[1]:
+        return True
+    seen[1].add(key)
+    return False
+
+
 def _replace(graph: fx.Graph, attention: Attention, example: torch.Tensor) -> None:
     a = attention
     factor, slopes = q_factor_node(graph, a), slopes_node(graph, a)
     key_mask = None if a.key_mask is None else key_mask_node(graph, a.key_mask, a.node)
+    checked = key_mask is not None and slopes is not None and alibi_checked_before(
+        graph, key_mask, a.positions, (*value(a.query).shape[:3], value(a.key).shape[2]))
     with graph.inserting_before(a.node):
         new = graph.call_function(context_attention_bhsd, (a.query, a.key, a.value),
                                   {"causal": a.causal, "scale": a.scale, "q_factor": factor,
                                    "window_left": a.window_left, "softcap": a.softcap, "sinks": a.sinks,
-                                   "alibi_slopes": slopes, "key_mask": key_mask, "alibi_positions": a.positions})
+                                   "alibi_slopes": slopes, "key_mask": key_mask, "alibi_positions": a.positions,
+                                   "alibi_checked": checked})
     new.meta.update(a.node.meta)
     new.meta["example_value"] = example.unflatten(0, value(a.query).shape[:2]) if a.merged else example
     out = insert_call(graph, a.node, "flatten", (new, 0, 1), method=True) if a.merged else new

@@ -332,3 +332,46 @@ def test_float_input_mask_of_other_values_fails_the_call():
     with pytest.raises(RuntimeError, match="values other than 0 and -inf"):
         compile_and_run(matmul_softcap_input_mask, (q, k, v, mask))
     assert counters["attn"]["sdpa_to_attn_matched"] == 1
+
+
+
+def two_layers_bloom(q, k, v, padding):
+    """Two layers of `bmm_bloom_padding_alibi` over one set of positions, ALiBi and mask (as BLOOM
+    builds them once per forward)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    positions = ((padding.cumsum(-1) - 1) * padding)[:, None, :]
+    alibi = (alibi_slopes(h, q.device)[..., None] * positions).reshape(b * h, 1, sk).to(q.dtype)
+    mask = padded_causal_mask(padding, sq, q.dtype)
+    for _ in range(2):
+        scores = alibi.baddbmm(batch1=q.reshape(b * h, -1, d), batch2=k.reshape(b * h, -1, d).transpose(-1, -2),
+                               beta=1.0, alpha=d ** -0.5)
+        probs = F.softmax(scores.view(b, h, sq, -1) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        q = torch.bmm(probs.view(b * h, sq, -1), v.reshape(b * h, -1, d)).view(b, h, sq, d)
+    return q
+
+
+def two_layers_falcon(q, k, v, padding):
+    """Two layers of `sdpa_falcon_padding_alibi` over one ALiBi mask (as Falcon builds it once)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    positions = ((padding.cumsum(dim=-1) - 1) * padding)[:, None, :]
+    alibi = (alibi_slopes(h, q.device)[..., None].bfloat16() * positions).reshape(b * h, 1, sk).to(q.dtype)
+    alibi = alibi.reshape(b, -1, *alibi.shape[1:])
+    mask = torch.masked_fill(alibi / math.sqrt(d), padded_causal_mask(padding, sq, q.dtype) < -1,
+                             torch.finfo(q.dtype).min)
+    for _ in range(2):
+        q = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return q
+
+
+@pytest.mark.parametrize("model", [two_layers_bloom, two_layers_falcon], ids=["bloom", "falcon"])
+@pytest.mark.parametrize("sq", [6, 1], ids=["prefill", "decode"])
+def test_layers_share_the_alibi_check(model, sq):
+    """Layers over one padding mask and its ALiBi positions check them on the device once, not
+    once per layer."""
+    inputs = (*qkv(sq=sq, sk=9, hq=4, hkv=4, dtype=torch.bfloat16), padding_mask(2, 9, 3))
+    out, code = compile_and_run(model, inputs)
+    assert counters["attn"]["decode_to_paged_matched" if sq == 1 else "sdpa_to_attn_matched"] == 2
+    assert code.count("a query sees a key after its position") == 1, code
+    check_close(model, inputs, out)
