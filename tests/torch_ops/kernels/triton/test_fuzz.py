@@ -79,7 +79,8 @@ def test_mla_decode(kernel_device, data, bs, lens, qps, cache_dtype, splits):
 
 
 @FUZZ
-@given(data=st.data(), heads=HEADS, d=st.sampled_from([16, 32]), bs=st.sampled_from([1, 4, 8]),
+# head dims of one power of two, and of two (48 = 32 + 16: one dot per part)
+@given(data=st.data(), heads=HEADS, d=st.sampled_from([16, 32, 48]), bs=st.sampled_from([1, 4, 8]),
        seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 24)), min_size=1, max_size=3),
        causal=st.booleans(), dtype=DTYPES)
 def test_paged_prefill(kernel_device, data, heads, d, bs, seqs, causal, dtype):
@@ -93,7 +94,7 @@ def test_paged_prefill(kernel_device, data, heads, d, bs, seqs, causal, dtype):
 
 
 @FUZZ
-@given(data=st.data(), heads=HEADS, d=st.sampled_from([16, 32]),
+@given(data=st.data(), heads=HEADS, d=st.sampled_from([16, 32, 48]),
        seqs=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=3),
        causal=st.booleans(), dtype=DTYPES)
 def test_context_attention(kernel_device, data, heads, d, seqs, causal, dtype):
