@@ -124,18 +124,22 @@ def padded_causal_mask(padding, sq, dtype):
     return torch.where(keep, torch.zeros((), dtype=dtype, device=padding.device), torch.finfo(dtype).min)
 
 
-def sdpa_falcon_padding_alibi(q, k, v, padding):
-    """Falcon with a 0/1 padding mask `padding [B, Sk]`: bfloat16 slopes times the positions
-    `(cumsum(padding) - 1) * padding`, over sqrt(D), folded into the padded causal mask SDPA gets
+def falcon_alibi_mask(q, k, padding):
+    """Falcon's SDPA mask for a 0/1 padding mask `padding [B, Sk]`: bfloat16 slopes times the
+    positions `(cumsum(padding) - 1) * padding`, over sqrt(D), folded into the padded causal mask
     (masked where it is below -1); the queries are the last Sq keys."""
     b, h, sq, d = q.shape
     sk = k.shape[2]
     positions = ((padding.cumsum(dim=-1) - 1) * padding)[:, None, :]
     alibi = (alibi_slopes(h, q.device)[..., None].bfloat16() * positions).reshape(b * h, 1, sk).to(q.dtype)
     alibi = alibi.reshape(b, -1, *alibi.shape[1:])
-    mask = torch.masked_fill(alibi / math.sqrt(d), padded_causal_mask(padding, sq, q.dtype) < -1,
+    return torch.masked_fill(alibi / math.sqrt(d), padded_causal_mask(padding, sq, q.dtype) < -1,
                              torch.finfo(q.dtype).min)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa_falcon_padding_alibi(q, k, v, padding):
+    """Falcon with a 0/1 padding mask (`falcon_alibi_mask`)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=falcon_alibi_mask(q, k, padding))
 
 
 def padding_mask(b, sk, pad):
@@ -353,13 +357,7 @@ def two_layers_bloom(q, k, v, padding):
 
 def two_layers_falcon(q, k, v, padding):
     """Two layers of `sdpa_falcon_padding_alibi` over one ALiBi mask (as Falcon builds it once)."""
-    b, h, sq, d = q.shape
-    sk = k.shape[2]
-    positions = ((padding.cumsum(dim=-1) - 1) * padding)[:, None, :]
-    alibi = (alibi_slopes(h, q.device)[..., None].bfloat16() * positions).reshape(b * h, 1, sk).to(q.dtype)
-    alibi = alibi.reshape(b, -1, *alibi.shape[1:])
-    mask = torch.masked_fill(alibi / math.sqrt(d), padded_causal_mask(padding, sq, q.dtype) < -1,
-                             torch.finfo(q.dtype).min)
+    mask = falcon_alibi_mask(q, k, padding)
     for _ in range(2):
         q = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return q
