@@ -43,7 +43,7 @@ from .block_table import any_absent_block, clamped_seq_len, key_capacity, table_
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import INTERPRETER_SMS, ONE_PAGE_SPAN, _cdiv, _pow2, split_count, tuning
-from .paged_decode_kernels import _split_geometry, _store_rows
+from .paged_decode_kernels import _softmax_step, _split_geometry, _store_rows
 
 MAX_BLOCK_M = 64
 MAX_VALUE_DIM = 512      # the fp32 accumulator [BLOCK_M, D_v]
@@ -140,19 +140,14 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, km_rows, km_len, bt_r
     if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
         vis = vis & (tl.load(km_rows[:, None] + offs_n[None, :], mask=vis & (offs_n < km_len)[None, :], other=0) != 0)
     s = tl.where(vis, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
     if V_FROM_K:
         v = k_v
     else:
         v = _load_rows(Vt, v_rows, n_ok, 0, D_V, FP8, E5M2, DOT_DTYPE)
     p_op = exact_cast(p, P_DTYPE, INTERPRET).to(DOT_DTYPE)
     acc = tl.dot(p_op, v, acc * alpha[:, None])
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
