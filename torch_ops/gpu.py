@@ -5,6 +5,7 @@ here."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -38,19 +39,29 @@ def capability(device: torch.device | int | None = None) -> tuple[int, int]:
 
 
 def kept_tensor(make, device: torch.device) -> torch.Tensor:
-    """`make()`, a tensor on `device` for the caller to keep for the life of the process, made on a
-    side stream and waited for: its memory comes from the allocator's ordinary pool, never from
-    the private pool of a CUDA graph that `torch.compile(mode="reduce-overhead")` routes the
-    current stream's allocations to while it warms up (make it outside a stream capture)."""
+    """`make()`, a tensor on `device` for the caller to keep for the life of the process, made on
+    a helper thread and waited for: its memory comes from the allocator's ordinary pool, never from
+    the private pool of a CUDA graph, to which `torch.compile(mode="reduce-overhead")` routes every
+    allocation of the calling thread while it warms up or records a graph (memory it frees and
+    reuses). Call it outside a stream capture."""
     if device.type != "cuda":
         return make()
-    with torch.cuda.device(device):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            tensor = make()
-        stream.synchronize()
-    return tensor
+    made: list = []
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                made.append(make())
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:   # raised again on the calling thread
+            made.append(e)
+
+    thread = threading.Thread(target=work, name="attn-kept-tensor")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def capture_cuda_graph(fn):

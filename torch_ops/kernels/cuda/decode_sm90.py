@@ -56,6 +56,7 @@ FULL_GRID = 0.75
 LONG_CLUSTERS = (4, 8)   # bf16/fp16 at D = 128 only
 QUANT_MID_CLUSTERS = 2   # FP8/INT8/INT4: the <= MID_KEYS clause with clusters of at most 2
 GROUPED_GRID = 0.45      # INT8/INT4 caches: from MID_KEYS keys, grids of >= 0.45 x SMs (sequence, KV head) pairs
+GROUPED_SHORT_KEYS = 256  # ... and from this many keys on grids of up to 2 x SMs pairs (D = 128)
 TWO_CTA_HEAD_DIMS = (128,)   # INT8/INT4 at <= TILE_ROWS rows: the build for two CTAs per SM on multi-wave grids
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}   # AttnDecodeDtype
 MAX_SCALE_GROUPS = 4     # INT8/INT4: one scale per thread's slice of a key row (quant_group >= D / 4)
@@ -378,7 +379,9 @@ class CudaDecodeBackend:
         >= 0.45 x SMs (sequence, KV head) pairs, with any number of waves (the kernel with keys as
         the MMA's rows and, on multi-wave grids, two CTAs per SM; 32/8: INT8 1.08-1.14x, INT4
         1.03-1.38x at D = 128, 1.04-1.79x at D = 64; INT4 at B = 256 ctx 4k down to 0.96x, where
-        the Triton kernel's time varies from 492 to 590 µs).
+        the Triton kernel's time varies from 492 to 590 µs); and INT8/INT4 at D = 128 from 256 keys
+        on grids of up to 2 x SMs pairs (B = 32 at 32/8, ctx 256 / 512 / 1k: INT8 1.10 / 1.19 / 1.20x,
+        INT4 1.05 / 1.16 / 1.22x; at B = 64 the Triton kernel wins, 0.84-0.97x).
         Quantized long tables stay on Triton in clusters of any size: with up to 256 splits the
         Triton kernel is 1.01-1.62x faster than clusters of 16 (B x Hkv <= 7). Clusters of 16 fill
         only a few GPCs: at B = 1 32/4, 64 CTAs in clusters of 16 run as slowly as 32 CTAs in
@@ -392,7 +395,8 @@ class CudaDecodeBackend:
         keys = block_tables.shape[1] * k_cache.shape[1]
         units = seq_lens.shape[0] * k_cache.shape[2]
         quantized = _quantized(k_cache.dtype)
-        if k_cache.dtype in (torch.int8, torch.uint8) and keys >= MID_KEYS and units >= GROUPED_GRID * sms:
+        if k_cache.dtype in (torch.int8, torch.uint8) and units >= GROUPED_GRID * sms and (
+                keys >= MID_KEYS or (keys >= GROUPED_SHORT_KEYS and units <= 2 * sms and query.shape[-1] in TWO_CTA_HEAD_DIMS)):
             return []
         if units > single:
             return ["more (sequence, KV head) pairs than resident CTAs: the Triton kernel is faster (measured)"]

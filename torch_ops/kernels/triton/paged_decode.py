@@ -221,6 +221,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             num_splits = 1
             cfg.update(short_cfg)
     block_n = cfg["BLOCK_N"]
+    if (not num_splits and fmt is not KVFormat.PLAIN and knobs.num_splits is None
+            and batch * hkv * m_tiles >= sms and max_blocks * page <= knobs.quantized_one_split_keys):
+        num_splits = 1
     if not num_splits:
         per_sm = knobs.programs_per_sm or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)

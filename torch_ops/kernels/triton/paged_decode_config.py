@@ -33,6 +33,11 @@ class Tuning:
     # B = 16 32/8 ctx 1k 17.0 -> 16.0 (two splits still win at 2k: 24.8 against 26.4).
     short_context: dict = dataclasses.field(
         default_factory=lambda: {128: (512, {"num_warps": 8, "num_stages": 7}), 64: (1024, {})})
+    # Quantized formats on grids of at least one program per SM: tables of at most this many keys
+    # take one split (no merge launch). H200, 32/8 heads, D = 128, ctx 256, B = 32 / 64: FP8 16.3 ->
+    # 15.4 / 19.7 -> 18.0 us, INT8 19.1 -> 17.4 / 23.4 -> 20.1, INT4 15.4 -> 14.1 / 19.4 -> 16.6; at
+    # 512 keys and B = 32 two splits still win (FP8 20.6 against 26.5 us).
+    quantized_one_split_keys: int = 256
 
 
 tuning = Knobs(Tuning())   # `with paged_decode.tuning(num_splits=4): ...`; `tuning.current`: the knobs in force

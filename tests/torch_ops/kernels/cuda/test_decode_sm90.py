@@ -140,6 +140,8 @@ def test_long_tables_in_clusters_only_plain_at_d128(monkeypatch, built):
     (torch.int8, 128, 4, 16384, True), (torch.int8, 128, 64, 1024, True),
     (torch.uint8, 128, 16, 16384, False), (torch.uint8, 128, 256, 4096, False), (torch.uint8, 64, 256, 4096, False),
     (torch.uint8, 64, 64, 1024, True), (torch.float8_e4m3fn, 128, 16, 16384, True),
+    (torch.int8, 128, 32, 256, False), (torch.uint8, 128, 32, 1024, False), (torch.int8, 128, 32, 128, True),
+    (torch.uint8, 64, 32, 512, True), (torch.float8_e4m3fn, 128, 32, 512, True),
 ])
 def test_grouped_caches_on_many_pairs(monkeypatch, built, cache_dtype, d, batch, keys, declined):
     q, k, v, _, _ = _problem(t=batch, d=d, cache_dtype=cache_dtype)          # 8 KV heads: 8 x batch pairs

@@ -297,6 +297,19 @@ def test_short_context_on_large_tiles_takes_one_split(kernel_device, knobs, d):
     assert prepared(problem).num_splits == 2
 
 
+@pytest.mark.parametrize("cache_dtype", [E4M3, INT4])
+def test_quantized_short_table_on_a_full_grid_takes_one_split(kernel_device, knobs, cache_dtype):
+    # 8 programs on the interpreter's 8 "SMs": a 256-key table takes one split; past
+    # `Tuning.quantized_one_split_keys` the split heuristic splits it
+    problem = make_problem(kernel_device, lens=[240, 0, 5, 133, 17, 48, 1, 64], hq=2, hkv=1, d=64, bs=16,
+                           cache_dtype=cache_dtype, group=16 if cache_dtype is INT4 else None)
+    run_and_check(problem)
+    assert prepared(problem).num_splits == 1
+    knobs(quantized_one_split_keys=128)
+    run_and_check(problem)
+    assert prepared(problem).num_splits > 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,hq,hkv", [(128, 32, 8), (128, 32, 32), (64, 32, 8)])
 def test_short_context_on_large_tiles_gpu(kernel_device, d, hq, hkv):
