@@ -7,6 +7,8 @@ CUDA kernel against float64, and prints which backend the automatic choice takes
 
     python benchmarks/ab_decode_backends.py --batch 1 4 16 64 --ctx 1024 4096 16384 \
         --heads 32/8 32/32 --formats bf16 fp8 int8 int4 --head-dim 128 --out benchmarks/results
+    python benchmarks/ab_decode_backends.py --batch 16 32 64 128 256 --ctx 128 256 512 1024 \
+        --heads 32/8 --one-split      # short tables: the Triton kernel in one split too
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import torch
 
 import bench_decode as bd
 import common
+from torch_ops.kernels.triton import paged_decode
 
 
-def compare(case: bd.Case) -> dict:
-    """Both backends' median µs on `case`, and the CUDA kernel's error against float64."""
+def compare(case: bd.Case, one_split: bool = False) -> dict:
+    """Both backends' median µs on `case`, and the CUDA kernel's error against float64; with
+    `one_split`, also the Triton kernel held to one split (no split-K, no merge launch)."""
     row = {"auto": case.backend()}
     row["triton_us"] = common.time_us([case.ours(i, "triton") for i in range(len(case.sets))])[0]
+    if one_split:
+        with paged_decode.tuning(num_splits=1):
+            row["triton_1split_us"] = common.time_us([case.ours(i, "triton") for i in range(len(case.sets))])[0]
     try:
         check = bd.check_ours(case, backend="cuda")
         row["err"], row["base_err"] = check["max_err"], check["baseline_err"]
@@ -42,6 +49,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--max-bf16-kv-bytes", type=float, default=4.5e9, help="skip shapes whose bf16 cache is larger")
     p.add_argument("--budget-s", type=float, default=300)
+    p.add_argument("--one-split", action="store_true", help="also time the Triton kernel in one split")
     p.add_argument("--out", default=None, help="folder for the JSON (none: print only)")
     args = p.parse_args()
     bd.D = args.head_dim   # bench_decode's cases read the module's head dim
@@ -63,7 +71,7 @@ def main() -> None:
                     n_sets = bd.case_sets(batch, ctx, hq, hkv, fmt, l2, torch.cuda.mem_get_info()[0])
                     case = bd.Case(batch, ctx, hq, hkv, fmt, n_sets=n_sets)
                     row = {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "fmt": fmt, "head_dim": bd.D,
-                           "kv_bytes": kv, **compare(case)}
+                           "kv_bytes": kv, **compare(case, args.one_split)}
                     rows.append(row)
                     c = row.get("cuda_us")
                     tail = (f"{c:8.1f} {row['triton_us'] / c:5.2f} {kv / c / 1e3:8.0f} {row['err']:.1e}/{row['base_err']:.1e}"

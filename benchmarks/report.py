@@ -416,8 +416,10 @@ def e2e(data: dict, name: str):
 
 def generate(data: dict, name: str):
     rows = [r for r in data["rows"] if "error" not in r]
-    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    failed = {(r["model"], r["batch"], r["mode"]) for r in data["rows"] if "error" in r}
+    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in data["rows"]))
+    modes = list(dict.fromkeys(r["mode"] for r in data["rows"]))
+    pairs = [(p, c) for p, c in (("passes", "compile"), ("passes/graphs", "compile/graphs")) if p in modes and c in modes]
     by = {(r["model"], r["batch"], r["mode"]): r for r in rows}
     new = rows[0]["new_tokens"] if rows else "-"
     quick = data.get("args", {}).get("quick")
@@ -427,14 +429,17 @@ def generate(data: dict, name: str):
             f"prompts of random lengths, {new} new tokens, greedy: eager, transformers' own compile of the "
             "decode steps (`compile`), and the same inside `fx_passes.enabled()` (`passes`); `/graphs`: "
             "`mode=\"reduce-overhead\"`. Tokens/s = batch x new tokens / seconds, prefill included; "
-            "`= eager`: the same tokens as eager. The whole model, so no single hardware limit applies.")
-    header = ["model", "B", *[f"{m} tok/s" for m in modes], "passes / compile", "= eager"]
+            "`= eager`: the same tokens as eager; `failed`: the run raised (its error is in the JSON). "
+            "The whole model, so no single hardware limit applies.")
+    header = ["model", "B", *[f"{m} tok/s" for m in modes], *[f"{p} / {c}" for p, c in pairs], "= eager"]
     body = []
     for model, batch in keys:
-        cells = [by.get((model, batch, m), {}).get("tokens_per_s") for m in modes]
-        c, p = (by.get((model, batch, m), {}).get("tokens_per_s") for m in ("compile", "passes"))
+        cells = ["failed" if (model, batch, m) in failed else num(by.get((model, batch, m), {}).get("tokens_per_s"), 0)
+                 for m in modes]
+        speed = {m: by.get((model, batch, m), {}).get("tokens_per_s") for m in modes}
         equal = {by[(model, batch, m)].get("tokens_equal_eager") for m in modes if (model, batch, m) in by} - {None}
-        body.append([model, str(batch), *[num(v, 0) for v in cells], ratio(p, c) if c and p else "-",
+        body.append([model, str(batch), *cells, *[ratio(speed[p], speed[c]) if speed[c] and speed[p] else "-"
+                                                  for p, c in pairs],
                      "yes" if equal == {"yes"} else "no" if "no" in equal else "-"])
 
     def plot(plt):
@@ -443,6 +448,7 @@ def generate(data: dict, name: str):
 
     args = data.get("args", {})
     flags = ["--quick"] * bool(quick) + (["--batch", *map(str, args["batch"])] if args.get("batch") else [])
+    flags += ["--modes", *args["modes"]] if args.get("modes") and len(args["modes"]) < 5 else []   # not all five
     return text, table(header, body), plot, shlex.join(["python", "benchmarks/bench_generate.py", *flags])
 
 
@@ -642,9 +648,9 @@ def render(results: Path = RESULTS, img: Path | None = None) -> str:
         mine = sorted((k, v) for k, v in runs.items() if k[0] == kind)
         if mine:
             out += ["", f"## {heading}"]
-        for (_, run_mode, gpu), (path, data) in mine:
+        for i, ((_, run_mode, gpu), (path, data)) in enumerate(mine):
             text, lines, plot, cmd = renderer(data, path.stem)
-            out += ["", f"### {gpu}" + (f", {run_mode}" if run_mode else ""),
+            out += [""] * bool(i) + [f"### {gpu}" + (f", {run_mode}" if run_mode else ""),
                     f"{provenance(path, data['env'])} {text} Reproduce: `{cmd}`", ""] + lines
             png = img / f"{path.stem}.png"
             if plt is not None:
