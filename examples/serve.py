@@ -26,7 +26,6 @@ from torch_ops.serving.attention import get_backend
 from torch_ops.serving.cache_manager import KVCacheManager
 from torch_ops.serving.engine import Engine, Request, generate
 from torch_ops.serving.model import Llama, LlamaConfig, attention_config
-from torch_ops.serving.tp import shard_state_dict
 
 GPU_MODEL = LlamaConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4,
                         head_dim=128, intermediate_size=5632)
@@ -39,17 +38,13 @@ def build(config, backend, device, dtype, args, graphs, tp_group=None):
     """An engine over `config` with the random weights of `args.seed`; with `tp_group`, this
     rank's shard of them (heads and MLP columns split across the group)."""
     tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-    rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
     attn_cfg = attention_config(config, device, tp_size)
     kv = KVCacheManager(config.num_layers, args.num_blocks, args.block_size, attn_cfg.num_kv_heads,
                         config.head_dim, dtype, device=device, prefix_caching=args.prefix_caching)
     attention = get_backend(backend)(attn_cfg, kv, max_num_seqs=args.max_num_seqs,
                                      max_num_tokens=args.max_num_tokens,
                                      max_blocks_per_seq=-(-(args.max_prompt + args.max_new) // args.block_size))
-    model = Llama(config, attention, tp_group=tp_group)
-    full = Llama(config).init_random_(args.seed).state_dict()
-    model.load_state_dict(shard_state_dict(full, config, rank, tp_size))
-    model.to(device, dtype)
+    model = Llama.random(config, args.seed, attention, tp_group=tp_group, device=device).to(dtype=dtype)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs) if graphs else ()
     return Engine(model, kv, max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
                   graph_buckets=buckets)

@@ -77,17 +77,35 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attention = attention
 
+    @classmethod
+    def random(cls, config: LlamaConfig, seed: int, attention: AttentionBackend | None = None,
+               tp_group=None, device: torch.device | str = "cpu") -> Llama:
+        """A model (fp32, on `device`) with this rank's shard of the random weights of `seed`
+        (`init_random_`, drawn on `device`). Built on the meta device, so that no parameter is
+        initialized twice."""
+        from torch_ops.serving.tp import shard_state_dict
+
+        with torch.device("meta"):
+            full, model = cls(config), cls(config, attention, tp_group=tp_group)
+        weights = full.to_empty(device=device).init_random_(seed).state_dict()
+        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+        model.load_state_dict(shard_state_dict(weights, config, rank, tp_size), assign=True)
+        return model
+
     @torch.no_grad()
     def init_random_(self, seed: int) -> Llama:
-        """Random weights from `seed` (the same on every device and rank), scaled so that
-        activations keep unit size through the layers."""
-        gen = torch.Generator().manual_seed(seed)
+        """Random weights from `seed`, drawn on the parameters' device (the same on every device
+        of one type, so on every rank), scaled so that activations keep unit size through the
+        layers."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device).manual_seed(seed)
         for name, p in sorted(self.named_parameters()):
             if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=device))
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) / fan_in**0.5)
         return self
 
     def _add_projection(self, x: torch.Tensor, h: torch.Tensor, proj: nn.Linear) -> torch.Tensor:

@@ -10,7 +10,6 @@ from torch_ops.serving.attention import get_backend
 from torch_ops.serving.cache_manager import KVCacheManager
 from torch_ops.serving.engine import Engine, Request
 from torch_ops.serving.model import Llama, LlamaConfig, attention_config, rope_cos_sin_cache
-from torch_ops.serving.tp import shard_state_dict
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, intermediate_size=64, max_position=256)
@@ -27,11 +26,7 @@ def build_engine(backend="vanilla", *, config=CONFIG, seed=0, dtype=torch.float3
     attention = get_backend(backend)(cache_cfg, kv, max_num_seqs=max_num_seqs,
                                      max_num_tokens=max(max_num_tokens, max_num_seqs),
                                      max_blocks_per_seq=num_blocks)
-    model = Llama(config, attention, tp_group=tp_group)
-    full = Llama(config).init_random_(seed).state_dict()
-    rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
-    model.load_state_dict(shard_state_dict(full, config, rank, tp_size))
-    model.to(device, dtype)
+    model = Llama.random(config, seed, attention, tp_group=tp_group, device=device).to(dtype=dtype)
     return Engine(model, kv, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                   graph_buckets=graph_buckets)
 
