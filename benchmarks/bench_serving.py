@@ -107,7 +107,7 @@ def engine_step_us(num_seqs: int, device: str, steps: int) -> dict:
     attention = get_backend("triton" if cuda else "vanilla")(
         attention_config(config, device), kv, max_num_seqs=num_seqs,
         max_num_tokens=num_seqs * prompt_len, max_blocks_per_seq=max_blocks)
-    model = Llama(config, attention).init_random_(0).to(device, dtype)
+    model = Llama.random(config, 0, attention, device=device).to(dtype=dtype)
     engine = Engine(model, kv, max_num_seqs=num_seqs, max_num_tokens=num_seqs * prompt_len,
                     graph_buckets=(num_seqs,) if cuda else ())
     for i in range(num_seqs):
@@ -300,7 +300,7 @@ def main():
                "rows": [], "replay": None}
     name = "serving_grid" if args.grid else "serving"
     cuda = device == "cuda"
-    model = Llama(config).init_random_(0).to(device, torch.bfloat16 if cuda else torch.float32)
+    model = Llama.random(config, 0, device=device).to(dtype=torch.bfloat16 if cuda else torch.float32)
     hf = None
     for batch in batches:
         row, engine = ours(model, config, batch, prompt_len, new_tokens)
