@@ -622,7 +622,9 @@ def pyplot():
 
 def provenance(path: Path, env: dict) -> str:
     flashinfer = env.get("flashinfer", "-")
-    return (f"`{path.name}`: {env['date'][:10]}, commit {str(env.get('git_commit', '-')).split()[0][:7]}, "
+    commit = str(env.get("git_commit", "-")).split()[0]
+    commit = commit[:7] + "+changes" * commit.endswith("+changes")   # a tree that differed from it
+    return (f"`{path.name}`: {env['date'][:10]}, commit {commit}, "
             f"torch {env.get('torch', '-')}, Triton {env.get('triton', '-')}, "
             f"FlashInfer {'-' if flashinfer.startswith('unavailable') else flashinfer}.")
 
