@@ -2,7 +2,7 @@
 
 Usage (GPU machine):  python benchmarks/bench_host.py [--quick] [--iters N] [--batch B] [--ctx L] [--out PATH]
   --out     a .json file, or a folder (default benchmarks/results/) that gets bench_host_<gpu>_<stamp>.json
-  --quick   50 calls a loop, 3 loops, 5 graph replays
+  --quick   100 calls a loop, 5 loops, 5 graph replays
 Prints a table last; JSON: {"env", "args", "shape", "iters", "repeats", "backends", "rows": [...]}, a row per
 (op, variant, backend) with host_us, wall_us, device_us, device_timing, bound, first_ms (automatic
 choice and peers), chosen and replan_us (automatic choice), or "na" / "error" with the reason.
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                    help="a .json file, or a folder for bench_host_<gpu>_<stamp>.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--iters", type=int, help="calls per timed loop (default 200, --quick 50)")
+    p.add_argument("--iters", type=int, help="calls per timed loop (default 200, --quick 100)")
     p.add_argument("--batch", type=int, default=Shape.batch)
     p.add_argument("--ctx", type=int, default=Shape.ctx)
     p.add_argument("--profile", nargs="*", metavar="OP:VARIANT[:BACKEND]",
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     if args.profile is not None:
         return profile(args.profile, Shape(batch=args.batch, ctx=args.ctx))   # the libraries the automatic choice uses once built
     sh = Shape(batch=args.batch, ctx=args.ctx)
-    cfg = Config(iters=args.iters or (50 if args.quick else 200), repeats=3 if args.quick else 5,
+    cfg = Config(iters=args.iters or (100 if args.quick else 200), repeats=5,
                  replays=5 if args.quick else 15)
     pinned = [n for n in backends.backend_names() if n != "vanilla"]
     env = common.environment()
