@@ -2,10 +2,10 @@
 
 Requests with different prompt and output lengths arrive over time and finish; each step packs
 decodes and prefill chunks into one batch (mixed batches through attn::paged_prefill); on a GPU,
-steps made only of decodes replay a CUDA graph per batch-size bucket. Prints the warm-up time
-(libraries, graphs, kernels), then tokens/s, the CPU time per step spent building metadata and
-the GPU time per step. On CPU a tiny model runs
-through the reference backend.
+steps made only of decodes replay a CUDA graph per batch-size bucket. Prints the warm-up's phases
+and time (model, graphs, CUDA libraries, kernels), then tokens/s, the CPU time per step spent
+building metadata and the GPU time per step. On CPU a tiny model runs through the reference
+backend.
 
     python examples/serve.py                       # GPU: triton backend, CUDA graphs
     python examples/serve.py --backend vanilla     # the reference ops
@@ -150,8 +150,10 @@ def main():
 
     start = time.perf_counter()
     engine = build(config, args.backend, device, dtype, args, graphs)
-    torch_ops.warmup(progress=False)
-    engine.warmup(progress=False)
+    built = "model and engine built" + (", decode CUDA graphs captured" if graphs else "")
+    print(f"[serve {time.perf_counter() - start:6.1f} s] {built}", flush=True)
+    torch_ops.warmup()
+    engine.warmup()
     print(f"warm-up: {time.perf_counter() - start:.1f} s (engine with its CUDA graphs, CUDA libraries, the "
           "kernels of every prefill size)")
     requests, arrivals = make_requests(args, config.vocab_size)
