@@ -22,7 +22,8 @@ Method
     `attn::paged_decode` (the mask, which `generate()` builds outside the graph, as `key_mask`);
   - "compile/graphs", "passes/graphs": the same with `mode="reduce-overhead"` (CUDA graphs).
 * Per row: the first `generate()` (compile included) in seconds, then the median of 3 timed
-  runs: tokens/s = batch x new tokens / seconds (prefill included, as a user pays it); the
+  runs: tokens/s = batch x new tokens / seconds (prefill included, as a user pays it); graph
+  breaks, graphs compiled and (CUDA graphs) graphs that ran without them (`cudagraph_skips`); the
   passes' counters; whether the tokens equal eager's.
 """
 
@@ -113,6 +114,9 @@ def run_mode(model, ids, mask, mode: str, new_tokens: int, device) -> tuple[dict
     row["tokens_per_s"] = ids.shape[0] * new_tokens / row["seconds"]
     if base != "eager":
         row["graph_breaks"] = sum(counters["graph_break"].values())
+        row["graphs_compiled"] = counters["stats"]["unique_graphs"]   # recompiles included
+        if mode.endswith("graphs"):
+            row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]   # graphs run without CUDA graphs
     if base == "passes":
         row["passes"] = {k: v for k, v in counters["attn"].items() if v}
     torch._dynamo.reset()
