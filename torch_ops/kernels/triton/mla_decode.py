@@ -43,7 +43,8 @@ from .block_table import any_absent_block, clamped_seq_len, key_capacity, table_
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .paged_decode_config import INTERPRETER_SMS, ONE_PAGE_SPAN, _cdiv, _pow2, split_count, tuning
-from .paged_decode_kernels import _softmax_step, _split_geometry, _store_rows
+from .online_softmax import softmax_step
+from .paged_decode_kernels import _split_geometry, _store_rows
 
 MAX_BLOCK_M = 64
 MAX_VALUE_DIM = 512      # the fp32 accumulator [BLOCK_M, D_v]
@@ -140,7 +141,7 @@ def _tile(t0, end, acc, m_i, l_i, q_v, q_r, qk_scale, pos, km_rows, km_len, bt_r
     if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
         vis = vis & (tl.load(km_rows[:, None] + offs_n[None, :], mask=vis & (offs_n < km_len)[None, :], other=0) != 0)
     s = tl.where(vis, s, float("-inf"))
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, True)
     if V_FROM_K:
         v = k_v
     else:

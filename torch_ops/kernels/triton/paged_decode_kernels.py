@@ -10,6 +10,7 @@ import triton.language as tl
 from .block_table import any_absent_block, clamped_seq_len
 from .formats import FMT_FP8, FMT_PLAIN
 from .interpreter import exact_cast
+from .online_softmax import softmax_step
 from .paged_decode_dequant import _load_lanes
 
 
@@ -31,18 +32,6 @@ def _split_geometry(L, window_left, split, num_splits, min_split,
     start = kv_lo + split * per
     end = tl.minimum(start + per, L)
     return kv_lo, start, end, n_active
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i):
-    """One online-softmax step (log2 units) on scores `s [rows, keys]` (-inf: not seen): the
-    probabilities `p`, the factor `alpha` that rescales what was accumulated, and the new row
-    maxima and sums. A row that has seen nothing yet keeps exp2 away from (-inf) - (-inf)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -156,7 +145,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
     if HAS_KEY_MASK:   # km_rows: each row's key_mask row (row 0 for rows past the query's)
         vis = vis & (tl.load(km_rows[:, None] + key, mask=vis & (key < km_len), other=0) != 0)
     s = tl.where(vis, s, float("-inf"))
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, True)
 
     acc0 = acc0 * alpha[:, None]
     if FMT != FMT_PLAIN:

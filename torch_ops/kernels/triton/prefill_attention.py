@@ -88,6 +88,7 @@ from .block_table import any_absent_block, clamped_seq_len, key_capacity
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
+from .online_softmax import softmax_step
 from .prefill_config import _pow2, _smaller, config, split_dims, tuning
 
 
@@ -241,14 +242,7 @@ def _attend_tile(
                                          mask=visible & (offs_n < km_len)[None, :], other=0) != 0)
         s = tl.where(visible, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:   # a row may have seen nothing yet: keep exp2 away from (-inf) - (-inf)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, MASKED)   # only masked tiles leave a row empty
     v = _load_tile(V, v_rows, VS, vs_rows, n_ok, MASKED, HEAD_DV, BLOCK_DV, KV_FMT, E5M2, QGROUP, DOT_DTYPE, 0)
     if ROUND_P_BF16:
         p = round_to_bf16(p)
