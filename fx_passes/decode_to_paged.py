@@ -13,7 +13,7 @@ cumulative_length`), or any other bool mask shared by the heads (a graph input, 
 of true keys of the mask's first row (an `[S]` reduction); with another mask, each sequence's
 length is its last true key + 1 and the mask goes to the op as `key_mask`. When the
 batch (and, without a mask, the cache length) is static, the block table (and the lengths) are
-graph constants shared by every layer (`torch_ir.graph_constant`), not made by kernels per layer.
+made once at the start of the graph (`arange`, `full`) and shared by every layer.
 
 Why: stock compile runs SDPA over k/v that `repeat_kv` has copied to Hq heads (the whole cache
 per layer and step, read and written), with a masked SDPA kernel on top; `paged_decode` reads
@@ -50,7 +50,7 @@ from . import alibi, index_mask, sdpa_to_attn
 from .masks import check_mask_shape, is_head_shared_bool, is_input_mask
 from .replacements import paged_decode_bhsd
 from .sdpa_to_attn import is_scalar_node, unrepeat
-from .torch_ir import Decline, call, declined, erase_unused, graph_constant, insert_call, is_tensor, known_equal, value
+from .torch_ir import Decline, call, declined, erase_unused, insert_call, is_tensor, known_equal, shared_node, value
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +174,18 @@ def _alibi(q: fx.Node, k: fx.Node, mask: fx.Node, terms) -> dict:
 
 
 def _static_tables(graph: fx.Graph, args: tuple) -> dict:
-    """The block table (and, without a mask, the lengths) as graph constants when the batch (and
-    the cache length) are static: made once at compile time instead of by kernels in every layer."""
+    """The block table (and, without a mask, the lengths) when the batch (and the cache length)
+    are static: made once at the start of the graph for every layer, and computed, not held as
+    constants (nothing for Inductor to keep alive beside the graph)."""
     q, k, mask = value(args[0]), value(args[1]), args[3]
     b, s = q.shape[0], k.shape[2]
     if not isinstance(b, int) or b == 0:
         return {}
-    tables = {"block_tables": graph_constant(graph, [[i] for i in range(b)], torch.int32, q.device)}
+    on = {"dtype": torch.int32, "device": q.device}
+    rows = shared_node(graph, torch.arange, (b,), on)
+    tables = {"block_tables": shared_node(graph, "view", (rows, (b, 1)), method=True)}
     if mask is None and isinstance(s, int):
-        tables["seq_lens"] = graph_constant(graph, [s] * b, torch.int32, q.device)
+        tables["seq_lens"] = shared_node(graph, torch.full, ((b,), s), on)
     return tables
 
 

@@ -127,6 +127,26 @@ def fake_eval(node: fx.Node) -> Any:
         return node.target(*args, **kwargs)
 
 
+def shared_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, *,
+                method: bool = False) -> fx.Node:
+    """The node `target(*args, **kwargs)` (a method call if `method`), made once, at the start of
+    the graph or right after the node it takes, and shared by every caller asking for the same
+    call."""
+    kwargs = kwargs or {}
+    op = "call_method" if method else "call_function"
+    node = next((n for n in graph.nodes if n.op == op and n.target == target and n.args == args
+                 and n.kwargs == kwargs), None)
+    if node is not None:
+        return node
+    inputs = [a for a in args if isinstance(a, fx.Node)]
+    place = graph.inserting_after(inputs[-1]) if inputs else \
+        graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder"))
+    with place:
+        node = graph.create_node(op, target, args, kwargs)
+    node.meta["example_value"] = fake_eval(node)
+    return node
+
+
 def graph_constant(graph: fx.Graph, data: list | float | int, dtype: torch.dtype, device: torch.device) -> fx.Node:
     """A node whose value is `torch.tensor(data, dtype=dtype, device=device)` (`data`: a number
     or a non-empty, possibly nested list), made once at the start of the graph and shared by
@@ -138,17 +158,5 @@ def graph_constant(graph: fx.Graph, data: list | float | int, dtype: torch.dtype
     Short 1-D constants are made 2-D and viewed back: Inductor would inline them as literals
     into a kernel per consumer."""
     as_list = isinstance(data, list) and not isinstance(data[0], list)
-    stored = [data] if as_list else data
-    kwargs = {"dtype": dtype, "device": device}
-    node = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.tensor
-                 and n.args == (stored,) and n.kwargs == kwargs), None)
-    if node is None:
-        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-            node = graph.call_function(torch.tensor, (stored,), kwargs)
-        node.meta["example_value"] = fake_eval(node)
-    if not as_list:
-        return node
-    with graph.inserting_after(node):
-        view = graph.call_method("view", (node, (len(data),)))
-    view.meta["example_value"] = fake_eval(view)
-    return view
+    node = shared_node(graph, torch.tensor, ([data] if as_list else data,), {"dtype": dtype, "device": device})
+    return shared_node(graph, "view", (node, (len(data),)), method=True) if as_list else node
