@@ -138,15 +138,20 @@ def test_generate_runs_on_the_ops_with_the_mask_from_outside_the_graph(family, c
 @pytest.mark.gpu
 def test_generate_reduce_overhead_on_cuda():
     """A user's `torch.compile(model.forward, mode="reduce-overhead")` on CUDA: the prefill and the
-    decode steps run on the ops inside CUDA graphs (none skipped), with eager's tokens."""
+    decode steps run on the ops inside CUDA graphs (none skipped), with eager's tokens. The static
+    cache is allocated before the compiled prefill (`early_initialization`): a cache that the
+    compiled prefill allocates crashes stock compile too (segfault; torch 2.11, transformers 5.17)."""
     torch.manual_seed(0)
     model = _model("llama").cuda()
     ids, mask = (t.cuda() for t in _padded_prompt(7))
+    config = model.config
+    cache = transformers.StaticCache(config=config, max_cache_len=ids.shape[1] + NEW_TOKENS)
+    cache.early_initialization(ids.shape[0], config.num_key_value_heads, config.head_dim, torch.bfloat16, ids.device)
     with torch.no_grad():
         want = _generate(model, ids, mask, disable_compile=True)
         with fx_passes.enabled():
             model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-            got = _generate(model, ids, mask, disable_compile=True)
+            got = _generate(model, ids, mask, disable_compile=True, past_key_values=cache, cache_implementation=None)
     assert counters["attn"]["decode_to_paged_matched"] == LAYERS
     assert counters["attn"]["sdpa_to_attn_matched"] == LAYERS
     assert counters["inductor"]["cudagraph_skips"] == 0
