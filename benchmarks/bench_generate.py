@@ -21,6 +21,8 @@ Method
   - "passes": the same inside `fx_passes.enabled()`: the decode steps' attention runs on
     `attn::paged_decode` (the mask, which `generate()` builds outside the graph, as `key_mask`);
   - "compile/graphs", "passes/graphs": the same with `mode="reduce-overhead"` (CUDA graphs).
+* Each row runs in a process of its own (the same model and prompts, drawn from one seed), so
+  that no mode inherits another's compiled graphs, CUDA-graph pools or compile workers.
 * Per row: the first `generate()` (compile included) in seconds, then the median of 3 timed
   runs: tokens/s = batch x new tokens / seconds (prefill included, as a user pays it); graph
   breaks, graphs compiled and (CUDA graphs) graphs that ran without them (`cudagraph_skips`); the
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,9 +127,43 @@ def run_mode(model, ids, mask, mode: str, new_tokens: int, device) -> tuple[dict
     return row, tokens[:, ids.shape[1]:].cpu()
 
 
-def main(argv=None) -> int:
+def _build_model(name: str, quick: bool, device):
     import transformers
 
+    torch.manual_seed(0)
+    config = model_config(name, quick)
+    impl = "eager" if name == "gemma2" else "sdpa"   # transformers runs Gemma 2 through eager attention only
+    with device:   # weights drawn on the device: no host copy of a 1B model per row
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    return model.eval().to(torch.bfloat16), config
+
+
+def _one_row(args) -> int:
+    """A child process: one (model, batch, mode) row, printed as `ROW <json>` with its tokens."""
+    device = torch.device(args.device)
+    name, batch, mode = args.row
+    model, config = _build_model(name, args.quick, device)
+    ids, mask, _ = make_batch(int(batch), args.quick, config.vocab_size, device)
+    row, tokens = run_mode(model, ids, mask, mode, args.new_tokens, device)
+    print("ROW " + json.dumps({**row, "tokens": tokens.tolist()}), flush=True)
+    return 0
+
+
+def _run_row(args, name: str, batch: int, mode: str) -> tuple[dict, list | None]:
+    """One row in a fresh process (no mode inherits another's compiled graphs, CUDA-graph pools or
+    compile workers); (row, tokens), or an `error` row."""
+    cmd = [sys.executable, __file__, "--row", name, str(batch), mode, "--device", args.device,
+           "--new-tokens", str(args.new_tokens)] + (["--quick"] if args.quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ROW ")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {done.returncode}: {tail[:300]}"}, None
+    row = json.loads(lines[-1][4:])
+    return row, row.pop("tokens")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--models", nargs="*", default=["llama", "gemma2"], choices=["llama", "gemma2"])
@@ -134,36 +172,31 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--row", nargs=3, help=argparse.SUPPRESS)   # a child process's one row
     args = p.parse_args(argv)
+    args.new_tokens = args.new_tokens or (16 if args.quick else 128)
+    if args.row:
+        return _one_row(args)
     device = torch.device(args.device)
     modes = [m for m in args.modes if device.type == "cuda" or not m.endswith("graphs")]
     batches = args.batch or ([1, 4] if args.quick else [1, 8, 32])
-    new_tokens = args.new_tokens or (16 if args.quick else 128)
     rows = []
     payload = {"env": common.environment(), "args": vars(args), "rows": rows}
     for name in args.models:
-        torch.manual_seed(0)
         config = model_config(name, args.quick)
-        impl = "eager" if name == "gemma2" else "sdpa"   # transformers runs Gemma 2 through eager attention only
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
-        model = model.eval().to(device, torch.bfloat16)
         for batch in batches:
-            ids, mask, lengths = make_batch(batch, args.quick, config.vocab_size, device)
+            lengths = make_batch(batch, args.quick, config.vocab_size, "cpu")[2]
             eager_tokens = None
             for mode in modes:
-                base = {"model": name, "batch": batch, "prompt_lengths": lengths, "new_tokens": new_tokens, "mode": mode}
-                try:
-                    row, tokens = run_mode(model, ids, mask, mode, new_tokens, device)
-                    if mode == "eager":
-                        eager_tokens = tokens
-                    elif eager_tokens is not None:
-                        row["tokens_equal_eager"] = "yes" if torch.equal(tokens, eager_tokens) else "no"
-                except Exception as e:  # noqa: BLE001 - one failing row never loses the others
-                    row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                rows.append({**base, **row})
+                row, tokens = _run_row(args, name, batch, mode)
+                if mode == "eager":
+                    eager_tokens = tokens
+                elif eager_tokens is not None and tokens is not None:
+                    row["tokens_equal_eager"] = "yes" if tokens == eager_tokens else "no"
+                rows.append({"model": name, "batch": batch, "prompt_lengths": lengths,
+                             "new_tokens": args.new_tokens, "mode": mode, **row})
                 print({k: v for k, v in rows[-1].items() if k != "prompt_lengths"}, flush=True)
                 common.write_partial(args.out, "bench_generate", payload)
-        del model
     path = common.write_json(args.out, "generate", payload)
     print(f"# wrote {path}")
     print(common.table(rows, [("model", "model", "s"), ("batch", "B", "d"), ("mode", "mode", "s"),
