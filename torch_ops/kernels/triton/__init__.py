@@ -24,6 +24,15 @@ KERNEL_MODULES = {
 }
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def interpreting() -> bool:
     """Triton's CPU interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -83,7 +83,7 @@ import triton.language as tl
 
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
-from . import interpreting
+from . import cdiv, interpreting, pow2
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .launcher import TritonLaunch
 from .tuning import Knobs
@@ -396,21 +396,15 @@ def _kv_cache_write_kernel(
 # =================================================================================================
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:
     """(tokens, heads) per program for rows of `row_elems` (padded) elements: about `tile_elems`
     elements, all heads when they fit, fewer tokens while the grid is under
     `Tuning.min_programs_per_sm` programs per SM. From shapes only."""
-    bh = min(_pow2(heads), max(1, tile_elems // row_elems))
-    bt = min(max(1, tile_elems // (bh * row_elems)), _pow2(max(num_tokens, 1)))
-    while bt > 1 and _cdiv(num_tokens, bt) * _cdiv(heads, bh) < tuning.current.min_programs_per_sm * sms:
+    bh = min(pow2(heads), max(1, tile_elems // row_elems))
+    bt = min(max(1, tile_elems // (bh * row_elems)), pow2(max(num_tokens, 1)))
+    while bt > 1 and cdiv(num_tokens, bt) * cdiv(heads, bh) < tuning.current.min_programs_per_sm * sms:
         bt //= 2
     return bt, bh
 
@@ -422,7 +416,7 @@ def split_halves(head_dim: int, k_cache: torch.Tensor, positions, cos_sin_cache,
     on q and k 95 -> 101; bf16 (98 -> 92) and INT4 (81 -> 65-80) lose and INT8 moves within -1 to +2
     points, so they keep one tile."""
     return (tuning.current.split_rope and positions is not None and rope_neox and kv_format(k_cache.dtype) is KVFormat.FP8
-            and cos_sin_cache.shape[1] == head_dim == _pow2(head_dim))
+            and cos_sin_cache.shape[1] == head_dim == pow2(head_dim))
 
 
 def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale, split: bool = False) -> tuple[int, int, int, int]:
@@ -432,10 +426,10 @@ def group_layout(head_dim: int, k_cache: torch.Tensor, k_scale, split: bool = Fa
     if kv_format(k_cache.dtype).group_scaled:
         ng = k_scale.shape[-1]
         qgroup = head_dim // ng
-        return qgroup, ng, _pow2(ng), _pow2(qgroup)
+        return qgroup, ng, pow2(ng), pow2(qgroup)
     if split:
         return head_dim // 2, 2, 1, head_dim // 2
-    return head_dim, 1, 1, _pow2(head_dim)
+    return head_dim, 1, 1, pow2(head_dim)
 
 
 def unsupported(key, value, k_cache, v_cache, slot_mapping, **options) -> list[str]:
@@ -478,17 +472,17 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     fmt = kv_format(k_cache.dtype)
     split = split_halves(d, k_cache, positions, cos_sin_cache, rope_neox)
     qgroup, ng, ngp, gp = group_layout(d, k_cache, k_scale, split)
-    dp = d // 2 if split else _pow2(d)
+    dp = d // 2 if split else pow2(d)
     halves = 2 if split else 1
     sms = gpu.sm_count(key.device, cpu=1)   # the interpreter: few, large programs are fastest
     knobs = tuning.current
     bt_kv, bh_kv = tile(t, hkv, ngp * gp * halves, sms, knobs.tile_elems[fmt])
-    n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
+    n_kv = cdiv(t, bt_kv) * cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
         bt_q, bh_q = tile(t, hq, dp * halves, sms, knobs.tile_elems[fmt])
-        n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
+        n_q = cdiv(t, bt_q) * cdiv(hq, bh_q)
 
     if fmt is KVFormat.FP8:
         k_sstrides = (0, 0, k_scale.stride(0) if k_scale.dim() else 0, 0)

@@ -22,10 +22,10 @@ import triton.language as tl
 
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
-from . import interpreting
+from . import cdiv, interpreting, pow2
 from .formats import FMT_PLAIN
 from .interpreter import exact_cast
-from .kv_cache_write import _pow2, _cdiv, _rope, _store, rope_position, tile, tuning
+from .kv_cache_write import _rope, _store, rope_position, tile, tuning
 from .launcher import TritonLaunch
 
 _ERR_SLOT = tl.constexpr(errors.SLOT_MAPPING)
@@ -117,16 +117,16 @@ def prepare(key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale
     t, hkv, d = key.shape
     dv = value.shape[-1]
     fmt = kv_format(k_cache.dtype)
-    dp_k, dp_v = _pow2(d), _pow2(dv)
+    dp_k, dp_v = pow2(d), pow2(dv)
     sms = gpu.sm_count(key.device, cpu=1)
     tile_elems = tuning.current.tile_elems[fmt]
-    bt_kv, bh_kv = tile(t, hkv, _pow2(dp_k + dp_v), sms, tile_elems)   # powers of two
-    n_kv = _cdiv(t, bt_kv) * _cdiv(hkv, bh_kv)
+    bt_kv, bh_kv = tile(t, hkv, pow2(dp_k + dp_v), sms, tile_elems)   # powers of two
+    n_kv = cdiv(t, bt_kv) * cdiv(hkv, bh_kv)
     hq, bt_q, bh_q, n_q = 1, 1, 1, 0
     if query is not None:
         hq = query.shape[1]
         bt_q, bh_q = tile(t, hq, dp_k, sms, tile_elems)
-        n_q = _cdiv(t, bt_q) * _cdiv(hq, bh_q)
+        n_q = cdiv(t, bt_q) * cdiv(hq, bh_q)
     fp8 = fmt is KVFormat.FP8
     rope = positions is not None
     cs = cos_sin_cache if rope else key

@@ -38,11 +38,11 @@ import triton.language as tl
 
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
-from . import interpreting
+from . import cdiv, interpreting, pow2
 from .block_table import any_absent_block, clamped_seq_len, key_capacity, table_for_no_blocks
 from .interpreter import exact_cast
 from .launcher import TritonLaunch, no_launch, scale_operands
-from .paged_decode_config import INTERPRETER_SMS, ONE_PAGE_SPAN, _cdiv, _pow2, split_count, tuning
+from .paged_decode_config import INTERPRETER_SMS, ONE_PAGE_SPAN, split_count, tuning
 from .online_softmax import softmax_step
 from .paged_decode_kernels import _split_geometry, _store_rows
 
@@ -74,7 +74,7 @@ def config(rows: int, fp8: bool, *, sm90: bool = False, key_mask: bool = False,
       plan takes 1 (144 KB, 0.6-0.9 KB of spills); caches of other strides keep the 16-key tiles.
     - FP8 (converted to the query dtype in registers before the dots): 32 x 32 takes 250
       registers, no spills, 70 KB, `mma.sync`; 64-row tiles (`wgmma`) spill 0.2-0.6 KB."""
-    block_m = min(MAX_BLOCK_M, max(16, _pow2(rows)))
+    block_m = min(MAX_BLOCK_M, max(16, pow2(rows)))
     if tuning.current.config:
         return {"BLOCK_M": block_m, **tuning.current.config}
     if interpreting():
@@ -326,8 +326,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     interpret = interpreting()
     max_iters = 1
     if interpret:
-        per = max(min_split, _cdiv(_cdiv(kv_cap, num_splits), block_n) * block_n)
-        max_iters = max(1, _cdiv(min(per, kv_cap), block_n) + 1)
+        per = max(min_split, cdiv(cdiv(kv_cap, num_splits), block_n) * block_n)
+        max_iters = max(1, cdiv(min(per, kv_cap), block_n) + 1)
     no_tables = table_for_no_blocks(query.device) if not block_tables.numel() else None
     bt = block_tables if no_tables is None else no_tables
     scale_eff = (scale if scale is not None else 1.0 / math.sqrt(d)) / q_scaling

@@ -96,11 +96,11 @@ import torch
 
 from ... import errors, gpu
 from ...quant import KVFormat, kv_format
-from . import interpreting, mla_decode
+from . import cdiv, interpreting, mla_decode, pow2
 from .block_table import key_capacity, table_for_no_blocks
 from .launcher import TritonLaunch, no_launch, scale_operands
-from .paged_decode_config import (INTERPRETER_SMS, LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, ONE_PAGE_SPAN, _cdiv,
-                                  _pow2, config, large_tile_splits, split_count, tuning)
+from .paged_decode_config import (INTERPRETER_SMS, LARGE_TILE_KEYS, LARGE_TILE_MAX_BLOCK_M, ONE_PAGE_SPAN, config,
+                                  large_tile_splits, split_count, tuning)
 from .paged_decode_kernels import _merge_kernel, _paged_decode_kernel
 
 MAX_HEAD_DIM = 256
@@ -114,7 +114,7 @@ def _group_layout(head_dim: int, fmt: KVFormat, k_scale) -> tuple[int, int, int,
     """(NG, NGP, GW, QGROUP, per_group) of the [BLOCK_N, NGP, GW] word tiles: NG scale groups of
     QGROUP values per row; a group is GW = QGROUP / 4 words when that is a power of 2 (one scale
     load per group), else one padded row with a scale gathered per value."""
-    block_dw = max(16, _pow2(head_dim // 4))
+    block_dw = max(16, pow2(head_dim // 4))
     if fmt is KVFormat.FP8:
         return 1, 1, block_dw, head_dim, True
     ng = k_scale.shape[-1]
@@ -190,7 +190,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     e5m2 = k_cache.dtype == torch.float8_e5m2
     qps, group = t // batch, hq // hkv
     rows = qps * group
-    block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, _pow2(rows)))
+    block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, pow2(rows)))
     m_tiles = -(-rows // block_m)
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
@@ -199,10 +199,10 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if fmt is KVFormat.PLAIN:
-        block_d = max(16, _pow2(d))
+        block_d = max(16, pow2(d))
         block_dw = 16
     else:
-        block_dw = max(16, _pow2(d // 4))
+        block_dw = max(16, pow2(d // 4))
         block_d = 4 * block_dw
     max_blocks = block_tables.shape[1]
     num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
@@ -227,7 +227,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     if not num_splits:
         per_sm = knobs.programs_per_sm or cfg.get("programs_per_sm", 2)
         num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, per_sm)
-    replicas = max(1, min(cfg.get("replicas", 1), block_m // _pow2(rows)))
+    replicas = max(1, min(cfg.get("replicas", 1), block_m // pow2(rows)))
     # one tile per step for short splits, and for FP8 at D <= 64 in one split with GQA, where the
     # registers of two copies (126 against 71) cost more occupancy than they save instructions
     # (H200, B = 256, 32/8, ctx 1k / 4k: 82 / 368 us against 100 / 401; 32/32 heads gain from the copies)
@@ -285,9 +285,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     static_loop = interpreting()
     max_iters = 1
     if static_loop:
-        per = max(min_split, _cdiv(_cdiv(kv_cap, num_splits), chunk) * chunk)
-        max_iters = max(1, _cdiv(min(per, kv_cap), chunk) + 1
-                        + (_cdiv(min(sink_tokens, kv_cap), chunk) if has_window else 0))
+        per = max(min_split, cdiv(cdiv(kv_cap, num_splits), chunk) * chunk)
+        max_iters = max(1, cdiv(min(per, kv_cap), chunk) + 1
+                        + (cdiv(min(sink_tokens, kv_cap), chunk) if has_window else 0))
     main = TritonLaunch(_paged_decode_kernel, (batch * hkv * m_tiles, num_splits), (
         float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
         query.stride(0), query.stride(1), query.stride(2),
@@ -346,15 +346,15 @@ def merge_launch(t: int, hq: int, qps: int, head_dim: int, block_d: int, num_spl
     steps of `chunk` keys: tiles of <= `Tuning.merge_tile` partials, heads while they fit, then
     head-dim blocks."""
     knobs = tuning.current
-    ns_p = _pow2(num_splits)
-    block_h = min(_pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
+    ns_p = pow2(num_splits)
+    block_h = min(pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
     merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
     return TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
-        int(window_left), num_splits, min_split, *p_strides,
+        int(window_left), num_splits, min_split, qps, chunk, *p_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), kv_cap,
     ), dict(
-        NUM_HEADS=hq, BLOCK_H=block_h, QPS=qps, HEAD_DIM=head_dim, BLOCK_D=merge_d,
-        NS_P=ns_p, CHUNK=chunk, HAS_WINDOW=window_left >= 0,
+        NUM_HEADS=hq, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=merge_d,
+        NS_P=ns_p, HAS_WINDOW=window_left >= 0,
         HAS_SINKS=sinks is not None, OUT_FP8=out_scale is not None, INTERPRETED=interpreted,
         num_warps=4,
     ))

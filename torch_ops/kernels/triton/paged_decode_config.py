@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 from ...quant import KVFormat
+from . import cdiv, pow2
 from .tuning import Knobs
 
 
@@ -56,12 +57,6 @@ LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) -> dict:
@@ -74,7 +69,7 @@ def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) 
     `large_tile_splits` may double the plain format's tile."""
     if tuning.current.config:
         return dict(tuning.current.config)
-    block_d = max(16, _pow2(head_dim))
+    block_d = max(16, pow2(head_dim))
     one_warp = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 5, "programs_per_sm": 8}
     if fmt is KVFormat.PLAIN and block_d <= 128 and block_m <= 16 and 32 <= programs < sms // 2:
         # Few programs (B x Hkv = 32..65 on an H200): split-K makes the parallelism, and one-warp
@@ -162,7 +157,7 @@ def _cheapest_split_count(programs: int, cap: int, block_n: int, group_rows: int
     min_split = max(block_n, -(-min_tokens // block_n) * block_n)
     best, best_cost = 1, None
     for s in range(1, max_splits + 1):
-        per = max(min_split, _cdiv(_cdiv(cap, s), block_n) * block_n)
+        per = max(min_split, cdiv(cdiv(cap, s), block_n) * block_n)
         if s > 1 and (s - 1) * per >= cap:
             continue                       # the last split would be empty: same as fewer splits
         waves = -(-programs * s // slots)

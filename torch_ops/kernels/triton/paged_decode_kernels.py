@@ -15,12 +15,12 @@ from .paged_decode_dequant import _load_lanes
 
 
 @triton.jit
-def _split_geometry(L, window_left, split, num_splits, min_split,
-                    QPS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_geometry(L, window_left, split, num_splits, min_split, QPS, HAS_WINDOW: tl.constexpr, BLOCK_N):
     """Key range of split `split` of a sequence of `L` keys: (kv_lo, start, end, n_active).
 
     The visible span [kv_lo, L) (kv_lo: the first query's window start, aligned down to BLOCK_N)
-    is cut into parts of `per` keys, a multiple of BLOCK_N and >= min_split."""
+    is cut into parts of `per` keys, a multiple of BLOCK_N and >= min_split. QPS and BLOCK_N are
+    the attention kernels' constexprs, and the merge's run-time integers."""
     kv_lo = L * 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(L - QPS - window_left, 0)
@@ -385,24 +385,24 @@ def _store_rows(acc, m_i, l_i, tok, head, row_ok, d_ok, split, VScale, Sinks, Ou
         tl.store(Lse + tok.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
+@triton.jit(do_not_specialize=["num_splits", "min_split", "qps", "chunk"])   # one compiled merge per tile shape
 def _merge_kernel(
     POut, PLse, Out, Lse, SeqLens, Sinks, OutScale,
-    window_left, num_splits, min_split,
+    window_left, num_splits, min_split, qps, chunk,
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, kv_cap,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, QPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, NS_P: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NS_P: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Combine the active splits' partial (out, lse) of BLOCK_H heads and BLOCK_D head dims of one
-    query token; add the learned sinks; write out (query dtype or FP8) and lse (the first dim
-    block writes it)."""
+    query token (`qps` per sequence; splits cut in steps of `chunk` keys); add the learned sinks;
+    write out (query dtype or FP8) and lse (the first dim block writes it)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < NUM_HEADS
-    L = clamped_seq_len(SeqLens, t // QPS, kv_cap, SeqLens, False)
-    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, QPS, HAS_WINDOW, CHUNK)
+    L = clamped_seq_len(SeqLens, t // qps, kv_cap, SeqLens, False)
+    _, _, _, n_active = _split_geometry(L, window_left, 0, num_splits, min_split, qps, HAS_WINDOW, chunk)
     s = tl.arange(0, NS_P)
     s_ok = s < n_active
     lse_ptr = PLse + s[:, None].to(tl.int64) * stride_pls + t.to(tl.int64) * stride_plt + h[None, :]

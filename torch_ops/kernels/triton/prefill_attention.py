@@ -83,13 +83,13 @@ import triton.language as tl
 
 from ... import errors
 from ...quant import KVFormat, kv_format
-from . import interpreting
+from . import interpreting, pow2
 from .block_table import any_absent_block, clamped_seq_len, key_capacity
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
 from .launcher import TritonLaunch, no_launch, scale_operands
 from .online_softmax import softmax_step
-from .prefill_config import _pow2, _smaller, config, split_dims, tuning
+from .prefill_config import _smaller, config, split_dims, tuning
 
 
 SHORT_BLOCK_M = 16   # rows of the second launch's tiles, for sequences that fit one (decodes)
@@ -587,7 +587,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
         *((key_mask.stride(0), key_mask.shape[1]) if key_mask is not None else (0, 0)),
     )
     constants = dict(
-        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), HEAD_DV=dv, BLOCK_DV=max(16, _pow2(dv)),
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, pow2(d)), HEAD_DV=dv, BLOCK_DV=max(16, pow2(dv)),
         PAGED=paged, PAGE=page,
         Q_FP8=q_fp8, KV_FMT=kv_fmt.code, E5M2=k.dtype == torch.float8_e5m2, QGROUP=qgroup,
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,

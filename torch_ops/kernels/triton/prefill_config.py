@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from . import pow2
 from .tuning import Knobs
 
 
@@ -22,17 +23,14 @@ class Tuning:
 tuning = Knobs(Tuning())   # `with prefill_attention.tuning(config={...}): ...`
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
 
 def split_dims(head_dim: int) -> int:
     """The first part's width where a head dim that is no power of two is the sum of two (192 =
     128 + 64, 96 = 64 + 32, 80 = 64 + 16): its scores then take one dot per part, with no padded
     dims (`_attend_tile`). 0: one dot over the head dim padded to a power of two."""
-    lo = _pow2(head_dim) // 2
+    lo = pow2(head_dim) // 2
     rest = head_dim - lo
-    return lo if _pow2(head_dim) != head_dim and rest >= 16 and rest & (rest - 1) == 0 else 0
+    return lo if pow2(head_dim) != head_dim and rest >= 16 and rest & (rest - 1) == 0 else 0
 
 
 def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
@@ -53,7 +51,7 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     tiles at D = 64 and 128; `benchmarks/bench_prefill.py --tune` sweeps the alternatives."""
     if tuning.current.config:
         return dict(tuning.current.config)
-    block_d = max(16, _pow2(head_dim))
+    block_d = max(16, pow2(head_dim))
     if dtype == torch.float32:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
     if block_d <= 64:
@@ -73,7 +71,7 @@ def config(head_dim: int, dtype: torch.dtype, causal: bool, paged: bool = False,
     if group_scaled and block_d > 128:
         cfg["BLOCK_N"] = 32
     if rows_per_seq is not None and rows_per_seq < cfg["BLOCK_M"]:
-        cfg["BLOCK_M"] = max(16, _pow2(rows_per_seq))
+        cfg["BLOCK_M"] = max(16, pow2(rows_per_seq))
         cfg["num_warps"] = 4
     return cfg
 
