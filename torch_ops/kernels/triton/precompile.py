@@ -4,7 +4,9 @@
 without running them: their outputs stay unwritten, and the C++ front records nothing meanwhile.
 `compile_launches()` compiles each distinct variant once, in one process per variant up to the
 cores, into Triton's on-disk cache; the block's first real launch of a variant then loads it
-instead of compiling it (Triton compiles with the GIL held: threads would take turns).
+instead of compiling it (Triton compiles with the GIL held: threads would take turns). A ledger
+in that cache (`attn_ops_precompiled`) lists the variants compiled so: a warm cache starts no
+process.
 
 A variant is what Triton compiles under (`variant_key`): the kernel, its constexprs and launch
 options, each tensor's dtype and 16-byte alignment, each integer's width and, unless the kernel
@@ -15,14 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import logging
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -145,20 +150,58 @@ def _compile(launch: Launch, device: int) -> str | None:
 
 
 def compile_launches(launches, *, workers: int | None = None) -> int:
-    """Compile the distinct variants among `launches` (CUDA, compiled Triton) in up to `workers`
-    processes (default `ATTN_COMPILE_WORKERS`, else one per core; fewer than 2: none), each once,
-    into Triton's on-disk cache; returns how many were compiled. Failures are logged: the real
-    launch compiles its variant again, and raises."""
+    """Compile the distinct variants among `launches` (CUDA, compiled Triton) that the ledger does
+    not list, in up to `workers` processes (default `ATTN_COMPILE_WORKERS`, else one per core;
+    fewer than 2: none), each once, into Triton's on-disk cache; returns how many were compiled.
+    Failures are logged: the real launch compiles its variant again, and raises."""
     distinct = list({launch.key(): launch for launch in launches}.values())
     workers = min(len(distinct), _worker_count(workers))
     if workers < 2 or not torch.cuda.is_available() or not isinstance(distinct[0].fn, JITFunction):
         return 0
     device = torch.cuda.current_device()
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for error in pool.map(_compile, distinct, [device] * len(distinct)):
-            if error:
-                log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
-    return len(distinct)
+    target = torch.cuda.get_device_capability(device)
+    todo = uncompiled(distinct, target)
+    if not todo:
+        return 0
+    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = list(pool.map(_compile, todo, [device] * len(todo)))
+    for error in filter(None, errors):
+        log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
+    record_compiled([launch for launch, error in zip(todo, errors) if not error], target)
+    return len(todo)
+
+
+def _ledger() -> Path:
+    return Path(triton.knobs.cache.dir) / "attn_ops_precompiled"
+
+
+def _stamp(launch: Launch, target: tuple) -> str:
+    """What Triton's cache key for `launch` depends on: the variant, the kernel's source (with the
+    functions it calls), Triton's version, the GPU's compute capability and Triton's settings."""
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
+    text = repr((launch.key(), launch.fn.cache_key, triton.__version__, tuple(target), settings))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def uncompiled(launches: list[Launch], target: tuple) -> list[Launch]:
+    """The launches whose variants the ledger does not list as compiled for `target`."""
+    try:
+        done = set(_ledger().read_text().split())
+    except OSError:
+        done = set()
+    return [launch for launch in launches if _stamp(launch, target) not in done]
+
+
+def record_compiled(launches: list[Launch], target: tuple) -> None:
+    """Add `launches`' variants to the ledger (one line each, appended: writers may overlap)."""
+    if not launches:
+        return
+    try:
+        _ledger().parent.mkdir(parents=True, exist_ok=True)
+        with open(_ledger(), "a") as ledger:
+            ledger.write("".join(_stamp(launch, target) + "\n" for launch in launches))
+    except OSError as e:
+        log.warning("attn-ops: could not write %s (%s): warm-ups will compile ahead again", _ledger(), e)
 
 
 def _worker_count(workers: int | None) -> int:

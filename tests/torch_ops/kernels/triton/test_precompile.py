@@ -1,8 +1,12 @@
 """torch_ops/kernels/triton/precompile.py: launches recorded instead of run, and their variants compiled ahead in
 parallel processes."""
 
+import dataclasses
+
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import torch_ops
 from torch_ops import backends, reference
@@ -61,14 +65,36 @@ def test_variant_key_follows_triton_specialization():
     assert precompile.variant_key(fn, tuple(changed), meta) != key
 
 
+def _probe(X, n, BLOCK: tl.constexpr):
+    pass
+
+
+PROBE = JITFunction(_probe)   # compiled Triton's kind of kernel even under TRITON_INTERPRET=1
+
+
+def test_ledger_lists_the_variants_compiled_ahead(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    a = precompile.Launch(__name__, "PROBE", (("tensor", "float32", True), 5), (1, 1, 1), (("BLOCK", 16),))
+    b = dataclasses.replace(a, meta=(("BLOCK", 32),))
+    hopper = (9, 0)
+    assert precompile.uncompiled([a, b], hopper) == [a, b]
+    precompile.record_compiled([a], hopper)
+    assert precompile.uncompiled([a, b], hopper) == [b]
+    assert precompile.uncompiled([a], (10, 0)) == [a]   # another GPU
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert precompile.uncompiled([a], hopper) == [a]    # other Triton settings
+
+
 @pytest.mark.gpu
 def test_variants_compile_in_parallel_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # a fresh cache: nothing compiled yet
     calls = [_decode("cuda", b) for b in (1, 64)] + [_decode("cuda", 3)]
     with torch_ops.use_backend("triton"):
-        compiled = precompile.compile_ahead(lambda: [torch.ops.attn.paged_decode(*c) for c in calls], workers=2)
+        run = lambda: [torch.ops.attn.paged_decode(*c) for c in calls]   # noqa: E731
+        compiled = precompile.compile_ahead(run, workers=2)
         assert compiled >= 2
         assert any(tmp_path.rglob("*.cubin")), "the workers wrote Triton's disk cache"
+        assert precompile.compile_ahead(run, workers=2) == 0, "a warm cache compiles nothing again"
         for call in calls:
             out, _ = torch.ops.attn.paged_decode(*call)
             truth = reference.paged_decode(*call, compute_dtype=torch.float64)
