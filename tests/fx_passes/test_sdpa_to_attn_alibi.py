@@ -338,7 +338,6 @@ def test_float_input_mask_of_other_values_fails_the_call():
     assert counters["attn"]["sdpa_to_attn_matched"] == 1
 
 
-
 def two_layers_bloom(q, k, v, padding):
     """Two layers of `bmm_bloom_padding_alibi` over one set of positions, ALiBi and mask (as BLOOM
     builds them once per forward)."""

@@ -90,7 +90,6 @@ from .tuning import Knobs
 from .interpreter import exact_cast
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """The kernel's tuning knobs, read when a launch is prepared (`tuning`)."""
@@ -394,8 +393,6 @@ def _kv_cache_write_kernel(
 # =================================================================================================
 # Launcher
 # =================================================================================================
-
-
 
 
 def tile(num_tokens: int, heads: int, row_elems: int, sms: int, tile_elems: int) -> tuple[int, int]:

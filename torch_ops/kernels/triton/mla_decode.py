@@ -303,12 +303,12 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     sm90 = query.device.type == "cuda" and k_cache.dtype == query.dtype and gpu.capability(query.device) == (9, 0)
     cfg = config(rows, fp8, sm90=sm90, key_mask=key_mask is not None, values_in_keys=shareable)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    m_tiles = -(-rows // block_m)
+    m_tiles = cdiv(rows, block_m)
     knobs = tuning.current
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     max_blocks = block_tables.shape[1]
     num_splits = split_count(batch, hkv, m_tiles, max_blocks, page, block_n, rows, sms, 1)
-    min_split = max(block_n, -(-knobs.min_split_tokens // block_n) * block_n)
+    min_split = max(block_n, cdiv(knobs.min_split_tokens, block_n) * block_n)
     num_blocks = k_cache.shape[0] if num_blocks is None else num_blocks
     kv_cap = key_capacity(max_blocks, page, num_blocks)
     page_span = ONE_PAGE_SPAN if max_blocks == 1 else page

@@ -191,7 +191,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     qps, group = t // batch, hq // hkv
     rows = qps * group
     block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, pow2(rows)))
-    m_tiles = -(-rows // block_m)
+    m_tiles = cdiv(rows, block_m)
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
     cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
     knobs = tuning.current
@@ -235,7 +235,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
                                 or (fmt is KVFormat.FP8 and d <= 64 and num_splits == 1 and group > 1)):
         replicas = 1
     chunk = replicas * block_n      # keys per loop step
-    min_split = max(chunk, -(-knobs.min_split_tokens // chunk) * chunk)
+    min_split = max(chunk, cdiv(knobs.min_split_tokens, chunk) * chunk)
 
     kc, vc, ks, vs = k_cache, v_cache, k_scale, v_scale
     ng, ngp, gw, qgroup, per_grp = 1, 1, block_dw, d, True
@@ -349,7 +349,7 @@ def merge_launch(t: int, hq: int, qps: int, head_dim: int, block_d: int, num_spl
     ns_p = pow2(num_splits)
     block_h = min(pow2(hq), max(1, knobs.merge_tile // (ns_p * block_d)))
     merge_d = min(block_d, max(16, knobs.merge_tile // ns_p))
-    return TritonLaunch(_merge_kernel, (t, -(-hq // block_h), block_d // merge_d), (
+    return TritonLaunch(_merge_kernel, (t, cdiv(hq, block_h), block_d // merge_d), (
         int(window_left), num_splits, min_split, qps, chunk, *p_strides,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), kv_cap,
     ), dict(

@@ -57,8 +57,6 @@ LARGE_TILE_PROGRAMS_PER_SM = 3
 LARGE_TILE_MAX_BLOCK_M = 32
 
 
-
-
 def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) -> dict:
     """Tile and launch parameters from shapes (`programs` = B x Hkv x M tiles before any split):
     BLOCK_N (keys per tile), num_warps, num_stages, and `programs_per_sm` (resident programs per
@@ -129,7 +127,7 @@ def large_tile_splits(programs: int, sms: int) -> int:
     batch) want many splits of small tiles; more than a wave (B = 64 at 8 KV heads) small tiles."""
     if programs < sms // 2:
         return 0
-    splits = -(-sms // programs)
+    splits = cdiv(sms, programs)
     return splits if programs * splits <= LARGE_TILE_PROGRAMS_PER_SM * sms else 0
 
 
@@ -154,13 +152,13 @@ def _cheapest_split_count(programs: int, cap: int, block_n: int, group_rows: int
     """`split_count`'s search (cached: it runs on every call, ~100 µs of Python at 256 splits)."""
     if programs == 0 or cap == 0:
         return 1
-    min_split = max(block_n, -(-min_tokens // block_n) * block_n)
+    min_split = max(block_n, cdiv(min_tokens, block_n) * block_n)
     best, best_cost = 1, None
     for s in range(1, max_splits + 1):
         per = max(min_split, cdiv(cdiv(cap, s), block_n) * block_n)
         if s > 1 and (s - 1) * per >= cap:
             continue                       # the last split would be empty: same as fewer splits
-        waves = -(-programs * s // slots)
+        waves = cdiv(programs * s, slots)
         cost = waves * (per + fixed_cost)
         if s > 1:
             cost += merge_cost + programs * s * 2 * group_rows / slots

@@ -83,7 +83,7 @@ import triton.language as tl
 
 from ... import errors
 from ...quant import KVFormat, kv_format
-from . import interpreting, pow2
+from . import cdiv, interpreting, pow2
 from .block_table import any_absent_block, clamped_seq_len, key_capacity
 from .formats import FMT_FP8, FMT_INT4, FMT_INT8, FMT_PLAIN
 from .interpreter import exact_cast, round_to_bf16
@@ -542,7 +542,7 @@ def prepare(query, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k=None, block_tab
     if round_p_bf16:
         dot_dtype = tl.float32   # the interpreter's bf16 dot is wrong: fp32 operands holding bf16 values
 
-    rows_per_seq = min(-(-t // num_seqs), max_queries if max_queries is not None else t) * group
+    rows_per_seq = min(cdiv(t, num_seqs), max_queries if max_queries is not None else t) * group
     cfg = config(max(d, dv), op_dtype, causal, paged, rows_per_seq, group_scaled=kv_fmt.group_scaled)
     short_cfg = None
     if num_seqs > 1 and cfg["BLOCK_M"] > SHORT_BLOCK_M and group < SHORT_BLOCK_M:
@@ -630,7 +630,7 @@ def work_slots(t: int, num_seqs: int, tok: int, max_queries: int | None) -> tupl
     tiles of `tok` tokens: the shared list (`T // TOK + B` slots, 0 per sequence), or, with
     `max_queries`, `cdiv(max_queries, TOK)` slots for each sequence where that makes fewer."""
     shared = t // tok + num_seqs
-    per_seq = -(-max_queries // tok) if max_queries is not None else 0
+    per_seq = cdiv(max_queries, tok) if max_queries is not None else 0
     return (num_seqs * per_seq, per_seq) if 0 < per_seq and num_seqs * per_seq < shared else (shared, 0)
 
 
@@ -639,7 +639,7 @@ def _kernel(scalars, constants, cfg, t, num_seqs, hkv, *, short, device, max_que
     sequence and head for the sequences that fit one tile (`short=True`)."""
     block_m = cfg["BLOCK_M"]
     hpt = min(constants["GROUP"], block_m)
-    head_chunks = -(-constants["GROUP"] // hpt)
+    head_chunks = cdiv(constants["GROUP"], hpt)
     slots, seq_slots = (num_seqs, 0) if short else work_slots(t, num_seqs, block_m // hpt, max_queries)
     constants = dict(constants, HPT=hpt, HEAD_CHUNKS=head_chunks, BLOCK_M=block_m, SHORT=short, SEQ_SLOTS=seq_slots)
     key = _launch_key(constants, cfg, device)

@@ -23,7 +23,6 @@ class Tuning:
 tuning = Knobs(Tuning())   # `with prefill_attention.tuning(config={...}): ...`
 
 
-
 def split_dims(head_dim: int) -> int:
     """The first part's width where a head dim that is no power of two is the sum of two (192 =
     128 + 64, 96 = 64 + 32, 80 = 64 + 16): its scores then take one dot per part, with no padded
