@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import triton
+from triton.runtime import jit
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
@@ -22,6 +23,23 @@ from ... import replay
 
 
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+_JIT_CALLABLE = getattr(jit, "JITCallable", jit.JITFunction)
+
+
+def settle_cache_key(fn, _seen=None) -> str | None:
+    """`fn.cache_key` (None under the interpreter), computed after the keys of the JIT functions it
+    calls. Triton 3.6 folds a callee's constexpr globals into its caller's key only if the callee's
+    own key already exists, so a caller's key would depend on what the process compiled before: a
+    compile-ahead worker and the serving process would cache the same kernel under two keys."""
+    if not isinstance(fn, _JIT_CALLABLE):
+        return None
+    seen = _seen if _seen is not None else set()
+    seen.add(id(fn))   # not `fn`: a JIT function's hash is its cache key
+    for name in fn.fn.__code__.co_names:
+        callee = fn.__globals__.get(name)
+        if isinstance(callee, _JIT_CALLABLE) and id(callee) not in seen:
+            settle_cache_key(callee, seen)
+    return fn.cache_key
 
 
 def _hook_set(hook) -> bool:
@@ -61,6 +79,7 @@ class TritonLaunch:
             replay.RECORDERS[-1].triton(self, tensors, jit)
 
     def _jit(self, tensors: tuple) -> None:
+        settle_cache_key(self.fn)
         while True:
             try:
                 compiled = self.fn[self.grid](*tensors, *self.scalars, **self.meta)

@@ -32,7 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from ... import backends, replay
-from .launcher import TritonLaunch
+from .launcher import TritonLaunch, settle_cache_key
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ def _compile(launch: Launch, device: int) -> str | None:
     try:
         torch.cuda.set_device(device)
         args = [_tensor(a, device) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch.args]
+        settle_cache_key(launch.fn)
         launch.fn.warmup(*args, grid=launch.grid, **dict(launch.meta))
         return None
     except Exception as e:  # noqa: BLE001 - reported; the real launch compiles it again and raises
@@ -179,7 +180,7 @@ def _stamp(launch: Launch, target: tuple) -> str:
     """What Triton's cache key for `launch` depends on: the variant, the kernel's source (with the
     functions it calls), Triton's version, the GPU's compute capability and Triton's settings."""
     settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
-    text = repr((launch.key(), launch.fn.cache_key, triton.__version__, tuple(target), settings))
+    text = repr((launch.key(), settle_cache_key(launch.fn), triton.__version__, tuple(target), settings))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

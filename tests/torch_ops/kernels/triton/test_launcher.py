@@ -2,6 +2,10 @@
 straight to the compiled kernel's launcher with the same arguments; a fake kernel stands in for
 Triton's, so that the bookkeeping runs on CPU."""
 
+import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -104,3 +108,29 @@ def test_scale_operands_expand_and_copy():
     strided = torch.arange(8.0).view(2, 4)[:, ::2]
     ks, vs = launcher.scale_operands("contiguous", strided, strided, 4, None)
     assert ks.is_contiguous() and torch.equal(ks, strided)
+
+
+_KEYS_IN_ORDER = """
+import importlib, json, pkgutil, sys
+import torch_ops.kernels.triton as package
+from torch_ops.kernels.triton.launcher import _JIT_CALLABLE, settle_cache_key
+fns = {}
+for info in pkgutil.iter_modules(package.__path__):
+    module = importlib.import_module(f"{package.__name__}.{info.name}")
+    fns.update({f"{info.name}.{name}": fn for name, fn in vars(module).items()
+                if isinstance(fn, _JIT_CALLABLE) and fn.__module__ == module.__name__})
+names = sorted(fns, reverse=sys.argv[1] == "reversed")
+print(json.dumps({name: settle_cache_key(fns[name]) for name in names}))
+"""
+
+
+def test_cache_keys_do_not_depend_on_what_was_compiled_before():
+    """Two fresh processes settle every kernel's Triton cache key in opposite orders (compiled JIT
+    functions: no interpreter) and agree on each: a compile-ahead worker and the serving process
+    then find each other's kernels in Triton's cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    keys = [json.loads(subprocess.run([sys.executable, "-c", _KEYS_IN_ORDER, order], env=env, check=True,
+                                      capture_output=True, text=True).stdout)
+            for order in ("sorted", "reversed")]
+    assert len(keys[0]) > 20 and all(keys[0].values())
+    assert keys[0] == keys[1]
