@@ -8,8 +8,8 @@ under, and skipped: the kernel, its constexprs and launch options, each tensor's
 whether it is 1 or a multiple of 16 (`torch_ops.kernels.triton.precompile.variant_key`). Launch
 decisions see a GPU of `--sms` SMs. It prints the variants that the engine's construction (its
 CUDA-graph decode buckets), `Engine.warmup()` and serving each add: the variants a run on a
-fresh Triton cache asks Triton for, and serving adds none when warm-up covers it. (On an H200,
-torch 2.11 / Triton 3.6, such a cache held 37 compiled kernels where this counted 24.)
+fresh Triton cache compiles, and serving adds none when warm-up covers it. (On an H200, torch
+2.11 / Triton 3.6, a fresh cache after `serve.py` held the 20 compiled kernels this counts.)
 
     python benchmarks/kernel_variants.py [--sms 132] [examples/serve.py options]
 """

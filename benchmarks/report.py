@@ -431,6 +431,9 @@ def generate(data: dict, name: str):
             "`mode=\"reduce-overhead\"`. Tokens/s = batch x new tokens / seconds, prefill included; "
             "`= eager`: the same tokens as eager; `failed`: the run raised (its error is in the JSON). "
             "The whole model, so no single hardware limit applies.")
+    if data.get("runs"):   # rows gathered from several invocations (each row runs in a process of its own)
+        text += " Rows from " + "; ".join(f"`{r['command']}` (commit {r['git_commit']}, {r['date'][:16]})"
+                                         for r in data["runs"].values()) + "."
     header = ["model", "B", *[f"{m} tok/s" for m in modes], *[f"{p} / {c}" for p, c in pairs], "= eager"]
     body = []
     for model, batch in keys:
