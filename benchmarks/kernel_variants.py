@@ -6,8 +6,8 @@ geometry) and runs its workload with every Triton launch recorded by the key Tri
 under, and skipped: the kernel, its constexprs and launch options, each tensor's dtype and
 16-byte alignment, each integer's width and, unless the kernel marks it `do_not_specialize`,
 whether it is 1 or a multiple of 16 (`torch_ops.kernels.triton.precompile.variant_key`). Launch
-decisions see a GPU of `--sms` SMs. It prints the variants that the engine's construction (its
-CUDA-graph decode buckets), `Engine.warmup()` and serving each add: the variants a run on a
+decisions see a GPU of `--sms` SMs. It prints the variants that the engine's CUDA-graph decode
+buckets, the rest of `Engine.warmup()` and serving each add: the variants a run on a
 fresh Triton cache compiles, and serving adds none when warm-up covers it. (On an H200, torch
 2.11 / Triton 3.6, a fresh cache after `serve.py` held the 20 compiled kernels this counts.)
 
@@ -71,7 +71,7 @@ def _capture(fn):
 
 def serving_variants(argv: list[str] | None = None, sms: int = 132) -> dict[str, set]:
     """The variants `examples/serve.py` (GPU defaults, `argv` its options) compiles, by phase:
-    "graphs" (construction), "warmup" and "serving" (each: those the phases before lacked)."""
+    "graphs" (the decode graphs), "warmup" and "serving" (each: those the phases before lacked)."""
     import serve
 
     from torch_ops.serving.engine import generate
@@ -93,7 +93,7 @@ def serving_variants(argv: list[str] | None = None, sms: int = 132) -> dict[str,
             engine.buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs)
             capture, engine_module.capture_cuda_graph = engine_module.capture_cuda_graph, _capture
             try:
-                engine._capture_graphs()
+                engine.capture_graphs()
             finally:
                 engine_module.capture_cuda_graph = capture
         phases["graphs"] = new()

@@ -150,8 +150,7 @@ def main():
 
     start = time.perf_counter()
     engine = build(config, args.backend, device, dtype, args, graphs)
-    built = "model and engine built" + (", decode CUDA graphs captured" if graphs else "")
-    print(f"[serve {time.perf_counter() - start:6.1f} s] {built}", flush=True)
+    print(f"[serve {time.perf_counter() - start:6.1f} s] model and engine built", flush=True)
     torch_ops.warmup()
     engine.warmup()
     print(f"warm-up: {time.perf_counter() - start:.1f} s (engine with its CUDA graphs, CUDA libraries, the "

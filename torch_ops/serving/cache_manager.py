@@ -242,6 +242,10 @@ class KVCacheManager:
                 self.allocator.share([table[i]])
                 self._prefix[h] = table[i]
 
+    def drop_prefix_cache(self) -> None:
+        """Free every prefix-cache block that no request uses (after synthetic requests: warm-up)."""
+        self._evict_cached_blocks(len(self._prefix))
+
     def _evict_cached_blocks(self, n: int) -> None:
         """Free up to `n` prefix-cache blocks that no request uses, least recently used first."""
         victims = [h for h, b in self._prefix.items() if self.allocator.refcount(b) == 1][:n]

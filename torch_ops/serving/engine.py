@@ -81,7 +81,8 @@ class Engine:
 
     `max_num_seqs` sequences and `max_num_tokens` new tokens per step; prompts longer than the
     budget are prefilled in chunks. `graph_buckets` (batch sizes, ascending) enables CUDA-graph
-    decode steps; a decode batch is padded to the smallest bucket that holds it.
+    decode steps; a decode batch is padded to the smallest bucket that holds it. The graphs are
+    captured by `warmup()`, or else by the first `step()` (`capture_graphs`).
 
     The running requests' counters are numpy arrays aligned with `running` (`_todo`: tokens
     known but not yet in the cache, 1 for a decode; `_left`: tokens still to generate; `_last`:
@@ -111,20 +112,19 @@ class Engine:
         self.buckets = tuple(sorted(graph_buckets))
         # bucket -> (graph, its logits output, the captured function, for eager comparisons)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        if self.buckets:
-            self._capture_graphs()
+        self._recording = False   # steps whose launches are recorded, not run: decodes stay eager
 
     @torch.no_grad()
     def warmup(self, *, progress: bool = True) -> float:
-        """Compile, before serving, the kernels that steps outside the CUDA graphs need (the
-        graphs' own are compiled at construction): synthetic requests prefill 1, 2, 4, ... and
-        `max_num_tokens` tokens, each alone then split in two sequences (mixed batches; sequences
-        longer than the block tables hold are split further), and decode two tokens; steps of
-        decodes with one new prompt of 2, 4, 8, ... tokens; then a short random workload of
-        `2 * max_num_seqs` requests mixes decodes with prefill chunks. They finish and free their
-        blocks. On CUDA the workload runs twice: first with its Triton launches recorded, whose
-        kernels then compile in parallel processes (`kernels.triton.precompile`), then for real.
-        Returns the seconds taken; `progress` prints a line per phase."""
+        """Compile, before serving, the kernels of every step, and capture the decode CUDA graphs:
+        synthetic requests prefill 1, 2, 4, ... and `max_num_tokens` tokens, each alone then split
+        in two sequences (mixed batches; sequences longer than the block tables hold are split
+        further), and decode two tokens; steps of decodes with one new prompt of 2, 4, 8, ...
+        tokens; then a short random workload of `2 * max_num_seqs` requests mixes decodes with
+        prefill chunks. They finish and free their blocks. On CUDA the Triton launches of the
+        graphs' decodes and of the workload are first recorded, and their kernels compile in
+        parallel processes (`kernels.triton.precompile`); then the graphs are captured and the
+        workload runs for real. Returns the seconds taken; `progress` prints a line per phase."""
         if self.has_work:
             raise RuntimeError("warmup runs before any request is added")
         start = time.perf_counter()
@@ -136,9 +136,18 @@ class Engine:
         if self.kv.caches[0].k.is_cuda:
             from torch_ops.kernels.triton import precompile
 
-            compiled = precompile.compile_ahead(lambda: self._warmup_workload(None))
+            self._recording = True
+            try:
+                compiled = precompile.compile_ahead(lambda: (self._graph_decodes(), self._warmup_workload(None)))
+            finally:
+                self._recording = False
+            self.kv.drop_prefix_cache()   # blocks the recorded steps registered hold no keys
             say(f"{compiled} kernel variants compiled in parallel")
+        if self.buckets and not self._graphs:
+            self.capture_graphs()
+            say(f"{len(self.buckets)} decode CUDA graphs captured")
         self._warmup_workload(say)
+        self.kv.drop_prefix_cache()
         self.finished = {i: r for i, r in self.finished.items() if i >= 0}
         if self.kv.caches[0].k.is_cuda:
             torch.cuda.synchronize()
@@ -290,6 +299,8 @@ class Engine:
 
     def step(self) -> StepStats | None:
         """Run one step; None if there was nothing to schedule."""
+        if self.buckets and not self._graphs and not self._recording:
+            self.capture_graphs()   # an engine that was not warmed up: its first step
         start = time.perf_counter()
         batch = self._schedule()
         schedule_us = (time.perf_counter() - start) * 1e6
@@ -313,7 +324,7 @@ class Engine:
         metadata_us = (time.perf_counter() - t0) * 1e6
         host_us = (time.perf_counter() - start) * 1e6
         timer = _GpuTimer(meta.attn.slot_mapping.is_cuda)
-        if bucket is not None:
+        if bucket is not None and not self._recording:
             graph, logits, _ = self._graphs[bucket]
             graph.replay()
             logits = logits[:len(requests)]
@@ -358,22 +369,29 @@ class Engine:
         return next((b for b in self.buckets if b >= len(counts)), None)
 
     @torch.no_grad()
-    def _capture_graphs(self) -> None:
+    def capture_graphs(self) -> None:
         """One decode graph per bucket, captured over dummy one-token sequences in block 0 of a
         still empty cache (the graph keeps only buffer addresses: a bucket's metadata and input
-        ids land at the same ones every step)."""
+        ids land at the same ones every step); their kernels compile first, in parallel."""
         if self.running or self.kv.allocator.num_free != self.kv.allocator.num_blocks:
             raise RuntimeError("CUDA graphs are captured before any request runs")
         from torch_ops.kernels.triton import precompile
 
-        def dummy(bucket: int):   # built right before use: every bucket's views share one buffer
-            return self.attention.step_metadata(self.attention.builder.build(
-                [1] * bucket, [1] * bucket, [[0]] * bucket, token_ids=[0] * bucket))
-
-        precompile.compile_ahead(lambda: [self._decode_logits(dummy(b)) for b in self.buckets])   # in parallel
+        precompile.compile_ahead(self._graph_decodes)
         for bucket in self.buckets:
-            run = functools.partial(self._decode_logits, dummy(bucket))
+            run = functools.partial(self._decode_logits, self._dummy_decode(bucket))
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
+
+    def _dummy_decode(self, bucket: int):
+        """The metadata of `bucket` one-token sequences in block 0 (built right before use: every
+        bucket's views share one buffer)."""
+        return self.attention.step_metadata(self.attention.builder.build(
+            [1] * bucket, [1] * bucket, [[0]] * bucket, token_ids=[0] * bucket))
+
+    def _graph_decodes(self) -> None:
+        """The decode steps the graphs capture, run once each."""
+        for bucket in self.buckets:
+            self._decode_logits(self._dummy_decode(bucket))
 
     def _decode_logits(self, meta) -> torch.Tensor:
         return self.model.logits(self.model(meta.attn.token_ids, meta))

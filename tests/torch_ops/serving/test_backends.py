@@ -28,9 +28,14 @@ def lockstep(backend, rng, *, device, steps_min=0, dtype=torch.bfloat16, **kw):
     by step. Every step's logits must agree within bf16 tolerance and the sampled tokens must be
     equal except after a near tie (top-2 margin within twice the logit difference); there the
     backend engine is given the reference's token (teacher forcing), so both keep serving the
-    same sequences. Returns the number of steps compared."""
+    same sequences. With `warmup`, the backend engine is warmed up first. Returns the number of
+    steps compared."""
     engines = [build_engine(b, dtype=dtype, device=device, **kw.get(b, {}), **kw["common"])
                for b in ("vanilla", backend)]
+    if kw.get("warmup"):   # then every graph is captured and no block is held (prefix cache included)
+        engines[1].warmup(progress=False)
+        assert sorted(engines[1]._graphs) == sorted(engines[1].buckets)
+        assert engines[1].kv.allocator.num_free == engines[1].kv.allocator.num_blocks
     requests = random_requests(rng, kw.get("num_requests", 6), CONFIG.vocab_size, max_prompt=12, max_new=6)
     arrivals = sorted(rng.randint(0, kw.get("spread", 4)) for _ in requests)
     copies = [[type(r)(r.id, list(r.prompt), r.max_new_tokens) for r in requests] for _ in engines]
@@ -82,6 +87,7 @@ def test_cuda_graph_decode_steps_equal_eager_calls():
     engine = build_engine("triton", dtype=torch.bfloat16, device="cuda", max_num_tokens=32,
                           graph_buckets=(1, 2, 4, 8), num_blocks=256)
     replays = []
+    engine.capture_graphs()
     for bucket, (graph, logits, run) in list(engine._graphs.items()):
         engine._graphs[bucket] = (_Checked(graph, logits, run, replays), logits, run)
     rng = fresh_rng()
@@ -95,6 +101,15 @@ def test_cuda_graph_decode_steps_equal_eager_calls():
     lockstep("triton", rng, device="cuda", steps_min=20, num_requests=16, spread=30,
              common=dict(max_num_tokens=32, num_blocks=256),
              triton=dict(graph_buckets=(1, 2, 4, 8)))
+
+
+@pytest.mark.gpu
+def test_warmed_up_graph_engine_matches_reference():
+    """`warmup()` compiles the graphs' kernels with its workload's, captures a graph per bucket and
+    leaves every block free; the engine then serves in lockstep with the reference."""
+    lockstep("triton", fresh_rng(), device="cuda", steps_min=20, num_requests=16, spread=30,
+             common=dict(max_num_tokens=32, num_blocks=256, prefix_caching=True),
+             triton=dict(graph_buckets=(1, 2, 4, 8)), warmup=True)
 
 
 class _Checked:

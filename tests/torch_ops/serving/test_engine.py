@@ -80,9 +80,10 @@ def test_outputs_changed_feeds_the_new_last_token():
     assert req.output[1] == dense_greedy(engine.model, forced, 1)[0]
 
 
-def test_warmup_leaves_the_engine_as_it_found_it():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_warmup_leaves_the_engine_as_it_found_it(prefix_caching):
     rng = fresh_rng()
-    engine = build_engine(max_num_tokens=12)
+    engine = build_engine(max_num_tokens=12, prefix_caching=prefix_caching)
     assert engine.warmup(progress=False) > 0
     assert not engine.has_work and not engine.finished
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
