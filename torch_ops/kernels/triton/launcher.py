@@ -33,6 +33,8 @@ def settle_cache_key(fn, _seen=None) -> str | None:
     compile-ahead worker and the serving process would cache the same kernel under two keys."""
     if not isinstance(fn, _JIT_CALLABLE):
         return None
+    if fn.hash is not None:   # computed already (settled, if this computed it)
+        return fn.cache_key
     seen = _seen if _seen is not None else set()
     seen.add(id(fn))   # not `fn`: a JIT function's hash is its cache key
     for name in fn.fn.__code__.co_names:
