@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE, HQ, HKV, D = 16, 32, 8, 128
 
 
-def cases(quick: bool) -> list[dict]:
-    """(kind, fmt, batch, keys[, queries]) of the timed calls; `quick`: one per family and format."""
+def cases(quick: bool, formats: list[str] | None = None) -> list[dict]:
+    """(kind, fmt, batch, keys[, queries]) of the timed calls; `quick`: one per family and format;
+    `formats`: only the cases of these cache formats."""
     batches, contexts = ((64,), (4096,)) if quick else ((1, 64, 256), (1024, 4096))
     out = [dict(kind="decode", fmt=f, batch=b, keys=n) for f in ("bf16", "fp8", "int8")
            for b in batches for n in contexts]
@@ -38,7 +39,7 @@ def cases(quick: bool) -> list[dict]:
     if not quick:
         out += [dict(kind="paged_prefill", fmt="bf16", batch=16, keys=2048, queries=256)]
     out += [dict(kind="context", fmt="bf16", batch=1, keys=n, queries=n) for n in ((8192,) if quick else (2048, 8192))]
-    return out
+    return [c for c in out if not formats or c["fmt"] in formats]
 
 
 def _cache(blocks: int, fmt: str):
@@ -81,7 +82,7 @@ def call(case: dict):
     return lambda: torch.ops.attn.paged_prefill(q, k, v, tables, cu, lens, **scales)
 
 
-def worker(out: str, quick: bool) -> None:
+def worker(out: str, quick: bool, formats: list[str] | None) -> None:
     """Time every case with the `torch_ops` this process imports; write the rows to `out`."""
     import torch
 
@@ -90,7 +91,7 @@ def worker(out: str, quick: bool) -> None:
     rows = []
     torch.manual_seed(0)
     with torch_ops.use_backend("triton"):
-        for case in cases(quick):
+        for case in cases(quick, formats):
             fn = call(case)
             rows.append(dict(case, us=common.cuda_graph_time_us([fn], calls=5 if case["kind"] != "decode" else 20),
                              torch_ops=str(Path(torch_ops.__file__).parent)))
@@ -149,17 +150,19 @@ def main() -> None:
                    help="more directories holding a torch_ops package (candidates), timed in the same rounds")
     p.add_argument("--rounds", type=int, default=2, help="rounds, the trees in order then in reverse order")
     p.add_argument("--quick", action="store_true", help="one case per kernel family and format")
+    p.add_argument("--formats", nargs="*", choices=("bf16", "fp8", "int8"), help="only the cases of these cache formats")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.quick)
+        return worker(args.worker, args.quick, args.formats)
     if not args.baseline:
         p.error("--baseline is required")
 
     def run(tree: Path, out: str) -> list[dict]:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, __file__, "--worker", out, *(["--quick"] if args.quick else [])]
+        cmd = [sys.executable, __file__, "--worker", out, *(["--quick"] if args.quick else []),
+               *(["--formats", *args.formats] if args.formats else [])]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(Path(out).read_text())
 
