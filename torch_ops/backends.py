@@ -328,17 +328,36 @@ def hand_cuda_to_replay() -> None:
     _CUDA_IMPLS._destroy()
 
 
-def explain(op: str, *args, **kwargs) -> Choice:
+def _qualname(op) -> str:
+    """`op` as `explain` and `backend_for` take it, a name ("paged_decode", "paged_decode.out") or
+    the op itself (`torch.ops.attn.paged_decode`, `torch.ops.attn.paged_decode.out`), as a name."""
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.name()
+    elif isinstance(op, torch._ops.OpOverloadPacket):
+        op = op._qualified_op_name
+    if not isinstance(op, str):
+        raise TypeError(f"op must be an attn:: op or its name, got {type(op).__name__}")
+    namespace, _, name = op.rpartition("::")
+    name = name.removesuffix(".default")
+    base, _, overload = name.partition(".")
+    if namespace not in ("", "attn") or base not in ops.SPECS or overload not in ("", "out"):
+        raise ValueError(f"op must be one of {sorted(ops.SPECS)} (or its .out overload), got {op!r}")
+    return name
+
+
+def explain(op, *args, **kwargs) -> Choice:
     """Which backend and kernel would run `torch.ops.attn.<op>(*args, **kwargs)`, and why the
-    backends before it in `PRIORITY[op]` would not (`print` it). Validates and plans the call like
-    the op does (planning may build a backend's library: the one the choice fell on)."""
-    plan = _make_plan(_Schema(op), args, kwargs)
+    backends before it in `PRIORITY[op]` would not (`print` it); `op` is the op or its name.
+    Validates and plans the call like the op does (planning may build a backend's library: the
+    one the choice fell on)."""
+    plan = _make_plan(_Schema(_qualname(op)), args, kwargs)
     return dataclasses.replace(plan.choice, kernel=getattr(plan.launch, "describe", ""))
 
 
-def backend_for(op: str, *args, **kwargs) -> str:
-    """The name of the backend that would run this call (validated, not planned)."""
-    schema = _Schema(op)
+def backend_for(op, *args, **kwargs) -> str:
+    """The name of the backend that would run this call (validated, not planned); `op` as for
+    `explain`."""
+    schema = _Schema(_qualname(op))
     args, kwargs = schema.complete(args, kwargs)
-    ops.SPECS[op].check(*args, **kwargs)
-    return _choose(op, args, kwargs).backend
+    ops.SPECS[schema.op].check(*args, **kwargs)
+    return _choose(schema.op, args, kwargs).backend

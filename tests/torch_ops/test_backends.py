@@ -60,6 +60,18 @@ def test_automatic_choice_skips_backends_that_cannot_serve_or_decline(registry):
         torch_ops.backend_for("merge_states", *_states())
 
 
+def test_explain_takes_the_op_or_its_name():
+    by_name = torch_ops.explain("merge_states", *_states())
+    for op in (torch.ops.attn.merge_states, torch.ops.attn.merge_states.default, "attn::merge_states"):
+        assert torch_ops.explain(op, *_states()) == by_name
+    assert torch_ops.backend_for(torch.ops.attn.merge_states, *_states()) == by_name.backend
+    for other in ("merge", torch.ops.aten.add):
+        with pytest.raises(ValueError, match="op must be one of"):
+            torch_ops.explain(other, *_states())
+    with pytest.raises(TypeError, match="op must be an attn:: op or its name"):
+        torch_ops.explain(3, *_states())
+
+
 def test_priority_is_explicit_for_every_op():
     assert set(backends.PRIORITY) == set(torch_ops.ops.SPECS)
     for names in backends.PRIORITY.values():
