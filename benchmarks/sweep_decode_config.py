@@ -91,9 +91,11 @@ SETS = {
         shapes=[(1, 32, 32, 1024, 128), (1, 32, 8, 1024, 128), (1, 32, 8, 16384, 128), (16, 32, 8, 1024, 128),
                 (16, 32, 8, 4096, 128), (32, 32, 8, 2048, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128),
                 (16, 32, 32, 4096, 128), (32, 32, 8, 2048, 64), (64, 32, 8, 4096, 64)]),
-    "replicas": dict(   # one-warp 16-key programs scoring 1, 2 or 4 tiles per step in copies of the rows
+    "replicas": dict(   # one-warp 16-key programs scoring 1, 2 or 4 tiles per step in copies of the rows (and
+                        # two-warp 32-key programs, one tile per step)
         configs={"r1s5": (16, 1, 5, 8, None, 1), "r2s5": (16, 1, 5, 8, None, 2), "r2s3": (16, 1, 3, 8, None, 2),
-                 "r4s3": (16, 1, 3, 8, None, 4), "r4s5": (16, 1, 5, 8, None, 4), "r4s3p4": (16, 1, 3, 4, None, 4)},
+                 "r4s3": (16, 1, 3, 8, None, 4), "r4s5": (16, 1, 5, 8, None, 4), "r4s3p4": (16, 1, 3, 4, None, 4),
+                 "n32w2s4": (32, 2, 4, 8, None, 1)},
         splits=(None,), layouts=("p16", "fp8", "int8", "int4"),
         shapes=[(1, 32, 32, 1024, 128), (1, 32, 32, 16384, 128), (4, 32, 8, 4096, 128), (1, 32, 8, 1024, 128),
                 (16, 32, 8, 1024, 128), (16, 32, 8, 16384, 128), (64, 32, 8, 4096, 128), (256, 32, 8, 4096, 128),
