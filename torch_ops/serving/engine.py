@@ -144,7 +144,7 @@ class Engine:
             self.kv.drop_prefix_cache()   # blocks the recorded steps registered hold no keys
             say(f"{compiled} kernel variants compiled in parallel")
         if self.buckets and not self._graphs:
-            self.capture_graphs()
+            self._capture()   # their kernels compiled in the round above
             say(f"{len(self.buckets)} decode CUDA graphs captured")
         self._warmup_workload(say)
         self.kv.drop_prefix_cache()
@@ -378,6 +378,11 @@ class Engine:
         from torch_ops.kernels.triton import precompile
 
         precompile.compile_ahead(self._graph_decodes)
+        self._capture()
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """`capture_graphs` once the graphs' kernels are compiled (no request has run)."""
         for bucket in self.buckets:
             run = functools.partial(self._decode_logits, self._dummy_decode(bucket))
             self._graphs[bucket] = (*capture_cuda_graph(run), run)
