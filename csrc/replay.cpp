@@ -8,13 +8,17 @@
 // front for every device). That call plans, runs, and records what it did: the buffers it
 // allocated and each kernel launch with its arguments, every address expressed as an argument's
 // or a buffer's plus an offset (torch_ops/replay.py). It stores the recording here
-// (`_attn_replay::store`); later calls of the signature allocate the buffers and repeat the
-// launches with their own addresses. Signatures the Python front cannot record keep going to it.
+// (`_attn_replay::store`); later calls of the signature allocate the buffers (each result a tensor
+// of its own, the others in one scratch allocation) and repeat the launches with their own
+// addresses. Signatures the Python front cannot record keep going to it.
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
 #include <cuda.h>
 #include <dlfcn.h>
 #include <torch/library.h>
@@ -86,10 +90,15 @@ struct Step {
   std::vector<std::pair<int64_t, Address>> patches;
 };
 
+// A buffer the recorded call allocated: a result (a tensor of its own, returned), or scratch (at
+// `offset` bytes into the call's one scratch allocation).
 struct Buffer {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
+  int64_t offset = -1;  // -1: a result
 };
+
+constexpr int64_t kScratchAlign = 256;  // each scratch buffer's start (Triton specializes on 16-byte alignment)
 
 struct Recipe {
   bool python = true;  // no recording: calls of the signature go to the Python front
@@ -97,6 +106,7 @@ struct Recipe {
   CUcontext context = nullptr;
   std::vector<Buffer> buffers;
   std::vector<int64_t> results;  // buffers returned by the op, in order
+  int64_t scratch_bytes = 0;     // the scratch buffers' allocation
   std::vector<Step> steps;
 };
 
@@ -208,15 +218,30 @@ bool append_signature(Key& key, c10::ArrayRef<c10::IValue> args, const std::vect
 
 void replay(const Recipe& recipe, torch::jit::Stack* stack, size_t num_args) {
   c10::ArrayRef<c10::IValue> args = torch::jit::last(*stack, num_args);
-  std::vector<at::Tensor> buffers;
-  buffers.reserve(recipe.buffers.size());
-  const auto options = at::TensorOptions().device(at::kCUDA, recipe.device);
-  for (const Buffer& b : recipe.buffers) buffers.push_back(at::empty_strided(b.sizes, b.strides, options.dtype(b.dtype)));
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(recipe.device));
+  // results: tensors of their own; scratch: addresses in one allocation, freed after the launches
+  c10::SmallVector<at::Tensor, 8> results(recipe.buffers.size());   // defined for the results only
+  c10::SmallVector<uint64_t, 8> buffer_addresses;
+  at::Tensor scratch;
+  uint64_t scratch_base = 0;
+  if (recipe.scratch_bytes > 0) {
+    scratch = at::detail::empty_strided_cuda({recipe.scratch_bytes}, {1}, at::kByte, device);
+    scratch_base = reinterpret_cast<uint64_t>(scratch.data_ptr());
+  }
+  for (size_t i = 0; i < recipe.buffers.size(); ++i) {
+    const Buffer& b = recipe.buffers[i];
+    if (b.offset >= 0) {
+      buffer_addresses.push_back(scratch_base + static_cast<uint64_t>(b.offset));
+    } else {
+      results[i] = at::detail::empty_strided_cuda(b.sizes, b.strides, b.dtype, device);
+      buffer_addresses.push_back(reinterpret_cast<uint64_t>(results[i].data_ptr()));
+    }
+  }
   auto address = [&](const Address& a) -> uint64_t {
     if (a.source == kNull) return 0;
     if (a.source == kConstant) return static_cast<uint64_t>(a.offset);
-    const at::Tensor& t = a.source == kArgument ? args[a.index].toTensor() : buffers[a.index];
-    return reinterpret_cast<uint64_t>(t.data_ptr()) + a.offset;
+    if (a.source == kBuffer) return buffer_addresses[a.index] + a.offset;
+    return reinterpret_cast<uint64_t>(args[a.index].toTensor().data_ptr()) + a.offset;
   };
   CUstream stream = c10::cuda::getCurrentCUDAStream(recipe.device).stream();
   for (const Step& step : recipe.steps) {
@@ -234,7 +259,7 @@ void replay(const Recipe& recipe, torch::jit::Stack* stack, size_t num_args) {
                                     step.shared, stream, params, nullptr);
       if (rc != CUDA_SUCCESS) driver_failed(rc, "cuLaunchKernel");
     } else {
-      std::vector<uint8_t> bytes = step.bytes;
+      c10::SmallVector<uint8_t, 512> bytes(step.bytes.begin(), step.bytes.end());
       for (const auto& [offset, a] : step.patches) {
         uint64_t value = address(a);
         std::memcpy(bytes.data() + offset, &value, sizeof(value));
@@ -244,7 +269,7 @@ void replay(const Recipe& recipe, torch::jit::Stack* stack, size_t num_args) {
     }
   }
   torch::jit::drop(*stack, num_args);
-  for (int64_t r : recipe.results) stack->emplace_back(buffers[r]);
+  for (int64_t r : recipe.results) stack->emplace_back(std::move(results[r]));
 }
 
 bool replayable_here(const Recipe& recipe) {
@@ -320,7 +345,20 @@ void store(std::vector<int64_t> code, std::vector<at::Tensor> buffers) {
   TORCH_CHECK(driver().current_context(&recipe->context) == CUDA_SUCCESS, "attn replay: no current CUDA context");
   for (const at::Tensor& b : buffers)
     recipe->buffers.push_back({b.sizes().vec(), b.strides().vec(), b.scalar_type()});
-  for (int64_t n = next(); n > 0; --n) recipe->results.push_back(next());
+  for (int64_t n = next(); n > 0; --n) {
+    const int64_t r = next();
+    TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(recipe->buffers.size()), "attn replay: bad result buffer");
+    recipe->results.push_back(r);
+  }
+  for (size_t b = 0; b < recipe->buffers.size(); ++b) {
+    Buffer& buffer = recipe->buffers[b];
+    if (std::find(recipe->results.begin(), recipe->results.end(), static_cast<int64_t>(b)) != recipe->results.end())
+      continue;
+    buffer.offset = recipe->scratch_bytes;
+    const int64_t bytes = static_cast<int64_t>(
+        at::detail::computeStorageNbytes(buffer.sizes, buffer.strides, c10::elementSize(buffer.dtype)));
+    recipe->scratch_bytes += (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+  }
   for (int64_t n = next(); n > 0; --n) {
     Step step;
     step.kind = static_cast<Step::Kind>(next());

@@ -55,10 +55,12 @@ def _compile_command(target: Path) -> list[str]:
     torch_lib = torch_dir / "lib"
     includes = (torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
                 *(t / "include" for t in toolkits))
+    cuda_lib = ["-ltorch_cuda"] if (torch_lib / "libtorch_cuda.so").exists() else []   # at::detail::empty_strided_cuda
     return [_compiler(), "-O2", "-std=c++20", "-fPIC", "-shared", str(SOURCE), "-o", str(target),
             *(f"-I{p}" for p in includes),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch", "-ldl"]
+            f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch", *cuda_lib,
+            "-ldl"]
 
 
 @functools.cache
