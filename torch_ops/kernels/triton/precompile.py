@@ -4,9 +4,11 @@
 without running them: their outputs stay unwritten, and the C++ front records nothing meanwhile.
 `compile_launches()` compiles each distinct variant once, in one process per variant up to the
 cores, into Triton's on-disk cache; the block's first real launch of a variant then loads it
-instead of compiling it (Triton compiles with the GIL held: threads would take turns). A ledger
-in that cache (`attn_ops_precompiled`) lists the variants compiled so: a warm cache starts no
-process.
+instead of compiling it (Triton compiles with the GIL held: threads would take turns). The
+processes fork from one server that imported torch and Triton, and compile from tensor
+descriptions (no CUDA memory, no CUDA context), so that each starts without importing torch again.
+A ledger in that cache (`attn_ops_precompiled`) lists the variants compiled so: a warm cache
+starts no process.
 
 A variant is what Triton compiles under (`variant_key`): the kernel, its constexprs and launch
 options, each tensor's dtype and 16-byte alignment, each integer's width and, unless the kernel
@@ -22,6 +24,7 @@ import importlib
 import inspect
 import logging
 import multiprocessing
+from multiprocessing import forkserver
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, MockTensor
 
 from ... import backends, replay
 from .launcher import TritonLaunch, settle_cache_key
@@ -132,17 +135,35 @@ def recorded():
         backends.clear_plans()   # plans made meanwhile would not be recorded by the C++ front
 
 
-def _tensor(description: tuple, device: int) -> torch.Tensor:
-    _, dtype, aligned = description
-    t = torch.empty(32, dtype=getattr(torch, dtype), device=f"cuda:{device}")
-    return t if aligned else t[1:]
+class _Tensor(MockTensor):
+    """What Triton specializes a tensor argument on, without memory or a CUDA context: its dtype
+    and whether its address is 16-byte aligned."""
+
+    def __init__(self, description: tuple):
+        _, dtype, aligned = description
+        super().__init__(getattr(torch, dtype))
+        self.address = 0 if aligned else 2
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _forkserver():
+    """Workers forked from one server process (the process's forkserver, started here if it is not
+    running) that imported torch and Triton and never CUDA: a worker starts without importing
+    them again. Starting it returns at once; the server imports in the background."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "triton"])
+    forkserver.ensure_running()
+    return context
 
 
 def _compile(launch: Launch, device: int) -> str | None:
     """Compile `launch`'s variant into Triton's cache (in a worker process); an error's text."""
     try:
-        torch.cuda.set_device(device)
-        args = [_tensor(a, device) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch.args]
+        if device != torch.cuda.current_device():   # the GPU Triton compiles for
+            torch.cuda.set_device(device)
+        args = [_Tensor(a) if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch.args]
         settle_cache_key(launch.fn)
         launch.fn.warmup(*args, grid=launch.grid, **dict(launch.meta))
         return None
@@ -164,7 +185,7 @@ def compile_launches(launches, *, workers: int | None = None) -> int:
     todo = uncompiled(distinct, target)
     if not todo:
         return 0
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=_forkserver()) as pool:
         errors = list(pool.map(_compile, todo, [device] * len(todo)))
     for error in filter(None, errors):
         log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
@@ -214,6 +235,8 @@ def compile_ahead(run, *, workers: int | None = None) -> int:
     with one worker or no CUDA device nothing is recorded (the caller's own run compiles)."""
     if _worker_count(workers) < 2 or not torch.cuda.is_available():
         return 0
+    if not _ledger().exists():   # a fresh cache: the workers' server imports while `run` is recorded
+        _forkserver()
     with recorded() as launches:
         run()
     return compile_launches(launches, workers=workers)
