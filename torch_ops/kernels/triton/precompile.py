@@ -2,11 +2,12 @@
 
 `recorded()` collects the launches a block makes (through `TritonLaunch` or a kernel's JIT)
 without running them: their outputs stay unwritten, and the C++ front records nothing meanwhile.
-`compile_launches()` compiles each distinct variant once, in one process per variant up to the
-cores, into Triton's on-disk cache; the block's first real launch of a variant then loads it
-instead of compiling it (Triton compiles with the GIL held: threads would take turns). The
-processes fork from one server that imported torch and Triton, and compile from tensor
-descriptions (no CUDA memory, no CUDA context), so that each starts without importing torch again.
+`compile_ahead()` hands each distinct variant, as soon as it is recorded, to a pool of processes
+(up to one per core) that compile it into Triton's on-disk cache; the block's first real launch
+of a variant then loads it instead of compiling it (Triton compiles with the GIL held: threads
+would take turns). The processes fork from one server that imported torch and Triton, and
+compile from tensor descriptions (no CUDA memory, no CUDA context), so that each starts without
+importing torch again.
 A ledger in that cache (`attn_ops_precompiled`) lists the variants compiled so: a warm cache
 starts no process.
 
@@ -113,16 +114,18 @@ def _launch(fn, args: tuple, grid, meta: dict) -> Launch:
 
 
 @contextlib.contextmanager
-def recorded():
-    """Collect, into the yielded list, the Triton launches of the block instead of running them."""
+def recorded(on_launch=None):
+    """Collect, into the yielded list, the Triton launches of the block instead of running them;
+    `on_launch(launch)` is called on each as it is recorded."""
     launches: list[Launch] = []
+    add = launches.append if on_launch is None else lambda launch: (launches.append(launch), on_launch(launch))
     call, runs = TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
 
     def record(self, *tensors):
-        launches.append(_launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta))
+        add(_launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta))
 
     def record_jit(self, *args, grid, warmup, **kwargs):
-        launches.append(_launch(self, args, grid if isinstance(grid, tuple) else (grid,), kwargs))
+        add(_launch(self, args, grid if isinstance(grid, tuple) else (grid,), kwargs))
 
     replay.configure(bypass=True)   # the C++ front records no skipped launch
     TritonLaunch.__call__ = record
@@ -171,26 +174,36 @@ def _compile(launch: Launch, device: int) -> str | None:
         return f"{launch.kernel}: {type(e).__name__}: {e}"
 
 
-def compile_launches(launches, *, workers: int | None = None) -> int:
-    """Compile the distinct variants among `launches` (CUDA, compiled Triton) that the ledger does
-    not list, in up to `workers` processes (default `ATTN_COMPILE_WORKERS`, else one per core;
-    fewer than 2: none), each once, into Triton's on-disk cache; returns how many were compiled.
-    Failures are logged: the real launch compiles its variant again, and raises."""
-    distinct = list({launch.key(): launch for launch in launches}.values())
-    workers = min(len(distinct), _worker_count(workers))
-    if workers < 2 or not torch.cuda.is_available() or not isinstance(distinct[0].fn, JITFunction):
-        return 0
-    device = torch.cuda.current_device()
-    target = torch.cuda.get_device_capability(device)
-    todo = uncompiled(distinct, target)
-    if not todo:
-        return 0
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=_forkserver()) as pool:
-        errors = list(pool.map(_compile, todo, [device] * len(todo)))
-    for error in filter(None, errors):
-        log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
-    record_compiled([launch for launch, error in zip(todo, errors) if not error], target)
-    return len(todo)
+class _Compiler:
+    """Compiles, in up to `workers` processes started as needed, each variant `add`ed that is new
+    and that the ledger does not list (CUDA, compiled Triton only); `finish` waits for them."""
+
+    def __init__(self, workers: int):
+        self.workers, self.seen, self.todo, self.pool = workers, set(), [], None
+        self.device = torch.cuda.current_device()
+        self.target = torch.cuda.get_device_capability(self.device)
+
+    def add(self, launch: Launch) -> None:
+        key = launch.key()
+        if key in self.seen or not isinstance(launch.fn, JITFunction):
+            return
+        self.seen.add(key)
+        if not uncompiled([launch], self.target):
+            return
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=_forkserver())
+        self.todo.append((launch, self.pool.submit(_compile, launch, self.device)))
+
+    def finish(self) -> int:
+        """Wait for the compiles, log failures, add the others to the ledger; how many ran."""
+        if self.pool is None:
+            return 0
+        errors = [future.result() for _, future in self.todo]
+        self.pool.shutdown()
+        for error in filter(None, errors):
+            log.warning("attn-ops: compiling ahead failed (the first launch compiles it): %s", error)
+        record_compiled([launch for (launch, _), error in zip(self.todo, errors) if not error], self.target)
+        return len(self.todo)
 
 
 def _ledger() -> Path:
@@ -231,12 +244,18 @@ def _worker_count(workers: int | None) -> int:
 
 
 def compile_ahead(run, *, workers: int | None = None) -> int:
-    """Record the launches of `run()` and compile their variants in parallel (`compile_launches`);
-    with one worker or no CUDA device nothing is recorded (the caller's own run compiles)."""
-    if _worker_count(workers) < 2 or not torch.cuda.is_available():
+    """Record the launches of `run()`, compiling each new variant in parallel processes as it is
+    recorded (up to `workers`, default `ATTN_COMPILE_WORKERS`, else one per core), each once,
+    into Triton's on-disk cache; returns how many were compiled. With fewer than 2 workers or no
+    CUDA device nothing is recorded (the caller's own run compiles). Failures are logged: the real
+    launch compiles its variant again, and raises."""
+    workers = _worker_count(workers)
+    if workers < 2 or not torch.cuda.is_available():
         return 0
-    if not _ledger().exists():   # a fresh cache: the workers' server imports while `run` is recorded
-        _forkserver()
-    with recorded() as launches:
-        run()
-    return compile_launches(launches, workers=workers)
+    compiler = _Compiler(workers)
+    try:
+        with recorded(compiler.add):
+            run()
+    finally:
+        compiled = compiler.finish()
+    return compiled

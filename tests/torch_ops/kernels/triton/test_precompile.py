@@ -2,6 +2,7 @@
 parallel processes."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -89,11 +90,20 @@ def test_ledger_lists_the_variants_compiled_ahead(tmp_path, monkeypatch):
 def test_variants_compile_in_parallel_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # a fresh cache: nothing compiled yet
     calls = [_decode("cuda", b) for b in (1, 64)] + [_decode("cuda", 3)]
+    cubins_while_recording = []
+
+    def run_then_wait():
+        run()
+        deadline = time.monotonic() + 120
+        while not any(tmp_path.rglob("*.cubin")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cubins_while_recording.append(any(tmp_path.rglob("*.cubin")))
+
     with torch_ops.use_backend("triton"):
         run = lambda: [torch.ops.attn.paged_decode(*c) for c in calls]   # noqa: E731
-        compiled = precompile.compile_ahead(run, workers=2)
+        compiled = precompile.compile_ahead(run_then_wait, workers=2)
         assert compiled >= 2
-        assert any(tmp_path.rglob("*.cubin")), "the workers wrote Triton's disk cache"
+        assert cubins_while_recording == [True], "variants compile while the block is still recorded"
         assert precompile.compile_ahead(run, workers=2) == 0, "a warm cache compiles nothing again"
         for call in calls:
             out, _ = torch.ops.attn.paged_decode(*call)
