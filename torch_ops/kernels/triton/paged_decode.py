@@ -271,8 +271,15 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     no_tables = table_for_no_blocks(query.device) if not block_tables.numel() else None
     bt = block_tables if no_tables is None else no_tables
     one_page = page_span % block_n == 0
-    # single-page tiles may address their rows with 32-bit offsets from the tile's first row
+    # chunks start on multiples of `chunk`: replica tiles stay inside table rows of a multiple of it
+    clamp_replicas = (one_page and replicas > 1 and page_span != ONE_PAGE_SPAN
+                      and max_blocks * page_span % chunk != 0)
+    # single-page tiles may address their rows with 32-bit offsets from the tile's first row. With
+    # clamped replica tiles that takes FP8 to 255 registers and 56 B of spills, which pays only with
+    # fewer programs than SMs (H200, 32/8 heads, replica tiles clamped, with against without: B = 1
+    # ctx 1k / 4k 9.6 / 10.7 against 10.2 / 11.2 us; B = 64 157.5 against 147.1 at ctx 4k)
     rows32 = (one_page and cfg.get("rows32", False) and (replicas > 1 or num_splits > 1)
+              and not (clamp_replicas and batch * hkv * m_tiles >= sms)
               and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:
@@ -300,7 +307,8 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         kv_cap, num_blocks,
     ), dict(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DW=block_dw, BLOCK_M=block_m, BLOCK_N=block_n, R=replicas, M_TILES=m_tiles,
-        PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, QPS=qps, GROUP=group, NUM_KV_HEADS=hkv,
+        PAGE=page_span, ONE_PAGE=one_page, ROWS32=rows32, CLAMP_REPLICAS=clamp_replicas, QPS=qps, GROUP=group,
+        NUM_KV_HEADS=hkv,
         FMT=fmt.code, E5M2=e5m2, NG=ng, NGP=ngp, GW=gw, QGROUP=qgroup, SCALE_PER_GRP=per_grp, ASM=asm,
         PRESCALE_Q=fmt is not KVFormat.PLAIN and query.dtype == torch.bfloat16,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,

@@ -100,13 +100,11 @@ def config(head_dim: int, fmt: KVFormat, block_m: int, programs: int, sms: int) 
         # slower (`prepare` keeps one tile below `Tuning.replica_min_keys` per split); four copies take 255
         # registers and spill.
         # `rows32` (FP8 only): single-page tiles as one base pointer and 32-bit row offsets, ~50
-        # fewer instructions per 16 keys for +8-15 registers. With the replica tiles' clamp to
-        # the block table that puts two copies at the register limit (255 + 56 B of spills), so
-        # it pays only with fewer programs than SMs, latency-bound: H200, 32/8 heads, FP8, on
-        # against off: B = 1 ctx 1k / 4k 9.6 / 10.7 against 10.2 / 11.2 us, B = 64 ctx 1k / 4k
-        # 49.1 / 157.5 against 47.4 / 147.1, B = 256 155.4 / 585.1 against 147.7 / 552.8.
-        # INT8/INT4 gain no instructions and lose up to 8%.
-        return dict(one_warp, replicas=2, rows32=fmt is KVFormat.FP8 and programs < sms)
+        # fewer instructions per 16 keys for +8-15 registers: FP8 B = 64 ctx 4k 147 -> 140 us
+        # (R = 2), B = 16 ctx 1k 23.2 -> 21.3 (R = 1), but at one split and R = 1 the registers
+        # cost occupancy (B = 256 ctx 256 41.7 -> 48.7; `prepare` leaves it out there, and where
+        # replica tiles are clamped); INT8/INT4 gain no instructions and lose up to 8%.
+        return dict(one_warp, replicas=2, rows32=fmt is KVFormat.FP8)
     if block_d <= 128:
         # 32-row tiles (several query tokens per sequence): one warp would spill, and 128-key
         # 4-warp tiles spill 76-228 bytes; two warps spill nothing (168-229 registers). H200,

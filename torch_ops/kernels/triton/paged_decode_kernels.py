@@ -46,14 +46,16 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
           K, V, KS, VS, k_head, v_head, ks_head, vs_head,
           stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-          PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr,
+          PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, CLAMP_REPLICAS: tl.constexpr,
           FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
           QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr,
           HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
           DOT_F32: tl.constexpr, SVEC: tl.constexpr, SCALE_F16: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     """Chunk `it` of this program's key ranges (sink chunks first): R tiles of BLOCK_N keys, tile
     j scored by the rows of replica j (`rep`), then one online-softmax step per row. The block ids
-    it reads are known to lie in the cache (`any_absent_block`)."""
+    it reads are known to lie in the cache (`any_absent_block`). Chunks start on multiples of
+    CHUNK, so a replica's tile can start past the table row only when the row's keys are not a
+    multiple of CHUNK: then (CLAMP_REPLICAS) it reads the entry of the last key instead."""
     CHUNK: tl.constexpr = R * BLOCK_N
     if HAS_WINDOW:
         in_sink = it < n_sink
@@ -70,7 +72,7 @@ def _tile(it, acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, qk_scale, softca
         n_ok = offs_n < hi
         if ONE_PAGE:
             first = t0 + j * BLOCK_N
-            if j > 0:   # a replica's tile may start past the keys: it reads the last key's entry
+            if CLAMP_REPLICAS and j > 0:
                 first = tl.minimum(first, hi - 1)
             page = tl.load(bt_row + (first // PAGE) * stride_btp)
         else:
@@ -196,7 +198,8 @@ def _paged_decode_kernel(
     stride_ps, stride_pt, stride_ph, stride_pls, stride_plt, stride_kmt, km_len, kv_cap, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_TILES: tl.constexpr,
-    PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, QPS: tl.constexpr, GROUP: tl.constexpr,
+    PAGE: tl.constexpr, ONE_PAGE: tl.constexpr, ROWS32: tl.constexpr, CLAMP_REPLICAS: tl.constexpr,
+    QPS: tl.constexpr, GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     FMT: tl.constexpr, E5M2: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, GW: tl.constexpr,
     QGROUP: tl.constexpr, SCALE_PER_GRP: tl.constexpr, ASM: tl.constexpr, PRESCALE_Q: tl.constexpr,
@@ -308,7 +311,7 @@ def _paged_decode_kernel(
                 sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                 ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
@@ -320,7 +323,7 @@ def _paged_decode_kernel(
                     sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
                     ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
 
     # ---- epilogue ------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def _guarded_paged(guarded, fmt, bs, hkv, d, lens, max_blocks, blocks):
     return k, v, scales, guarded.table(table), _index(lens, "cpu")
 
 
-# lengths at, under and past the table's capacity, negative, and short
+# lengths at, under and past the table's capacity (3 blocks of 16), negative, and short
 GUARD_LENS = [48, 47, 31, 48 + 40, 1, -2]
 
 
@@ -247,10 +247,13 @@ GUARD_LENS = [48, 47, 31, 48 + 40, 1, -2]
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "e4m3", "int8"])
-def test_decode_reads_nothing_outside_the_table_and_cache(guarded, fmt, replicas, splits, window):
+@pytest.mark.parametrize("max_blocks", [3, 4], ids=["row-of-48-keys", "row-of-64-keys"])
+def test_decode_reads_nothing_outside_the_table_and_cache(guarded, fmt, replicas, splits, window, max_blocks):
     # 16-key pages of one table entry per tile and several tiles per step (replicas): a replica's
-    # tile can start past a sequence's keys, and past its table row
-    k, v, scales, table, lens = _guarded_paged(guarded, fmt, 16, 2, 32, GUARD_LENS, 3, 24)
+    # tile can start past a sequence's keys, and past a table row of 48 keys (not a multiple of
+    # the 32 or 64 keys per step); 64-key rows hold every step's tiles
+    lens = [n + 16 * (max_blocks - 3) if n > 1 else n for n in GUARD_LENS]
+    k, v, scales, table, lens = _guarded_paged(guarded, fmt, 16, 2, 32, lens, max_blocks, 24)
     q = torch.randn(len(lens), 8, 32, dtype=torch.bfloat16)
     options = dict(window_left=window[0], sink_tokens=window[1]) if window else {}
     config = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "replicas": replicas, "rows32": True}
