@@ -174,14 +174,14 @@ def _compile(launch: Launch, device: int) -> str | None:
         return f"{launch.kernel}: {type(e).__name__}: {e}"
 
 
-class _Compiler:
-    """Compiles, in up to `workers` processes started as needed, each variant `add`ed that is new
-    and that the ledger does not list (CUDA, compiled Triton only); `finish` waits for them."""
+class Compiler:
+    """Compiles for CUDA `device` (compute capability `target`), in up to `workers` processes
+    started as needed, each variant `add`ed that is new, of a compiled Triton kernel, and not in
+    the ledger; `finish` waits for them."""
 
-    def __init__(self, workers: int):
-        self.workers, self.seen, self.todo, self.pool = workers, set(), [], None
-        self.device = torch.cuda.current_device()
-        self.target = torch.cuda.get_device_capability(self.device)
+    def __init__(self, workers: int, device: int, target: tuple):
+        self.workers, self.device, self.target = workers, device, target
+        self.seen, self.todo, self.pool = set(), [], None
 
     def add(self, launch: Launch) -> None:
         key = launch.key()
@@ -252,7 +252,8 @@ def compile_ahead(run, *, workers: int | None = None) -> int:
     workers = _worker_count(workers)
     if workers < 2 or not torch.cuda.is_available():
         return 0
-    compiler = _Compiler(workers)
+    device = torch.cuda.current_device()
+    compiler = Compiler(workers, device, torch.cuda.get_device_capability(device))
     try:
         with recorded(compiler.add):
             run()

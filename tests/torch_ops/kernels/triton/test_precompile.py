@@ -86,6 +86,28 @@ def test_ledger_lists_the_variants_compiled_ahead(tmp_path, monkeypatch):
     assert precompile.uncompiled([a], hopper) == [a]    # other Triton settings
 
 
+def test_compiler_hands_each_new_variant_to_a_worker_as_it_is_added(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    a = precompile.Launch(__name__, "PROBE", (("tensor", "float32", True), 5), (1, 1, 1), (("BLOCK", 16),))
+    same = dataclasses.replace(a, args=(("tensor", "float32", True), 7))   # 5 and 7: one specialization
+    b = dataclasses.replace(a, meta=(("BLOCK", 32),))
+    listed = dataclasses.replace(a, meta=(("BLOCK", 64),))
+    hopper = (9, 0)
+    precompile.record_compiled([listed], hopper)
+    compiler = precompile.Compiler(2, 0, hopper)
+    compiler.add(a)
+    assert [launch for launch, _ in compiler.todo] == [a], "submitted when added"
+    for launch in (a, same, listed, b):
+        compiler.add(launch)
+    assert [launch for launch, _ in compiler.todo] == [a, b]
+    assert compiler.finish() == 2
+    failed = [r for r in caplog.records if "compiling ahead failed" in r.getMessage()]
+    if torch.cuda.is_available():
+        assert not failed and precompile.uncompiled([a, b], hopper) == []
+    else:   # the workers have no GPU to compile for: logged, and the ledger does not list them
+        assert len(failed) == 2 and precompile.uncompiled([a, b], hopper) == [a, b]
+
+
 @pytest.mark.gpu
 def test_variants_compile_in_parallel_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # a fresh cache: nothing compiled yet
