@@ -311,8 +311,8 @@ def _paged_decode_kernel(
                 sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                 K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
+                HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP,
+                SCALE_PER_GRP, ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
     else:
         # Triton's interpreter cannot take a loaded value as a loop bound (numpy >= 2.4): a fixed
         # trip count with the tail skipped; same arithmetic
@@ -323,8 +323,8 @@ def _paged_decode_kernel(
                     sink_tokens, n_sink, sink_hi, start, end, pos, rep, alibi2, bt_row, stride_btp, km_rows, km_len,
                     K, V, KS, VS, k_head, v_head, ks_head, vs_head,
                     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP, SCALE_PER_GRP,
-                    ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
+                    HEAD_DIM, BLOCK_D, BLOCK_N, R, PAGE, ONE_PAGE, ROWS32, CLAMP_REPLICAS, FMT, E5M2, NG, NGP, GW, QGROUP,
+                    SCALE_PER_GRP, ASM, HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_F32, SVEC, SCALE_F16, HAS_KEY_MASK)
 
     # ---- epilogue ------------------------------------------------------------------------------
     if FMT == FMT_PLAIN:

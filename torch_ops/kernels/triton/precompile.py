@@ -7,9 +7,8 @@ without running them: their outputs stay unwritten, and the C++ front records no
 of a variant then loads it instead of compiling it (Triton compiles with the GIL held: threads
 would take turns). The processes fork from one server that imported torch and Triton, and
 compile from tensor descriptions (no CUDA memory, no CUDA context), so that each starts without
-importing torch again.
-A ledger in that cache (`attn_ops_precompiled`) lists the variants compiled so: a warm cache
-starts no process.
+importing torch again. A ledger in that cache (`attn_ops_precompiled`) lists the variants
+compiled so: a warm cache starts no process.
 
 A variant is what Triton compiles under (`variant_key`): the kernel, its constexprs and launch
 options, each tensor's dtype and 16-byte alignment, each integer's width and, unless the kernel
@@ -118,8 +117,12 @@ def recorded(on_launch=None):
     """Collect, into the yielded list, the Triton launches of the block instead of running them;
     `on_launch(launch)` is called on each as it is recorded."""
     launches: list[Launch] = []
-    add = launches.append if on_launch is None else lambda launch: (launches.append(launch), on_launch(launch))
     call, runs = TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
+
+    def add(launch: Launch) -> None:
+        launches.append(launch)
+        if on_launch is not None:
+            on_launch(launch)
 
     def record(self, *tensors):
         add(_launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta))
