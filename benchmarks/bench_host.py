@@ -157,14 +157,25 @@ def merge_states(variant, sh, device):
 
 
 def cache_attention(variant, sh, device):
-    """PPL decode step, offset mode, layout 0, one fp16 layer: one new token per sequence."""
+    """PPL decode step, layout 0, one layer: one new token per sequence. "fp16 decode offset": an
+    fp16 cache in offset mode; "int8 decode paged": an INT8 cache (groups of 8, fp16 scales) in
+    page-table mode, `sh.page`-row pages in order."""
     b, idx = sh.batch, dict(dtype=torch.int32, device=device)
     seq = torch.arange(b + 1, **idx)
-    cache = torch.randn(b * sh.ctx, 1, 2, sh.hkv, sh.d, dtype=torch.float16, device=device)
+    shape = (b * sh.ctx, 1, 2, sh.hkv, sh.d)
     q, k, v = (_randn(device, b, h, sh.d, dtype=torch.float16) for h in (sh.hq, sh.hkv, sh.hkv))
-    args = (q, k, v, seq, seq * sh.ctx, seq[:-1] * sh.ctx, torch.full((b,), sh.ctx - 1, **idx),
-            torch.tensor([b], **idx), 1, sh.ctx, cache, None, None)
-    return args, dict(num_heads=sh.hq, head_dim=sh.d, num_kv_heads=sh.hkv, is_causal=True)
+    kw = dict(num_heads=sh.hq, head_dim=sh.d, num_kv_heads=sh.hkv, is_causal=True)
+    if variant == "int8 decode paged":
+        cache = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+        scale = torch.rand(*shape[:-1], sh.d // 8, dtype=torch.float16, device=device) / 64
+        pages = torch.arange(b * sh.blocks, **idx).view(b, sh.blocks) * sh.page
+        kw.update(quant_bit=8, quant_group=8, cache_mode=1, page_size=sh.page)
+    else:
+        cache = torch.randn(shape, dtype=torch.float16, device=device)
+        scale, pages = None, seq[:-1] * sh.ctx
+    args = (q, k, v, seq, seq * sh.ctx, pages, torch.full((b,), sh.ctx - 1, **idx),
+            torch.tensor([b], **idx), 1, sh.ctx, cache, scale, None)
+    return args, kw
 
 
 VARIANTS = {
@@ -173,7 +184,7 @@ VARIANTS = {
     "context_attention": ["bf16 causal"],
     "kv_cache_write": ["bf16", "fp8", "bf16 + rope"],
     "merge_states": ["bf16"],
-    "cache_attention": ["fp16 decode offset"],
+    "cache_attention": ["fp16 decode offset", "int8 decode paged"],
 }
 BUILDERS = {op: globals()[op] for op in VARIANTS}
 
