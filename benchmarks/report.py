@@ -36,7 +36,7 @@ PREFIXES = {"decode": "decode", "bench_decode": "decode", "prefill": "prefill", 
             "e2e_compile": "e2e", "generate": "generate", "bench_generate": "generate", "serving": "serving", "serving_grid": "serving",
             "serving_metadata": "serving_metadata", "cascade": "cascade", "cache_attention": "cache_attention",
             "bench_cache_attention": "cache_attention", "ab_decode": "ab_decode", "probe_cutlass": "probe_cutlass",
-            "mla": "mla", "bench_mla": "mla", "ab_trees": "ab_trees"}
+            "mla": "mla", "bench_mla": "mla", "ab_trees": "ab_trees", "bench_cold_start": "cold_start"}
 
 
 # ---- selecting the runs ---------------------------------------------------------------------------
@@ -515,6 +515,41 @@ def serving_metadata(data: dict, name: str):
     return text, metadata_table(rows), plot, "python benchmarks/bench_serving.py --metadata-only"
 
 
+def cold_start(data: dict, name: str):
+    serve_args = data.get("args", {}).get("serve_args") or []
+    text = ("Whole-process wall time of `examples/serve.py`"
+            + (f" ({' '.join(serve_args)})" if serve_args else " (its defaults)")
+            + ": the first run on a fresh Triton cache (`cold`) and the next on the cache it left (`warm`), "
+            "each pair on a new cache, attn-ops' C++/CUDA libraries built beforehand. `warm-up`: model, engine, "
+            "compile round and CUDA-graph capture, as serve.py reports it; `round`: the engine's compile round "
+            "(recording the warm-up's launches while their kernels compile in worker processes); `serving`: the "
+            "timed run after the warm-up. Host and compiler time, so no hardware limit applies.")
+    def both(cold, warm, key, digits=1):
+        return "-" if key not in cold and key not in warm else f"{num(cold.get(key), digits)} / {num(warm.get(key), digits)}"
+
+    body = []
+    for s in data.get("summary", []):
+        runs = {r["run"]: r for r in data["rows"] if r["pair"] == s["pair"]}
+        cold, warm = runs["cold"], runs["warm"]
+        body.append([str(s["pair"]), num(s["cold_s"]), num(s["warm_s"]), f"{s['ratio']:.2f}",
+                     both(cold, warm, "warmup_s"), both(cold, warm, "compile_round_s"),
+                     str(cold.get("variants", "-")), str(cold["cubins"]), both(cold, warm, "serving_s", 2)])
+    header = ["pair", "cold s", "warm s", "cold / warm", "warm-up s (cold / warm)", "round s (cold / warm)",
+              "variants compiled", "cubins", "serving s (cold / warm)"]
+    failed = [f"- pair {r['pair']} {r['run']}: exit {r['rc']}" for r in data["rows"] if r.get("rc") != 0]
+
+    def plot(plt):
+        series = [(run, [next(r["wall_s"] for r in data["rows"] if r["pair"] == s["pair"] and r["run"] == run)
+                         for s in data.get("summary", [])]) for run in ("cold", "warm")]
+        return bars(plt, [f"pair {s['pair']}" for s in data.get("summary", [])], series, "s (whole process)",
+                    "serve.py: first start against the next")
+
+    args = {k: v for k, v in data.get("args", {}).items() if k not in ("serve_args", "timeout") and
+            not (k == "pairs" and v == 2)}
+    cmd = command("bench_cold_start.py", args) + (" -- " + shlex.join(serve_args) if serve_args else "")
+    return text, table(header, body) + failed, plot, cmd
+
+
 MLA_DECODE_PEERS = (("flashinfer_fa2", "FlashInfer fa2"), ("flashinfer_fa3", "FlashInfer fa3"),
                     ("sdpa_mha", "SDPA decompressed"), ("ours_mha", "ours decompressed"))
 MLA_PREFILL_PEERS = (("flashinfer_fa3", "FlashInfer fa3"), ("cudnn_sdpa", "cuDNN SDPA"))
@@ -606,6 +641,7 @@ SECTIONS = {
     "generate": ("`generate()`: transformers' static-cache compile, stock and with the passes", generate),
     "serving": ("Serving: engine decode against transformers", serving),
     "serving_metadata": ("Serving: host time per step", serving_metadata),
+    "cold_start": ("Serving: first start on a fresh machine", cold_start),
 }
 
 
