@@ -192,8 +192,9 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     rows = qps * group
     block_m = min(MAX_BLOCK_M if fmt is KVFormat.PLAIN else MAX_BLOCK_M_QUANTIZED, max(16, pow2(rows)))
     m_tiles = cdiv(rows, block_m)
+    programs = batch * hkv * m_tiles   # before any split
     sms = gpu.sm_count(query.device, cpu=INTERPRETER_SMS)
-    cfg = config(d, fmt, block_m, batch * hkv * m_tiles, sms)
+    cfg = config(d, fmt, block_m, programs, sms)
     knobs = tuning.current
     if fmt.group_scaled and not _group_layout(d, fmt, k_scale)[4] and not knobs.config:
         # scales gathered per value (group not 4 x a power of 2): small tiles, no deep pipeline
@@ -213,7 +214,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     num_splits = 0
     if (fmt is KVFormat.PLAIN and block_d in LARGE_TILE_KEYS and block_m <= LARGE_TILE_MAX_BLOCK_M
             and not knobs.config and knobs.num_splits is None):
-        num_splits = large_tile_splits(batch * hkv * m_tiles, sms)
+        num_splits = large_tile_splits(programs, sms)
         if num_splits:
             cfg = dict(cfg, BLOCK_N=LARGE_TILE_KEYS[block_d])
         keys, short_cfg = knobs.short_context.get(block_d, (0, {}))
@@ -222,7 +223,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
             cfg.update(short_cfg)
     block_n = cfg["BLOCK_N"]
     if (not num_splits and fmt is not KVFormat.PLAIN and knobs.num_splits is None
-            and batch * hkv * m_tiles >= sms and max_blocks * page <= knobs.quantized_one_split_keys):
+            and programs >= sms and max_blocks * page <= knobs.quantized_one_split_keys):
         num_splits = 1
     if not num_splits:
         per_sm = knobs.programs_per_sm or cfg.get("programs_per_sm", 2)
@@ -279,7 +280,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
     # fewer programs than SMs (H200, 32/8 heads, replica tiles clamped, with against without: B = 1
     # ctx 1k / 4k 9.6 / 10.7 against 10.2 / 11.2 us; B = 64 157.5 against 147.1 at ctx 4k)
     rows32 = (one_page and cfg.get("rows32", False) and (replicas > 1 or num_splits > 1)
-              and not (clamp_replicas and batch * hkv * m_tiles >= sms)
+              and not (clamp_replicas and programs >= sms)
               and (block_n - 1) * max(kc.stride(1), vc.stride(1), ks_strides[1], vs_strides[1]) + d < 2**31)
     split = num_splits > 1
     if split:
@@ -295,7 +296,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         per = max(min_split, cdiv(cdiv(kv_cap, num_splits), chunk) * chunk)
         max_iters = max(1, cdiv(min(per, kv_cap), chunk) + 1
                         + (cdiv(min(sink_tokens, kv_cap), chunk) if has_window else 0))
-    main = TritonLaunch(_paged_decode_kernel, (batch * hkv * m_tiles, num_splits), (
+    main = TritonLaunch(_paged_decode_kernel, (programs, num_splits), (
         float(scale_eff), float(softcap), int(window_left), int(sink_tokens), num_splits, min_split,
         query.stride(0), query.stride(1), query.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -337,7 +338,7 @@ def prepare(query, k_cache, v_cache, block_tables, seq_lens, *, out, lse, scale=
         if merge is not None:
             merge(pout, plse, out, lse, seq_lens, sinks_, out_scale_)
 
-    launch.describe = (f"Triton paged_decode, grid {batch * hkv * m_tiles} x {num_splits} split(s)"
+    launch.describe = (f"Triton paged_decode, grid {programs} x {num_splits} split(s)"
                        f"{' + merge' if split else ''}: {block_m} query rows x {block_n}-key tiles"
                        f"{f' ({replicas} per step)' if replicas > 1 else ''}, {cfg['num_warps']} warps, "
                        f"{cfg['num_stages']} stages")
