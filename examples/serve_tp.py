@@ -11,7 +11,7 @@ all-reduce) cannot flip a greedy argmax; `--dtype bfloat16` measures the usual s
 """
 
 import os
-import random
+import tempfile
 import time
 
 import torch
@@ -65,10 +65,9 @@ def serve(args, rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-def spawned(rank: int, world_size: int, port: int, args) -> None:
+def spawned(rank: int, world_size: int, rendezvous: str, args) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         serve(args, rank, world_size)
     finally:
@@ -94,8 +93,9 @@ def main():
     else:
         if cuda and torch.cuda.device_count() < args.nproc:
             raise SystemExit(f"--nproc {args.nproc} needs as many GPUs, found {torch.cuda.device_count()}")
-        port = random.Random().randint(20000, 40000)
-        mp.spawn(spawned, args=(args.nproc, port, args), nprocs=args.nproc, join=True)
+        with tempfile.TemporaryDirectory() as folder:   # a file store: no port to pick or collide on
+            mp.spawn(spawned, args=(args.nproc, os.path.join(folder, "rendezvous"), args), nprocs=args.nproc,
+                     join=True)
 
 
 if __name__ == "__main__":

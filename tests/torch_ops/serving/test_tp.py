@@ -23,8 +23,8 @@ def _requests(seed):
     return random_requests(random.Random(seed), 6, CONFIG.vocab_size, max_prompt=14, max_new=6)
 
 
-def _worker(rank, world, port, seed, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, rendezvous, seed, results):
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         engine = build_engine(tp_group=dist.group.WORLD, tp_size=world, seed=seed)
@@ -35,12 +35,11 @@ def _worker(rank, world, port, seed, results):
         dist.destroy_process_group()
 
 
-def test_two_rank_greedy_equals_single_process():
+def test_two_rank_greedy_equals_single_process(tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
-    port = random.Random(seed).randint(20000, 40000)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(2, port, seed, results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), seed, results), nprocs=2, join=True)
         sharded = dict(results)
     single = generate(build_engine(seed=seed), _requests(seed), [0, 0, 1, 2, 2, 4])
     assert sharded[0] == sharded[1] == single
@@ -57,6 +56,6 @@ def test_serve_tp_example_on_cpu():
     env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "examples/serve_tp.py", "--nproc", "2", "--num-requests", "6"],
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "2 ranks (gloo)" in result.stdout
     assert "6/6 requests have the same greedy output as the single-device run" in result.stdout
