@@ -86,7 +86,7 @@ def serving_variants(argv: list[str] | None = None, sms: int = 132) -> dict[str,
     phases, total = {}, set()
     with census(sms) as launches:
         def new() -> set:
-            seen = {launch.key() for launch in launches}
+            seen = {launch.variant for launch in launches}
             return seen - total
 
         if not args.no_graphs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
@@ -55,7 +56,8 @@ class Launch:
     def fn(self):
         return getattr(importlib.import_module(self.module), self.kernel)
 
-    def key(self) -> tuple:
+    @functools.cached_property
+    def variant(self) -> tuple:
         return variant_key(self.fn, self.args, dict(self.meta))
 
 
@@ -118,6 +120,7 @@ def recorded(on_launch=None):
     `on_launch(launch)` is called on each as it is recorded."""
     launches: list[Launch] = []
     call, runs = TritonLaunch.__call__, (JITFunction.run, InterpretedFunction.run)
+    described: dict[tuple, Launch] = {}   # (TritonLaunch, its tensors' descriptions) -> its Launch
 
     def add(launch: Launch) -> None:
         launches.append(launch)
@@ -125,7 +128,10 @@ def recorded(on_launch=None):
             on_launch(launch)
 
     def record(self, *tensors):
-        add(_launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta))
+        key = (self, *map(_describe, tensors))   # a plan's launch recorded again: one lookup
+        if key not in described:
+            described[key] = _launch(self.fn, (*tensors, *self.scalars), self.grid, self.meta)
+        add(described[key])
 
     def record_jit(self, *args, grid, warmup, **kwargs):
         add(_launch(self, args, grid if isinstance(grid, tuple) else (grid,), kwargs))
@@ -187,7 +193,7 @@ class Compiler:
         self.seen, self.todo, self.pool = set(), [], None
 
     def add(self, launch: Launch) -> None:
-        key = launch.key()
+        key = launch.variant
         if key in self.seen or not isinstance(launch.fn, JITFunction):
             return
         self.seen.add(key)
@@ -217,7 +223,7 @@ def _stamp(launch: Launch, target: tuple) -> str:
     """What Triton's cache key for `launch` depends on: the variant, the kernel's source (with the
     functions it calls), Triton's version, the GPU's compute capability and Triton's settings."""
     settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
-    text = repr((launch.key(), settle_cache_key(launch.fn), triton.__version__, tuple(target), settings))
+    text = repr((launch.variant, settle_cache_key(launch.fn), triton.__version__, tuple(target), settings))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
