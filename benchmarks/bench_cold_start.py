@@ -57,8 +57,8 @@ def run_serve(serve_args: list[str], triton_cache: Path, timeout_s: float) -> di
                               timeout=timeout_s)
         log, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
-        out = e.stdout or ""
-        log, rc = out.decode() if isinstance(out, bytes) else out, "timeout"
+        parts = (p.decode() if isinstance(p, bytes) else p for p in (e.stdout, e.stderr) if p)
+        log, rc = "".join(parts), "timeout"
     row = {"wall_s": time.perf_counter() - start, **phases(log),
            "cubins": sum(1 for _ in triton_cache.rglob("*.cubin")), "rc": rc}
     if rc != 0:
